@@ -1,0 +1,54 @@
+"""The message bus every trainguard party talks through: a port and two adapters.
+
+``open_bus(BusConfig(url))`` (or ``open_bus("sqlite:///bus.db")``) returns an unstarted
+:class:`Bus`; use it as ``async with open_bus(...) as bus:``.
+"""
+
+from __future__ import annotations
+
+from trainguard.agent.bus._config import DEFAULT_TOPICS, BusConfig, KafkaSecurity, parse_bus_url
+from trainguard.agent.bus._errors import (
+    BusClosed,
+    BusError,
+    BusUnavailable,
+    BusURLError,
+    DeliveryFailed,
+)
+from trainguard.agent.bus._port import Bus, Consumer, Delivery, Record, TopicPartition, TopicSpec
+
+__all__ = [
+    "DEFAULT_TOPICS",
+    "Bus",
+    "BusClosed",
+    "BusConfig",
+    "BusError",
+    "BusURLError",
+    "BusUnavailable",
+    "Consumer",
+    "Delivery",
+    "DeliveryFailed",
+    "KafkaSecurity",
+    "Record",
+    "TopicPartition",
+    "TopicSpec",
+    "open_bus",
+    "parse_bus_url",
+]
+
+
+def open_bus(config: BusConfig | str) -> Bus:
+    """Return an unstarted bus for ``config`` (a :class:`BusConfig` or just a bus URL).
+
+    Raises :class:`BusURLError` for an unknown URL scheme. Adapters are imported lazily so an
+    embedded-bus process never loads aiokafka's network stack.
+    """
+    if isinstance(config, str):
+        config = BusConfig(url=config)
+    kind, location = parse_bus_url(config.url)
+    if kind == "sqlite":
+        from trainguard.agent.bus._sqlite import SQLiteBus
+
+        return SQLiteBus(config, location)
+    from trainguard.agent.bus._kafka import KafkaBus
+
+    return KafkaBus(config, location)

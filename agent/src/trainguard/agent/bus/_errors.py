@@ -1,0 +1,35 @@
+"""Errors raised by the bus adapters: one base, subclasses named for the condition."""
+
+from __future__ import annotations
+
+__all__ = ["BusClosed", "BusError", "BusUnavailable", "BusURLError", "DeliveryFailed"]
+
+
+class BusError(Exception):
+    """Base of every error the bus raises.
+
+    Attributes:
+        retriable: whether the same call may succeed if tried again later.
+    """
+
+    retriable: bool = False
+
+
+class BusURLError(BusError, ValueError):
+    """The bus URL is not ``sqlite:///path`` or ``kafka://host:port[,host:port...]``."""
+
+
+class BusUnavailable(BusError, TimeoutError):
+    """The bus could not be reached within the configured time (broker down, bad address)."""
+
+    retriable = True
+
+
+class DeliveryFailed(BusError):
+    """A record could not be made durable (timeout, broker error, too large)."""
+
+    retriable = True
+
+
+class BusClosed(BusError):
+    """The bus or consumer was used after ``close()``."""

@@ -1,0 +1,226 @@
+"""The bus port: the one small async interface every party of trainguard talks through.
+
+Two adapters implement it: :mod:`._kafka` (Apache Kafka through aiokafka) and :mod:`._sqlite`
+(the embedded bus, one SQLite file). Both give Kafka's model: named topics split into
+partitions, each partition an append-only log of records with offsets 0, 1, 2, ...; the
+partition of a record is chosen from its key (murmur2, as Kafka's default partitioner), so all
+records with one key (one job) are totally ordered. Consumers either join a consumer group,
+which assigns each partition to one member and stores the group's committed positions, or read
+from explicit offsets without a group.
+
+Semantics shared by both adapters (tested by ``tests/bus/test_contract.py``):
+
+* ``send``/``publish`` are at-least-once; a record is durable once its delivery resolved.
+* Order is kept per partition, hence per key.
+* A committed position is the offset of the *next* record to read (Kafka's convention).
+* A consumer group member that restarts resumes at the committed positions; records after
+  them are delivered again (at-least-once), none before them is lost.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+__all__ = [
+    "Bus",
+    "Consumer",
+    "Delivery",
+    "Record",
+    "TopicPartition",
+    "TopicSpec",
+]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class TopicPartition:
+    """A (topic, partition) pair; ``topic`` is the logical name (``"events"``)."""
+
+    topic: str
+    partition: int
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record read from the bus.
+
+    Attributes:
+        topic: logical topic name (``"events"``), without the bus's prefix.
+        partition: partition number, >= 0.
+        offset: position in the partition, >= 0, strictly increasing.
+        key: the record key (a job id for trainguard's topics), or ``None``.
+        value: the payload bytes, or ``None`` for a tombstone on a compacted topic.
+        timestamp_ms: time the bus appended the record, milliseconds since the Unix epoch.
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    value: bytes | None
+    timestamp_ms: int
+
+    @property
+    def tp(self) -> TopicPartition:
+        """The record's topic partition."""
+        return TopicPartition(self.topic, self.partition)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Where a published record landed."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    """A topic the bus creates on start-up if it does not exist.
+
+    Attributes:
+        name: logical name (``events``, ``commands``, ...); the bus adds its prefix.
+        partitions: number of partitions, >= 1. Never changed for a live topic: it would move
+            keys to other partitions and break per-job order.
+        compacted: ``cleanup.policy=compact`` (keep at least the latest record per key) instead
+            of time-based deletion.
+    """
+
+    name: str
+    partitions: int = 1
+    compacted: bool = False
+
+
+class Consumer(abc.ABC):
+    """Reads records from the bus; get one from :meth:`Bus.subscribe` or :meth:`Bus.assign`.
+
+    Use as an async context manager, or call :meth:`close`.
+    """
+
+    @abc.abstractmethod
+    async def getmany(self, timeout_s: float = 1.0, max_records: int = 1000) -> list[Record]:
+        """Return the next records, waiting up to ``timeout_s`` seconds for at least one.
+
+        Records of one partition come in offset order; an empty list means nothing arrived in
+        time. Raises :class:`~trainguard.agent.bus.BusClosed` after :meth:`close`.
+        """
+
+    @abc.abstractmethod
+    async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
+        """Store the group's committed positions (offset of the next record to read).
+
+        With ``offsets=None`` commits the position after the last record returned by
+        :meth:`getmany` for every assigned partition. Raises
+        :class:`~trainguard.agent.bus.BusError` for a consumer without a group.
+        """
+
+    @abc.abstractmethod
+    async def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Make the next :meth:`getmany` for ``tp`` start at ``offset``."""
+
+    @abc.abstractmethod
+    def assignment(self) -> frozenset[TopicPartition]:
+        """The partitions this consumer currently reads."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Leave the group (if any) and release resources. Does not commit."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class Bus(abc.ABC):
+    """A connection to the message bus. Use as an async context manager.
+
+    ``start()`` connects and creates the configured topics; every other method needs a
+    started bus. Topic names everywhere (arguments, :class:`Record`, :class:`TopicPartition`)
+    are logical names (``"events"``); the adapter adds and strips its configured prefix.
+    """
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Connect and create missing topics.
+
+        Raises :class:`~trainguard.agent.bus.BusUnavailable` when the bus cannot be reached
+        within the configured connect timeout.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Flush pending sends (bounded by the configured timeout) and disconnect."""
+
+    @abc.abstractmethod
+    async def partitions(self, topic: str) -> int:
+        """Number of partitions of logical topic ``topic``."""
+
+    @abc.abstractmethod
+    async def send(self, topic: str, key: str, value: bytes | None) -> asyncio.Future[Delivery]:
+        """Queue one record and return a future that resolves once it is durable.
+
+        Returning before delivery lets callers pipeline many sends; the future raises
+        :class:`~trainguard.agent.bus.BusError` if the record could not be delivered.
+        ``value=None`` writes a tombstone.
+        """
+
+    async def publish(self, topic: str, key: str, value: bytes | None) -> Delivery:
+        """Send one record and wait until it is durable (bounded by the send timeout)."""
+        return await (await self.send(topic, key, value))
+
+    @abc.abstractmethod
+    async def subscribe(
+        self,
+        topics: Sequence[str],
+        group_id: str,
+        *,
+        from_beginning: bool = True,
+    ) -> Consumer:
+        """Join consumer group ``group_id`` on ``topics``.
+
+        The group shares the partitions among its members and keeps their committed positions.
+        A partition without a committed position starts at its first record when
+        ``from_beginning`` is true, else at its end.
+        """
+
+    @abc.abstractmethod
+    async def assign(self, positions: Mapping[TopicPartition, int | None]) -> Consumer:
+        """Read the given partitions without a group, each from an explicit offset.
+
+        ``None`` means the partition's end (only records appended later are read).
+        """
+
+    @abc.abstractmethod
+    async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
+        """Offset the next record appended to each partition of ``topic`` will get."""
+
+    @abc.abstractmethod
+    async def latest_per_key(self, topic: str) -> dict[str, Record]:
+        """The latest record of every key of ``topic`` (a compacted topic's view).
+
+        Keys whose latest record is a tombstone are left out.
+        """
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

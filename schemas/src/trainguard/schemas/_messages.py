@@ -1,0 +1,305 @@
+"""Typed message objects of the wire contract (ARCHITECTURE.md section 3).
+
+Every message is an immutable dataclass. The wire form of each class is described by the JSON
+Schema file named in its ``SCHEMA`` class attribute (``<type>/<major>.<minor>``, file
+``json/<type>.v<major>.json``); :mod:`trainguard.schemas._codec` converts between the two.
+
+Conventions shared by every message:
+
+* ``job_id``: the job's name, 1-128 characters of ``[A-Za-z0-9._-]``; it is also the bus key.
+* ``generation``: the fencing generation (>= 0). The daemon bumps it on every restore; events
+  carry the generation their sender runs in, commands the generation they establish.
+* ``ts``: the sender's wall clock in nanoseconds since the Unix epoch.
+* ``seq``: per-sender counter, strictly increasing, for duplicate detection.
+* Events (sent by workers and supervisors) name their sender with ``rank`` (``None`` for a
+  supervisor), ``host`` and ``pid``; commands (sent by the daemon) with ``daemon_id``.
+* Floats that may be non-finite (``loss``) travel as JSON numbers, or as the strings ``"nan"``,
+  ``"inf"`` and ``"-inf"``, because JSON has no literal for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, TypeAlias
+
+JSONValue: TypeAlias = "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
+
+Phase: TypeAlias = Literal["init", "train", "checkpoint", "eval", "data"]
+"""What a rank is doing. ``checkpoint``, ``eval``, ``data`` and ``init`` are declared long phases
+that extend the progress timeout."""
+
+LifecycleKind: TypeAlias = Literal["started", "restored", "finished", "exited", "error"]
+RestoreMode: TypeAlias = Literal["restart", "in_process"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataCursor:
+    """Exact data-loader position, independent of the world size.
+
+    Attributes:
+        data_version: digest of the dataset manifest (or an id from the user's versioning tool).
+        seed: seed of the epoch permutation.
+        epoch: epoch number, >= 0.
+        offset: global sample offset within the epoch's permutation, >= 0 (samples, not batches).
+        world_size: world size at the moment the cursor was taken (informational: resuming on
+            another world size re-partitions the remaining samples).
+    """
+
+    data_version: str
+    seed: int
+    epoch: int
+    offset: int
+    world_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointMeta:
+    """What a training snapshot is bound to besides its tensors.
+
+    Attributes:
+        hyperparameters: free-form JSON object (learning rate, batch size, ...).
+        topology: free-form JSON object; by convention holds ``world_size`` and any parallelism
+            degrees (``dp``, ``tp``, ``pp``).
+        code_version: e.g. a git commit id of the training code.
+    """
+
+    hyperparameters: Mapping[str, JSONValue] = field(default_factory=dict)
+    topology: Mapping[str, JSONValue] = field(default_factory=dict)
+    code_version: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    """Periodic liveness and progress report of one rank (``heartbeat/1``).
+
+    Attributes:
+        step: last completed training step, >= 0.
+        phase: what the rank is doing now.
+        step_time_s: duration of the last step in seconds, or ``None`` before the first step.
+        loss: last loss, possibly non-finite, or ``None`` when not reported.
+        samples: samples this rank has consumed in total, >= 0.
+        param_checksum: cheap deterministic checksum of the parameters at ``step`` (hex), or
+            ``None`` when not computed for this step.
+        world_size: world size the rank runs in, >= 1.
+    """
+
+    SCHEMA: ClassVar[str] = "heartbeat/1.0"
+    job_id: str
+    generation: int
+    ts: int
+    seq: int
+    rank: int
+    host: str
+    pid: int
+    world_size: int
+    step: int
+    phase: Phase
+    step_time_s: float | None = None
+    loss: float | None = None
+    samples: int = 0
+    param_checksum: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpoint:
+    """One rank's shard of a checkpoint, durably written (``checkpoint/1``).
+
+    Sent only after the shard is fsynced and atomically renamed into place.
+
+    Attributes:
+        step: training step the shard captures.
+        shard_uri: where the shard lives (``file:///...`` or an object-store URI).
+        size_bytes: shard size in bytes.
+        digest: ``sha256:<64 hex>`` of the shard's bytes.
+        cursor: data cursor matching ``step``.
+        metadata: hyperparameters, topology and code version.
+    """
+
+    SCHEMA: ClassVar[str] = "checkpoint/1.0"
+    job_id: str
+    generation: int
+    ts: int
+    seq: int
+    rank: int
+    host: str
+    pid: int
+    world_size: int
+    step: int
+    shard_uri: str
+    size_bytes: int
+    digest: str
+    cursor: DataCursor
+    metadata: CheckpointMeta = field(default_factory=CheckpointMeta)
+
+    @property
+    def data_version(self) -> str:
+        """The dataset version the shard was trained on (the cursor's)."""
+        return self.cursor.data_version
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataCursorEvent:
+    """A rank's data cursor after ``step`` (``data-cursor/1``)."""
+
+    SCHEMA: ClassVar[str] = "data-cursor/1.0"
+    job_id: str
+    generation: int
+    ts: int
+    seq: int
+    rank: int
+    host: str
+    pid: int
+    step: int
+    cursor: DataCursor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lifecycle:
+    """A process lifecycle report from a worker or a supervisor (``lifecycle/1``).
+
+    Attributes:
+        rank: the worker's rank, or ``None`` when a supervisor reports for its whole process group.
+        kind: ``started``, ``restored`` (ack of a restore: ``step`` and ``cursor`` say where the
+            rank now stands, ``generation`` is the restore's), ``finished``, ``exited`` (with
+            ``exit_code`` or ``signal``), ``error`` (with ``message``).
+        ranks: ranks the reporting process group hosts (supervisors), else empty.
+        exit_code: process exit code for ``exited``, else ``None``.
+        signal: number of the signal that ended the process for ``exited``, else ``None``.
+        step: the step the rank stands at, when known.
+        cursor: the data cursor at ``step``, for ``restored``.
+        message: human-readable detail (``error``), at most 4096 characters.
+    """
+
+    SCHEMA: ClassVar[str] = "lifecycle/1.0"
+    job_id: str
+    generation: int
+    ts: int
+    seq: int
+    rank: int | None
+    host: str
+    pid: int
+    kind: LifecycleKind
+    ranks: tuple[int, ...] = ()
+    exit_code: int | None = None
+    signal: int | None = None
+    step: int | None = None
+    cursor: DataCursor | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shard:
+    """One rank's file of a training snapshot."""
+
+    rank: int
+    uri: str
+    size_bytes: int
+    digest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """A committed training snapshot (``manifest/1``): what a restore resumes from.
+
+    Attributes:
+        snapshot_id: ``<job_id>/g<generation>/s<step>``; a step re-committed in a later
+            generation is a different snapshot.
+        generation: generation in which the shards were written.
+        step: training step captured.
+        shards: one per rank of ``world_size``, ordered by rank.
+        cursor: data cursor at ``step`` (world-size independent).
+        metadata: hyperparameters, topology and code version.
+        parent: ``snapshot_id`` this job started from (fine-tune lineage), or ``None``.
+    """
+
+    SCHEMA: ClassVar[str] = "manifest/1.0"
+    job_id: str
+    snapshot_id: str
+    generation: int
+    ts: int
+    step: int
+    world_size: int
+    shards: tuple[Shard, ...]
+    cursor: DataCursor
+    metadata: CheckpointMeta = field(default_factory=CheckpointMeta)
+    parent: str | None = None
+
+    @property
+    def data_version(self) -> str:
+        """The dataset version every shard was trained on."""
+        return self.cursor.data_version
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Restore:
+    """Command: roll every rank back to a committed snapshot (``restore/1``).
+
+    Attributes:
+        generation: the new fencing generation the ranks run in after the restore.
+        incident_id: identifies the incident that caused the restore (one restore per incident).
+        reason: human-readable evidence, e.g. ``"rank 1 exited (signal 9)"``.
+        target: the snapshot to load, or ``None`` to start from scratch (no step committed yet).
+        mode: ``restart`` (supervisors restart the processes) or ``in_process`` (agents reload
+            at a step boundary without exiting).
+        attempt: 1 for the first try of this incident's restore, 2 for the first retry, ...
+    """
+
+    SCHEMA: ClassVar[str] = "restore/1.0"
+    job_id: str
+    generation: int
+    ts: int
+    seq: int
+    daemon_id: str
+    incident_id: str
+    reason: str
+    target: Manifest | None
+    mode: RestoreMode = "restart"
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resume:
+    """Command: every rank acknowledged the restore of ``generation``; continue training."""
+
+    SCHEMA: ClassVar[str] = "resume/1.0"
+    job_id: str
+    generation: int
+    ts: int
+    seq: int
+    daemon_id: str
+    step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort:
+    """Command: stop the job for good (``abort/1``); ``reason`` says why."""
+
+    SCHEMA: ClassVar[str] = "abort/1.0"
+    job_id: str
+    generation: int
+    ts: int
+    seq: int
+    daemon_id: str
+    reason: str
+
+
+Event: TypeAlias = Heartbeat | Checkpoint | DataCursorEvent | Lifecycle
+"""Messages sent by workers and supervisors on the ``events`` topic."""
+
+Command: TypeAlias = Restore | Resume | Abort
+"""Messages sent by the daemon on the ``commands`` topic."""
+
+Message: TypeAlias = Event | Command | Manifest
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Heartbeat,
+    Checkpoint,
+    DataCursorEvent,
+    Lifecycle,
+    Restore,
+    Resume,
+    Abort,
+    Manifest,
+)
+"""Every top-level message class, one per schema file."""
