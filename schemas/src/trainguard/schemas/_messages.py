@@ -15,15 +15,17 @@ Conventions shared by every message:
   supervisor), ``host`` and ``pid``; commands (sent by the daemon) with ``daemon_id``.
 * Floats that may be non-finite (``loss``) travel as JSON numbers, or as the strings ``"nan"``,
   ``"inf"`` and ``"-inf"``, because JSON has no literal for them.
+* Bounds (ranks < 65536, string lengths, ...) are those of the schema files; see
+  ``docs/wire-contract.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, TypeAlias
+from typing import Annotated, ClassVar, Literal, TypeAlias
 
-JSONValue: TypeAlias = "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
+JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
 
 Phase: TypeAlias = Literal["init", "train", "checkpoint", "eval", "data"]
 """What a rank is doing. ``checkpoint``, ``eval``, ``data`` and ``init`` are declared long phases
@@ -33,13 +35,25 @@ LifecycleKind: TypeAlias = Literal["started", "restored", "finished", "exited", 
 RestoreMode: TypeAlias = Literal["restart", "in_process"]
 
 
+class NonFiniteAsString:
+    """``Annotated`` marker for a float that may be NaN or +-inf.
+
+    JSON has no literal for non-finite numbers, so the codec writes them as the strings
+    ``"nan"``, ``"inf"`` and ``"-inf"`` and reads those back as floats.
+    """
+
+
+MaybeNonFinite: TypeAlias = Annotated[float, NonFiniteAsString]
+"""A float that may be non-finite on the wire (see :class:`NonFiniteAsString`)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DataCursor:
     """Exact data-loader position, independent of the world size.
 
     Attributes:
         data_version: digest of the dataset manifest (or an id from the user's versioning tool).
-        seed: seed of the epoch permutation.
+        seed: seed of the epoch permutation, 0 <= seed < 2**64 (unsigned 64-bit, as torch seeds).
         epoch: epoch number, >= 0.
         offset: global sample offset within the epoch's permutation, >= 0 (samples, not batches).
         world_size: world size at the moment the cursor was taken (informational: resuming on
@@ -96,7 +110,7 @@ class Heartbeat:
     step: int
     phase: Phase
     step_time_s: float | None = None
-    loss: float | None = None
+    loss: MaybeNonFinite | None = None
     samples: int = 0
     param_checksum: str | None = None
 
@@ -167,7 +181,10 @@ class Lifecycle:
         exit_code: process exit code for ``exited``, else ``None``.
         signal: number of the signal that ended the process for ``exited``, else ``None``.
         step: the step the rank stands at, when known.
-        cursor: the data cursor at ``step``, for ``restored``.
+        cursor: the data cursor at ``step`` (``restored``, when the rank tracks one).
+        world_size: the world size the sender runs in, when known (``started``).
+        snapshot_id: for ``restored``, the snapshot loaded; for ``error``, a snapshot that
+            failed verification (a shard's digest did not match) and must not be used again.
         message: human-readable detail (``error``), at most 4096 characters.
     """
 
@@ -185,6 +202,8 @@ class Lifecycle:
     signal: int | None = None
     step: int | None = None
     cursor: DataCursor | None = None
+    world_size: int | None = None
+    snapshot_id: str | None = None
     message: str = ""
 
 

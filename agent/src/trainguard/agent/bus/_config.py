@@ -60,6 +60,10 @@ class BusConfig:
             ``DeliveryFailed``; also bounds the flush in ``close()``.
         max_message_bytes: largest record value accepted, bytes.
         client_id: identifies this process to the bus (logs, broker metrics).
+        replication_factor: Kafka replicas per partition of the topics created on start-up;
+            ``None`` takes ``min(3, brokers in the cluster)``.
+        session_timeout_s: a consumer-group member silent for this long loses its partitions
+            (Kafka's ``session.timeout.ms``; the embedded bus applies the same rule).
         security: Kafka TLS/SASL settings; ignored by the embedded bus.
         kafka_options: extra keyword arguments for aiokafka producers/consumers (expert use).
     """
@@ -71,6 +75,8 @@ class BusConfig:
     send_timeout_s: float = 30.0
     max_message_bytes: int = 1 << 20
     client_id: str = "trainguard"
+    replication_factor: int | None = None
+    session_timeout_s: float = 10.0
     security: KafkaSecurity = KafkaSecurity()
     kafka_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 

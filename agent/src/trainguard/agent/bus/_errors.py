@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BusClosed", "BusError", "BusUnavailable", "BusURLError", "DeliveryFailed"]
+__all__ = ["BusClosed", "BusError", "BusURLError", "BusUnavailable", "DeliveryFailed"]
 
 
 class BusError(Exception):

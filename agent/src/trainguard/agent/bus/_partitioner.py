@@ -17,4 +17,5 @@ __all__ = ["partition_for"]
 @lru_cache(maxsize=65536)
 def partition_for(key: str, partitions: int) -> int:
     """Partition (0 <= p < ``partitions``) of records with ``key``."""
-    return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+    hashed: int = murmur2(key.encode())
+    return (hashed & 0x7FFFFFFF) % partitions

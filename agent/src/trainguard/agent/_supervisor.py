@@ -1,0 +1,294 @@
+"""The per-node supervisor behind ``trainguard run``: starts the worker command, reports its
+exits, and restarts it when the daemon orders a restore.
+
+Two ways to start workers:
+
+* **launcher mode** (``nproc_per_node`` set): the supervisor starts one process per local rank
+  itself, with the variables ``torch.distributed`` reads under torchrun (``RANK``,
+  ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
+  ``MASTER_PORT``). Each rank's death is reported with its rank and signal the moment it
+  happens.
+* **plain mode**: one command (a script, or ``torchrun ...``) whose exit is reported for the
+  ranks it hosts (``ranks``).
+
+Every worker runs in its own session (process group), so a restore can stop everything it
+started, grandchildren included: SIGTERM to the group, SIGKILL after ``grace_s`` seconds.
+Workers get ``TRAINGUARD_JOB``, ``TRAINGUARD_BUS``, ``TRAINGUARD_TOPIC_PREFIX`` and
+``TRAINGUARD_GENERATION``; the agent inside reads its restore target from the restore command
+of that generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from trainguard.agent.bus import Bus, BusConfig, Consumer, TopicPartition, open_bus
+from trainguard.agent.bus._partitioner import partition_for
+from trainguard.schemas import Abort, Lifecycle, Restore, Resume, SchemaError, decode, encode
+
+__all__ = ["Supervisor", "SupervisorConfig"]
+
+log = structlog.get_logger("trainguard.supervisor")
+
+EXIT_ABORTED = 3
+"""Exit status of ``trainguard run`` when the daemon aborted the job."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorConfig:
+    """What one node's supervisor runs.
+
+    Attributes:
+        job_id: the job's name.
+        bus: how to reach the bus.
+        command: the worker command and its arguments.
+        nproc_per_node: launcher mode: start this many local ranks; ``None`` for plain mode.
+        nnodes: number of nodes (launcher mode); world size = ``nnodes * nproc_per_node``.
+        node_rank: this node's index in ``0..nnodes-1`` (launcher mode).
+        master_addr: rendezvous host of rank 0 (launcher mode).
+        master_port: rendezvous port; ``None`` picks a free port per generation on a single
+            node (a port reused right after a kill can still be in TIME_WAIT). With several
+            nodes the port is ``master_port + generation % 1000`` so that all nodes agree.
+        ranks: plain mode: the ranks the command hosts, reported with its exit.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping workers.
+        env: extra environment for the workers.
+        host: this node's name.
+    """
+
+    job_id: str
+    bus: BusConfig
+    command: Sequence[str]
+    nproc_per_node: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    ranks: tuple[int, ...] = ()
+    grace_s: float = 10.0
+    env: Mapping[str, str] = field(default_factory=dict)
+    host: str = field(default_factory=socket.gethostname)
+
+    def local_ranks(self) -> tuple[int, ...]:
+        """Global ranks this node hosts."""
+        if self.nproc_per_node is None:
+            return self.ranks
+        first = self.node_rank * self.nproc_per_node
+        return tuple(range(first, first + self.nproc_per_node))
+
+
+@dataclass
+class _Worker:
+    ranks: tuple[int, ...]
+    proc: asyncio.subprocess.Process
+    watcher: asyncio.Task[None] | None = None
+
+
+class Supervisor:
+    """Runs one node's workers for one job until it finishes or is aborted.
+
+    ``await Supervisor(config).run()`` returns the exit status for ``trainguard run``: 0 when
+    every worker finished with status 0, :data:`EXIT_ABORTED` when the daemon aborted the job.
+    """
+
+    def __init__(self, config: SupervisorConfig) -> None:
+        self._c = config
+        self._seq = itertools.count()
+        self._generation = 0
+        self._workers: list[_Worker] = []
+        self._orders: asyncio.Queue[Restore | Abort] = asyncio.Queue()
+        self._all_exited = asyncio.Event()
+        self._failed = False
+
+    async def run(self) -> int:
+        """Start the workers, follow the job's commands, restart on restore orders."""
+        async with open_bus(self._c.bus) as bus:
+            commands = await self._follow_commands(bus)
+            listener = asyncio.ensure_future(self._listen(commands))
+            try:
+                return await self._supervise(bus)
+            finally:
+                listener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
+                await commands.close()
+                await self._stop_workers()
+
+    async def _follow_commands(self, bus: Bus) -> Consumer:
+        tp = TopicPartition(
+            "commands", partition_for(self._c.job_id, await bus.partitions("commands"))
+        )
+        end = (await bus.end_offsets("commands"))[tp]
+        latest = (await bus.latest_per_key("commands")).get(self._c.job_id)
+        if latest is not None and latest.value is not None:
+            with contextlib.suppress(SchemaError):
+                # Joining a job that already runs: start in its current generation.
+                self._generation = decode(latest.value).generation
+        return await bus.assign({tp: end})
+
+    async def _listen(self, consumer: Consumer) -> None:
+        while True:
+            for record in await consumer.getmany(timeout_s=0.2):
+                if record.key != self._c.job_id or record.value is None:
+                    continue
+                try:
+                    command = decode(record.value, expect=(Restore, Resume, Abort))
+                except SchemaError as exc:
+                    log.warning("command ignored", reason=str(exc), offset=record.offset)
+                    continue
+                if isinstance(command, Restore | Abort) and command.job_id == self._c.job_id:
+                    await self._orders.put(command)
+
+    async def _supervise(self, bus: Bus) -> int:
+        await self._start_workers(bus)
+        while True:
+            order_task = asyncio.ensure_future(self._orders.get())
+            done_task = asyncio.ensure_future(self._all_exited.wait())
+            await asyncio.wait({order_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
+            done_task.cancel()
+            if order_task.done():
+                order = order_task.result()
+            else:
+                order_task.cancel()
+                if not self._failed:
+                    log.info("workers finished", generation=self._generation)
+                    return 0
+                continue  # a worker failed: wait for the daemon's decision
+            if order.generation <= self._generation and isinstance(order, Restore):
+                continue  # the restore this generation was started for, or an older one
+            if isinstance(order, Abort):
+                log.error("job aborted by the daemon", reason=order.reason)
+                return EXIT_ABORTED
+            log.info(
+                "restore ordered",
+                generation=order.generation,
+                target=order.target.snapshot_id if order.target else None,
+                reason=order.reason,
+            )
+            await self._stop_workers()
+            self._generation = order.generation
+            await self._start_workers(bus)
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def _worker_env(self, port: int) -> list[tuple[tuple[int, ...], dict[str, str]]]:
+        c = self._c
+        base = {
+            **os.environ,
+            **c.env,
+            "TRAINGUARD_JOB": c.job_id,
+            "TRAINGUARD_BUS": c.bus.url,
+            "TRAINGUARD_TOPIC_PREFIX": c.bus.prefix,
+            "TRAINGUARD_GENERATION": str(self._generation),
+        }
+        if c.nproc_per_node is None:
+            return [(c.ranks, base)]
+        world = c.nnodes * c.nproc_per_node
+        out: list[tuple[tuple[int, ...], dict[str, str]]] = []
+        for local, rank in enumerate(c.local_ranks()):
+            out.append(
+                (
+                    (rank,),
+                    {
+                        **base,
+                        "RANK": str(rank),
+                        "LOCAL_RANK": str(local),
+                        "WORLD_SIZE": str(world),
+                        "LOCAL_WORLD_SIZE": str(c.nproc_per_node),
+                        "GROUP_RANK": str(c.node_rank),
+                        "MASTER_ADDR": c.master_addr,
+                        "MASTER_PORT": str(port),
+                    },
+                )
+            )
+        return out
+
+    def _port(self) -> int:
+        if self._c.master_port is not None:
+            offset = self._generation % 1000 if self._c.nnodes > 1 else 0
+            return self._c.master_port + offset
+        with socket.socket() as s:
+            s.bind((self._c.master_addr, 0))
+            port: int = s.getsockname()[1]
+            return port
+
+    async def _start_workers(self, bus: Bus) -> None:
+        self._all_exited.clear()
+        self._failed = False
+        port = self._port()
+        for ranks, env in self._worker_env(port):
+            proc = await asyncio.create_subprocess_exec(
+                *self._c.command, env=env, start_new_session=True
+            )
+            worker = _Worker(ranks, proc)
+            self._workers.append(worker)
+            await self._report(bus, "started", worker)
+            worker.watcher = asyncio.ensure_future(self._watch(bus, worker, self._generation))
+        log.info("workers started", generation=self._generation, ranks=self._c.local_ranks())
+
+    async def _watch(self, bus: Bus, worker: _Worker, generation: int) -> None:
+        code = await worker.proc.wait()
+        if generation != self._generation:
+            return
+        if code != 0:
+            self._failed = True
+        await self._report(bus, "exited", worker, code=code)
+        if all(w.proc.returncode is not None for w in self._workers):
+            self._all_exited.set()
+
+    async def _report(self, bus: Bus, kind: str, worker: _Worker, code: int | None = None) -> None:
+        exit_code = signal_no = None
+        if code is not None:
+            exit_code, signal_no = (None, -code) if code < 0 else (code, None)
+        event = Lifecycle(
+            job_id=self._c.job_id,
+            generation=self._generation,
+            ts=time.time_ns(),
+            seq=next(self._seq),
+            rank=None,
+            host=self._c.host,
+            pid=worker.proc.pid,
+            kind=kind,  # type: ignore[arg-type]
+            ranks=worker.ranks,
+            exit_code=exit_code,
+            signal=signal_no,
+        )
+        await bus.publish("events", self._c.job_id, encode(event))
+        log.info(
+            f"worker {kind}",
+            ranks=worker.ranks,
+            pid=worker.proc.pid,
+            generation=self._generation,
+            exit_code=exit_code,
+            signal=signal.Signals(signal_no).name if signal_no else None,
+        )
+
+    async def _stop_workers(self) -> None:
+        """SIGTERM every worker's process group, SIGKILL after the grace period, reap them."""
+        workers, self._workers = self._workers, []
+        for w in workers:
+            if w.watcher is not None:
+                w.watcher.cancel()
+            _signal_group(w.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self._c.grace_s
+        for w in workers:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(w.proc.wait(), max(0.0, deadline - time.monotonic()))
+        for w in workers:
+            # The group may hold grandchildren (torchrun's workers) even after the leader died.
+            _signal_group(w.proc.pid, signal.SIGKILL)
+            await w.proc.wait()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

@@ -1,0 +1,427 @@
+"""Kafka adapter of the bus port, on aiokafka.
+
+Choices, and the aiokafka traps they avoid (``kafka-notes.md`` section 2, aio-libs/aiokafka
+issues cited inline):
+
+* The producer is idempotent with ``acks=all`` (aiokafka defaults to ``acks=1`` without
+  idempotence), so a retried batch is never written twice and an acknowledged record survives
+  the loss of the partition leader.
+* Every call that waits on the broker is bounded: ``start()`` by ``connect_timeout_s``, sends by
+  ``send_timeout_s``, and ``close()`` as well, because ``send_and_wait()`` and ``stop()`` can hang
+  forever while the broker is down (#1101) and ``send()`` hangs without a started producer (#759).
+* Consumers never auto-commit; callers commit after they have acted on records. They read with
+  ``isolation_level="read_committed"`` so records of aborted transactions are never seen.
+  ``getmany`` is only ever called by short loops: a handler that blocks longer than
+  ``max_poll_interval_ms`` makes the group evict the member and rebalance endlessly (#848).
+* The partition of a record is computed by :func:`partition_for`, the same murmur2 function
+  as Kafka's default partitioner, so the embedded bus and Kafka agree on it.
+* Topics are created on start-up with ``message.timestamp.type=LogAppendTime``: a record's
+  timestamp is the broker's append time, which is what the daemon's state machine uses as its
+  clock (sender clocks may be skewed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import TopicPartition as KafkaTP
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError
+from aiokafka.helpers import create_ssl_context
+
+from trainguard.agent.bus._config import BusConfig
+from trainguard.agent.bus._errors import BusClosed, BusError, BusUnavailable, DeliveryFailed
+from trainguard.agent.bus._partitioner import partition_for
+from trainguard.agent.bus._port import Bus, Consumer, Delivery, Record, TopicPartition, TopicSpec
+
+__all__ = ["KafkaBus"]
+
+_T = TypeVar("_T")
+
+# Kafka protocol error code for CreateTopics on an existing topic (another process won the race).
+_TOPIC_ALREADY_EXISTS = 36
+# Room for record and batch headers on top of the largest value we accept.
+_FRAMING_BYTES = 64 * 1024
+
+
+class KafkaBus(Bus):
+    """The bus on an Apache Kafka cluster (``kafka://host:port[,host:port]``).
+
+    Args:
+        config: bus settings; ``config.security`` and ``config.kafka_options`` pass straight to
+            aiokafka's clients.
+        bootstrap_servers: ``host:port[,host:port]`` from the URL.
+    """
+
+    def __init__(self, config: BusConfig, bootstrap_servers: str) -> None:
+        self._config = config
+        self._servers = bootstrap_servers
+        self._producer: AIOKafkaProducer | None = None
+        self._meta: AIOKafkaConsumer | None = None
+        self._partition_counts: dict[str, int] = {}
+        self._consumers: set[_KafkaConsumer] = set()
+        self._closed = False
+
+    # -- configuration -------------------------------------------------------------------------
+
+    def _full(self, topic: str) -> str:
+        return self._config.prefix + topic
+
+    def _logical(self, full: str) -> str:
+        return full[len(self._config.prefix) :]
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        """Connection settings common to producer, consumers and admin client."""
+        sec = self._config.security
+        kwargs: dict[str, Any] = {
+            "bootstrap_servers": self._servers,
+            "client_id": self._config.client_id,
+            "security_protocol": sec.protocol,
+            "request_timeout_ms": int(self._config.send_timeout_s * 1000),
+        }
+        if sec.protocol in ("SSL", "SASL_SSL"):
+            kwargs["ssl_context"] = create_ssl_context(
+                cafile=sec.ssl_cafile, certfile=sec.ssl_certfile, keyfile=sec.ssl_keyfile
+            )
+        if sec.protocol.startswith("SASL"):
+            kwargs["sasl_mechanism"] = sec.sasl_mechanism or "PLAIN"
+            kwargs["sasl_plain_username"] = sec.sasl_username
+            kwargs["sasl_plain_password"] = sec.sasl_password
+        return kwargs
+
+    async def _bounded(self, what: str, aw: Awaitable[_T], timeout_s: float) -> _T:
+        """Await ``aw`` for at most ``timeout_s``; broker trouble becomes ``BusUnavailable``."""
+        try:
+            return await asyncio.wait_for(aw, timeout_s)
+        except TimeoutError as exc:
+            raise BusUnavailable(
+                f"Kafka at {self._servers}: {what} took longer than {timeout_s:g} s"
+            ) from exc
+        except KafkaError as exc:
+            raise BusUnavailable(f"Kafka at {self._servers}: {what} failed: {exc!r}") from exc
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, create missing topics and start the producer.
+
+        Raises :class:`BusUnavailable` when the cluster does not answer within
+        ``connect_timeout_s`` seconds.
+        """
+        if self._closed:
+            raise BusClosed("bus is closed")
+        timeout = self._config.connect_timeout_s
+        admin = AIOKafkaAdminClient(**self._client_kwargs())
+        try:
+            await self._bounded("connecting (admin)", admin.start(), timeout)
+            await self._bounded("creating topics", self._create_topics(admin), timeout)
+        finally:
+            await _close_quietly(admin.close(), timeout)
+        opts = dict(self._config.kafka_options)
+        producer = AIOKafkaProducer(
+            **self._client_kwargs(),
+            acks="all",
+            enable_idempotence=True,
+            max_request_size=self._config.max_message_bytes + _FRAMING_BYTES,
+            linger_ms=opts.pop("linger_ms", 0),
+            **opts,
+        )
+        meta = AIOKafkaConsumer(**self._client_kwargs(), group_id=None, enable_auto_commit=False)
+        try:
+            await self._bounded("connecting (producer)", producer.start(), timeout)
+            await self._bounded("connecting (metadata)", meta.start(), timeout)
+        except BusError:
+            await _close_quietly(producer.stop(), timeout)
+            await _close_quietly(meta.stop(), timeout)
+            raise
+        self._producer, self._meta = producer, meta
+
+    async def _create_topics(self, admin: AIOKafkaAdminClient) -> None:
+        existing = set(await admin.list_topics())
+        missing = [t for t in self._config.topics if self._full(t.name) not in existing]
+        if not missing:
+            return
+        replication = self._config.replication_factor
+        if replication is None:
+            cluster = await admin.describe_cluster()
+            replication = max(1, min(3, len(cluster.get("brokers", ()))))
+        response = await admin.create_topics([self._new_topic(t, replication) for t in missing])
+        for topic_result in response.topic_errors:
+            name, code = topic_result[0], topic_result[1]
+            if code not in (0, _TOPIC_ALREADY_EXISTS):
+                raise BusError(f"Kafka refused to create topic {name!r}: {topic_result!r}")
+
+    def _new_topic(self, spec: TopicSpec, replication: int) -> NewTopic:
+        configs = {
+            "cleanup.policy": "compact" if spec.compacted else "delete",
+            "message.timestamp.type": "LogAppendTime",
+            "max.message.bytes": str(self._config.max_message_bytes + _FRAMING_BYTES),
+        }
+        return NewTopic(self._full(spec.name), spec.partitions, replication, topic_configs=configs)
+
+    async def close(self) -> None:
+        """Flush pending sends and disconnect, each step bounded by ``send_timeout_s``."""
+        if self._closed:
+            return
+        self._closed = True
+        for consumer in list(self._consumers):
+            await consumer.close()
+        timeout = self._config.send_timeout_s
+        if self._producer is not None:
+            await _close_quietly(self._producer.stop(), timeout)
+        if self._meta is not None:
+            await _close_quietly(self._meta.stop(), timeout)
+
+    def _started_producer(self) -> AIOKafkaProducer:
+        if self._closed:
+            raise BusClosed("bus is closed")
+        if self._producer is None:
+            raise BusError("bus not started: call start() first")
+        return self._producer
+
+    def _started_meta(self) -> AIOKafkaConsumer:
+        self._started_producer()
+        assert self._meta is not None
+        return self._meta
+
+    # -- producing ---------------------------------------------------------------------------
+
+    async def partitions(self, topic: str) -> int:
+        """Number of partitions of ``topic`` (cached after the first call)."""
+        count = self._partition_counts.get(topic)
+        if count is None:
+            producer = self._started_producer()
+            found = await self._bounded(
+                f"metadata of {topic!r}",
+                producer.partitions_for(self._full(topic)),
+                self._config.send_timeout_s,
+            )
+            count = self._partition_counts[topic] = len(found)
+        return count
+
+    async def send(self, topic: str, key: str, value: bytes | None) -> asyncio.Future[Delivery]:
+        """Queue one record; the returned future resolves when the cluster acknowledged it.
+
+        The future raises :class:`DeliveryFailed` for a value over ``max_message_bytes`` or
+        when the record is not acknowledged within ``send_timeout_s``.
+        """
+        producer = self._started_producer()
+        delivery: asyncio.Future[Delivery] = asyncio.get_running_loop().create_future()
+        if value is not None and len(value) > self._config.max_message_bytes:
+            delivery.set_exception(
+                DeliveryFailed(
+                    f"record of {len(value)} bytes exceeds max_message_bytes="
+                    f"{self._config.max_message_bytes}"
+                )
+            )
+            return delivery
+        partition = partition_for(key, await self.partitions(topic))
+        try:
+            sent = await producer.send(
+                self._full(topic), value, key=key.encode(), partition=partition
+            )
+        except KafkaError as exc:
+            delivery.set_exception(DeliveryFailed(f"send to {topic!r} failed: {exc!r}"))
+            return delivery
+
+        def _done(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled():
+                delivery.cancel()
+            elif (exc := fut.exception()) is not None:
+                delivery.set_exception(DeliveryFailed(f"send to {topic!r} failed: {exc!r}"))
+            else:
+                meta = fut.result()
+                delivery.set_result(Delivery(topic, meta.partition, meta.offset))
+
+        sent.add_done_callback(_done)
+        return delivery
+
+    async def publish(self, topic: str, key: str, value: bytes | None) -> Delivery:
+        """Send one record and wait for its acknowledgement, at most ``send_timeout_s``."""
+        delivery = await self.send(topic, key, value)
+        try:
+            # The future already expires after request_timeout_ms; the outer bound guards
+            # against the producer hanging with the broker gone (aiokafka #1101).
+            return await asyncio.wait_for(delivery, self._config.send_timeout_s + 5.0)
+        except TimeoutError as exc:
+            raise DeliveryFailed(
+                f"no acknowledgement from Kafka within {self._config.send_timeout_s:g} s"
+            ) from exc
+
+    # -- consuming ---------------------------------------------------------------------------
+
+    def _consumer_kwargs(self) -> dict[str, Any]:
+        return {
+            **self._client_kwargs(),
+            "enable_auto_commit": False,
+            "isolation_level": "read_committed",
+            "session_timeout_ms": int(self._config.session_timeout_s * 1000),
+            "heartbeat_interval_ms": max(100, int(self._config.session_timeout_s * 1000) // 3),
+            "fetch_max_wait_ms": 100,
+        }
+
+    async def subscribe(
+        self, topics: Sequence[str], group_id: str, *, from_beginning: bool = True
+    ) -> Consumer:
+        """Join consumer group ``group_id`` (Kafka group protocol, eager rebalancing)."""
+        self._started_producer()
+        inner = AIOKafkaConsumer(
+            *(self._full(t) for t in topics),
+            **self._consumer_kwargs(),
+            group_id=group_id,
+            auto_offset_reset="earliest" if from_beginning else "latest",
+        )
+        return await self._started_consumer(inner, group_id)
+
+    async def assign(self, positions: Mapping[TopicPartition, int | None]) -> Consumer:
+        """Read partitions from explicit offsets, without a group (``None`` = end)."""
+        self._started_producer()
+        inner = AIOKafkaConsumer(**self._consumer_kwargs(), group_id=None)
+        consumer = await self._started_consumer(inner, None)
+        tps = {KafkaTP(self._full(tp.topic), tp.partition): off for tp, off in positions.items()}
+        inner.assign(list(tps))
+        to_end = [ktp for ktp, off in tps.items() if off is None]
+        if to_end:
+            await self._bounded("seek to end", inner.seek_to_end(*to_end), self._timeout)
+        for ktp, off in tps.items():
+            if off is not None:
+                inner.seek(ktp, off)
+        return consumer
+
+    @property
+    def _timeout(self) -> float:
+        return self._config.send_timeout_s
+
+    async def _started_consumer(
+        self, inner: AIOKafkaConsumer, group_id: str | None
+    ) -> _KafkaConsumer:
+        try:
+            await self._bounded("starting consumer", inner.start(), self._config.connect_timeout_s)
+        except BusError:
+            await _close_quietly(inner.stop(), self._timeout)
+            raise
+        consumer = _KafkaConsumer(self, inner, group_id)
+        self._consumers.add(consumer)
+        return consumer
+
+    async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
+        """Next offset of every partition of ``topic`` (the last stable offset)."""
+        meta = self._started_meta()
+        tps = [KafkaTP(self._full(topic), p) for p in range(await self.partitions(topic))]
+        ends = await self._bounded(
+            f"end offsets of {topic!r}", meta.end_offsets(tps), self._timeout
+        )
+        return {TopicPartition(topic, ktp.partition): off for ktp, off in ends.items()}
+
+    async def latest_per_key(self, topic: str) -> dict[str, Record]:
+        """Read ``topic`` from its first retained record to its end; keep each key's last.
+
+        Progress is judged by the consumer's position, not by record offsets: compaction and
+        transaction markers leave offsets that no record carries.
+        """
+        ends = await self.end_offsets(topic)
+        latest: dict[str, Record] = {}
+        if not any(ends.values()):
+            return latest
+        consumer = await self.assign(dict.fromkeys(ends, 0))
+        assert isinstance(consumer, _KafkaConsumer)
+        async with consumer:
+            while not await consumer.reached(ends):
+                for record in await consumer.getmany(timeout_s=0.5, max_records=10_000):
+                    if record.key is not None:
+                        latest[record.key] = record
+        return {key: rec for key, rec in latest.items() if rec.value is not None}
+
+    def _forget(self, consumer: _KafkaConsumer) -> None:
+        self._consumers.discard(consumer)
+
+
+class _KafkaConsumer(Consumer):
+    """A started aiokafka consumer behind the port's :class:`Consumer` interface."""
+
+    def __init__(self, bus: KafkaBus, inner: AIOKafkaConsumer, group_id: str | None) -> None:
+        self._bus = bus
+        self._inner = inner
+        self._group_id = group_id
+        self._closed = False
+
+    async def getmany(self, timeout_s: float = 1.0, max_records: int = 1000) -> list[Record]:
+        """Records fetched since the last call, by partition, offsets ascending."""
+        if self._closed:
+            raise BusClosed("consumer is closed")
+        batches = await self._inner.getmany(
+            timeout_ms=max(0, int(timeout_s * 1000)), max_records=max_records
+        )
+        logical = self._bus._logical
+        out: list[Record] = []
+        for ktp, records in batches.items():
+            topic = logical(ktp.topic)
+            out.extend(
+                Record(
+                    topic,
+                    ktp.partition,
+                    r.offset,
+                    r.key.decode(errors="replace") if r.key is not None else None,
+                    r.value,
+                    r.timestamp,
+                )
+                for r in records
+            )
+        return out
+
+    async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
+        """Commit positions to the group coordinator (synchronously, one round trip)."""
+        if self._closed:
+            raise BusClosed("consumer is closed")
+        if self._group_id is None:
+            raise BusError("commit() needs a consumer group: this consumer was made by assign()")
+        kafka_offsets = (
+            None
+            if offsets is None
+            else {KafkaTP(self._bus._full(tp.topic), tp.partition): o for tp, o in offsets.items()}
+        )
+        try:
+            await asyncio.wait_for(self._inner.commit(kafka_offsets), self._bus._timeout)
+        except (KafkaError, TimeoutError) as exc:
+            raise BusError(f"commit for group {self._group_id!r} failed: {exc!r}") from exc
+
+    async def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Next :meth:`getmany` for ``tp`` starts at ``offset``."""
+        if self._closed:
+            raise BusClosed("consumer is closed")
+        self._inner.seek(KafkaTP(self._bus._full(tp.topic), tp.partition), offset)
+
+    async def reached(self, ends: Mapping[TopicPartition, int]) -> bool:
+        """Whether this consumer's position is at or past ``ends`` for every partition."""
+        for tp, end in ends.items():
+            ktp = KafkaTP(self._bus._full(tp.topic), tp.partition)
+            position = await asyncio.wait_for(self._inner.position(ktp), self._bus._timeout)
+            if position < end:
+                return False
+        return True
+
+    def assignment(self) -> frozenset[TopicPartition]:
+        """Partitions currently assigned (changes after a group rebalance)."""
+        logical = self._bus._logical
+        return frozenset(
+            TopicPartition(logical(k.topic), k.partition) for k in self._inner.assignment()
+        )
+
+    async def close(self) -> None:
+        """Leave the group and disconnect, bounded by the bus's send timeout."""
+        if self._closed:
+            return
+        self._closed = True
+        self._bus._forget(self)
+        await _close_quietly(self._inner.stop(), self._bus._timeout)
+
+
+async def _close_quietly(aw: Awaitable[Any], timeout_s: float) -> None:
+    """Await a stop/close coroutine for at most ``timeout_s``; a broken connection is not an
+    error while shutting down (aiokafka #1101: ``stop()`` can hang with the broker gone)."""
+    with contextlib.suppress(TimeoutError, KafkaError, OSError):
+        await asyncio.wait_for(aw, timeout_s)

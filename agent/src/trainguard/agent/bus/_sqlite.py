@@ -1,0 +1,369 @@
+"""The embedded bus: Kafka's model (topics, partitions, offsets, consumer groups) on one SQLite
+file that several processes on one machine share.
+
+Design (schema and durability: :mod:`._sqlite_db`; groups: :mod:`._sqlite_groups`):
+
+* Each bus object owns two connections, each on its own worker thread: a writer (appends,
+  group writes, compaction) and a reader (consumer polls, queries), so polls never wait behind
+  a commit. The event loop only queues calls and awaits their results.
+* ``send`` queues the record and returns a future; one flusher task writes everything queued
+  in one ``BEGIN IMMEDIATE`` transaction (group commit, at most :data:`MAX_BATCH` records)
+  and resolves each future after its transaction committed. Records queued meanwhile form
+  the next batch, so batches grow with the load and a lone record is not delayed.
+* Offsets are allocated inside that transaction from the ``partitions`` table, so they are
+  dense and ordered per partition however many processes write.
+* Compacted topics: after a batch, a bus may run the compaction pass
+  (:func:`._sqlite_log.compact`), at most once per ``compaction_interval_s`` over the whole
+  file. Like Kafka's cleaner it keeps at least the latest record of every key and deletes
+  only records older than ``compaction_lag_s``, so a consumer that keeps up still sees every
+  command; readers skip the offsets it removed and never see records out of order.
+* Records of topics that are not compacted are kept forever (no time-based retention).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
+
+import structlog
+
+from trainguard.agent.bus import _sqlite_log as log
+from trainguard.agent.bus._config import BusConfig
+from trainguard.agent.bus._errors import BusClosed, BusError, DeliveryFailed
+from trainguard.agent.bus._partitioner import partition_for
+from trainguard.agent.bus._port import Bus, Consumer, Delivery, Record, TopicPartition
+from trainguard.agent.bus._sqlite_consumer import ConsumerContext, Membership, SQLiteConsumer
+from trainguard.agent.bus._sqlite_db import (
+    ConnectionThread,
+    TopicMeta,
+    load_topics,
+    prepare,
+    translate,
+)
+
+__all__ = ["MAX_BATCH", "SQLiteBus"]
+
+MAX_BATCH = 5000
+"""Most records written in one transaction; bounds how long one process holds the lock."""
+
+_log = structlog.get_logger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_Pending = tuple[int, int, str, bytes | None, asyncio.Future[Delivery], float]
+"""A queued send: ``(topic_id, partition, key, value, future, deadline)``."""
+
+
+class SQLiteBus(Bus):
+    """The embedded bus on the SQLite file at ``path`` (see the module docstring).
+
+    Args:
+        config: bus settings; ``url``, ``replication_factor``, ``security`` and
+            ``kafka_options`` are not used here. ``connect_timeout_s`` bounds ``start()``,
+            ``send_timeout_s`` bounds each send and every group write (waiting for another
+            process's lock), ``session_timeout_s`` is the consumer-group lease: a member that
+            has not polled for this long loses its partitions (see :mod:`._sqlite_groups`).
+        path: the database file; its directory is created by :meth:`start` when missing.
+            ``":memory:"`` is refused: the reader and writer would see two databases.
+        compaction_lag_s: compacted topics keep every record at least this long, seconds
+            (``min.compaction.lag.ms``).
+        compaction_interval_s: at most one compaction pass per this many seconds per file.
+        tombstone_retention_s: a tombstone that is the latest record of its key is deleted
+            after this many seconds (``delete.retention.ms``, Kafka's default 1 day).
+
+    Raises:
+        BusError: for ``path=":memory:"``.
+    """
+
+    def __init__(
+        self,
+        config: BusConfig,
+        path: str,
+        *,
+        compaction_lag_s: float = 60.0,
+        compaction_interval_s: float = 30.0,
+        tombstone_retention_s: float = 86_400.0,
+    ) -> None:
+        if path == ":memory:":
+            raise BusError("the embedded bus needs a file; ':memory:' cannot be shared")
+        self._config = config
+        self._path = path
+        self._compaction_lag_ms = int(compaction_lag_s * 1000)
+        self._compaction_interval_s = compaction_interval_s
+        self._tombstone_retention_ms = int(tombstone_retention_s * 1000)
+        self._writer = ConnectionThread("trainguard-bus-writer")
+        self._reader = ConnectionThread("trainguard-bus-reader")
+        self._state = "new"
+        self._topics: dict[str, TopicMeta] = {}
+        self._names: dict[int, str] = {}
+        self._pending: list[_Pending] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._appended = asyncio.Event()
+        self._consumers: set[SQLiteConsumer] = set()
+        self._next_compaction = 0.0
+
+    async def start(self) -> None:
+        """Open (creating if needed) the file and its directory, and create missing topics.
+
+        Raises :class:`~trainguard.agent.bus.BusUnavailable` when the file stays locked by
+        other processes for ``connect_timeout_s``, :class:`BusError` when it cannot be created
+        or opened (permissions, not a bus file, another schema version), :class:`BusClosed`
+        after :meth:`close`.
+        """
+        if self._state == "closed":
+            raise BusClosed("the bus is closed")
+        if self._state == "open":
+            raise BusError("start() was already called")
+        deadline = time.monotonic() + self._config.connect_timeout_s
+        try:
+            await self._writer.open(self._path, deadline)
+            await self._writer.run(prepare, self._config.prefix, self._config.topics, deadline)
+            await self._reader.open(self._path, deadline)
+            self._set_topics(await self._reader.run(load_topics, self._config.prefix))
+        except BaseException as exc:
+            await self._writer.close()
+            await self._reader.close()
+            # Fresh threads, so that start() may be tried again.
+            self._writer = ConnectionThread("trainguard-bus-writer")
+            self._reader = ConnectionThread("trainguard-bus-reader")
+            if isinstance(exc, OSError):
+                raise BusError(f"cannot create the bus file {self._path}: {exc}") from exc
+            if isinstance(exc, sqlite3.Error):
+                raise translate(exc, f"opening the bus file {self._path}") from exc
+            raise
+        self._state = "open"
+
+    async def close(self) -> None:
+        """Flush queued sends (up to ``send_timeout_s``), close consumers (leaving their
+        groups) and the connections. Sends still not durable then fail with
+        :class:`DeliveryFailed`. Idempotent."""
+        if self._state == "closed":
+            return
+        was_open, self._state = self._state == "open", "closed"
+        if self._flusher is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._flusher), self._config.send_timeout_s)
+            except TimeoutError:
+                self._flusher.cancel()
+                self._fail(self._pending, "the bus closed before the record was written")
+                self._pending.clear()
+        for consumer in list(self._consumers):
+            await consumer.close()
+        if was_open:
+            await self._writer.close()
+            await self._reader.close()
+
+    async def partitions(self, topic: str) -> int:
+        """See :meth:`Bus.partitions`. Raises :class:`BusError` for an unknown topic."""
+        self._check_open()
+        return (await self._topic(topic)).partitions
+
+    async def send(self, topic: str, key: str, value: bytes | None) -> asyncio.Future[Delivery]:
+        """See :meth:`Bus.send`.
+
+        The future fails with :class:`DeliveryFailed` when ``value`` is longer than
+        ``max_message_bytes`` or the record was not committed within ``send_timeout_s``
+        (file locked by other processes, disk full). Raises :class:`BusError` for an unknown
+        topic and :class:`BusClosed` after :meth:`close`.
+        """
+        self._check_open()
+        meta = await self._topic(topic)
+        self._check_open()  # close() may have run while the topic was looked up
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Delivery] = loop.create_future()
+        if value is not None and len(value) > self._config.max_message_bytes:
+            future.set_exception(
+                DeliveryFailed(
+                    f"{topic}: value of {len(value)} bytes exceeds max_message_bytes="
+                    f"{self._config.max_message_bytes}"
+                )
+            )
+            return future
+        deadline = time.monotonic() + self._config.send_timeout_s
+        partition = partition_for(key, meta.partitions)
+        self._pending.append((meta.topic_id, partition, key, value, future, deadline))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush(), name="trainguard-bus-flush")
+        return future
+
+    async def subscribe(
+        self,
+        topics: Sequence[str],
+        group_id: str,
+        *,
+        from_beginning: bool = True,
+    ) -> Consumer:
+        """See :meth:`Bus.subscribe`; the consumer's assignment is known on return.
+
+        Raises :class:`BusError` for no or unknown topics,
+        :class:`~trainguard.agent.bus.BusUnavailable` when the file stays locked.
+        """
+        self._check_open()
+        if not topics:
+            raise BusError("subscribe() needs at least one topic")
+        for topic in topics:
+            await self._topic(topic)
+        membership = Membership(
+            group_id=group_id,
+            member_id=f"{self._config.client_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}",
+            topics=tuple(sorted({self._config.prefix + t for t in topics})),
+            from_beginning=from_beginning,
+        )
+        consumer = SQLiteConsumer(self._consumer_context(), membership, {})
+        self._consumers.add(consumer)
+        try:
+            await consumer.join()
+        except BaseException:
+            await consumer.close()
+            raise
+        return consumer
+
+    async def assign(self, positions: Mapping[TopicPartition, int | None]) -> Consumer:
+        """See :meth:`Bus.assign`. Raises :class:`BusError` for an unknown topic or partition
+        or a negative offset."""
+        self._check_open()
+        for tp in positions:
+            await self._topic(tp.topic)
+        start: dict[tuple[int, int], int] = {}
+        at_end: list[tuple[int, int]] = []
+        for tp, offset in positions.items():
+            key = self._resolve(tp)
+            if offset is None:
+                at_end.append(key)
+            elif offset < 0:
+                raise BusError(f"assign(): offset of {tp} must be >= 0, got {offset}")
+            else:
+                start[key] = offset
+        if at_end:
+            start.update(await self._read(log.end_offsets, at_end))
+        consumer = SQLiteConsumer(self._consumer_context(), None, start)
+        self._consumers.add(consumer)
+        return consumer
+
+    async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
+        """See :meth:`Bus.end_offsets`. Raises :class:`BusError` for an unknown topic."""
+        self._check_open()
+        meta = await self._topic(topic)
+        ends = await self._read(
+            log.end_offsets, [(meta.topic_id, p) for p in range(meta.partitions)]
+        )
+        return {TopicPartition(topic, p): end for (_, p), end in sorted(ends.items())}
+
+    async def latest_per_key(self, topic: str) -> dict[str, Record]:
+        """See :meth:`Bus.latest_per_key`; proportional to the stored records of ``topic``
+        (near one per key for a compacted topic). Raises :class:`BusError` for an unknown
+        topic."""
+        self._check_open()
+        meta = await self._topic(topic)
+        return await self._read(log.latest_per_key, meta.topic_id, topic)
+
+    def _check_open(self) -> None:
+        if self._state == "closed":
+            raise BusClosed("the bus is closed")
+        if self._state == "new":
+            raise BusError("the bus is not started: call start() or use 'async with'")
+
+    def _set_topics(self, topics: dict[str, TopicMeta]) -> None:
+        self._topics = topics
+        self._names = {meta.topic_id: name for name, meta in topics.items()}
+
+    async def _topic(self, name: str) -> TopicMeta:
+        meta = self._topics.get(name)
+        if meta is None:
+            # Another process may have created it since start().
+            self._set_topics(await self._read(load_topics, self._config.prefix))
+            meta = self._topics.get(name)
+            if meta is None:
+                raise BusError(f"unknown topic {name!r} (prefix {self._config.prefix!r})")
+        return meta
+
+    def _resolve(self, tp: TopicPartition) -> tuple[int, int]:
+        meta = self._topics.get(tp.topic)
+        if meta is None:
+            raise BusError(f"unknown topic {tp.topic!r} (prefix {self._config.prefix!r})")
+        if not 0 <= tp.partition < meta.partitions:
+            raise BusError(f"{tp}: topic {tp.topic!r} has {meta.partitions} partitions")
+        return meta.topic_id, tp.partition
+
+    async def _read(
+        self,
+        fn: Callable[Concatenate[sqlite3.Connection, P], T],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        try:
+            return await self._reader.run(fn, *args, **kwargs)
+        except sqlite3.Error as exc:
+            raise translate(exc, fn.__name__) from exc
+
+    def _consumer_context(self) -> ConsumerContext:
+        return ConsumerContext(
+            reader=self._reader,
+            writer=self._writer,
+            names=self._names,
+            resolve=self._resolve,
+            wait_for_append=self._wait_for_append,
+            bus_closed=lambda: self._state == "closed",
+            forget=self._consumers.discard,
+            write_timeout_s=self._config.send_timeout_s,
+            session_timeout_s=self._config.session_timeout_s,
+        )
+
+    async def _wait_for_append(self, timeout_s: float) -> None:
+        appended = self._appended
+        try:
+            async with asyncio.timeout(timeout_s):
+                await appended.wait()
+        except TimeoutError:
+            return
+
+    async def _flush(self) -> None:
+        """Write queued records batch by batch until the queue is empty (group commit)."""
+        while self._pending:
+            batch = self._pending[:MAX_BATCH]
+            del self._pending[:MAX_BATCH]
+            rows = [(topic_id, p, key, value) for topic_id, p, key, value, _, _ in batch]
+            try:
+                offsets, _ = await self._writer.run(
+                    log.append, rows, min(entry[5] for entry in batch)
+                )
+            except asyncio.CancelledError:
+                self._fail(batch, "the bus closed before the record was confirmed")
+                raise
+            except Exception as exc:
+                self._fail(batch, f"record not written: {exc}")
+                continue
+            for (topic_id, partition, _, _, future, _), offset in zip(batch, offsets, strict=True):
+                if not future.done():
+                    future.set_result(Delivery(self._names[topic_id], partition, offset))
+            appended, self._appended = self._appended, asyncio.Event()
+            appended.set()
+            await self._maybe_compact()
+
+    async def _maybe_compact(self) -> None:
+        now = time.monotonic()
+        if now < self._next_compaction:
+            return
+        self._next_compaction = now + self._compaction_interval_s
+        try:
+            await self._writer.run(
+                log.compact,
+                self._compaction_lag_ms,
+                self._tombstone_retention_ms,
+                int(self._compaction_interval_s * 1000),
+                now + 1.0,
+            )
+        except sqlite3.Error as exc:
+            # Compaction only saves space; the next interval tries again.
+            _log.warning("bus_compaction_failed", path=self._path, error=str(exc))
+
+    def _fail(self, batch: Sequence[_Pending], reason: str) -> None:
+        for topic_id, _, _, _, future, _ in batch:
+            if not future.done():
+                future.set_exception(DeliveryFailed(f"{self._names[topic_id]}: {reason}"))

@@ -1,0 +1,301 @@
+"""The embedded bus's consumer: polls the SQLite file from its reader thread.
+
+Idle consumers poll: each poll first reads ``PRAGMA data_version``, which changes whenever
+another connection (any process, or this bus's own writer) committed to the file, and skips
+the queries when nothing changed; between polls it sleeps from 2 ms, doubling to 20 ms while
+idle, and wakes at once when its own bus appended records. So a record from another process
+arrives within about 20 ms, one from the same bus without delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from trainguard.agent.bus import _sqlite_groups as groups
+from trainguard.agent.bus import _sqlite_log as log
+from trainguard.agent.bus._errors import BusClosed, BusError
+from trainguard.agent.bus._port import Consumer, Record, TopicPartition
+from trainguard.agent.bus._sqlite_db import (
+    ConnectionThread,
+    now_ms,
+    read_transaction,
+    translate,
+)
+
+__all__ = ["ConsumerContext", "Membership", "SQLiteConsumer"]
+
+_POLL_MIN_S = 0.002
+_POLL_MAX_S = 0.02
+
+_TP = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerContext:
+    """What a consumer shares with the bus that made it.
+
+    Attributes:
+        reader, writer: the bus's connection threads (reads; group writes).
+        names: topic id -> logical topic name, for the bus's topics.
+        resolve: logical :class:`TopicPartition` -> ``(topic_id, partition)``; raises
+            :class:`BusError` for an unknown topic or partition.
+        wait_for_append: sleeps up to the given seconds or until the bus appends records.
+        bus_closed: whether the bus was closed.
+        forget: called with the consumer when it closes.
+        write_timeout_s: how long group writes may wait for the file's lock, seconds.
+        session_timeout_s: group lease length, seconds.
+    """
+
+    reader: ConnectionThread
+    writer: ConnectionThread
+    names: Mapping[int, str]
+    resolve: Callable[[TopicPartition], _TP]
+    wait_for_append: Callable[[float], Awaitable[None]]
+    bus_closed: Callable[[], bool]
+    forget: Callable[[SQLiteConsumer], None]
+    write_timeout_s: float
+    session_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """A consumer's group membership.
+
+    Attributes:
+        group_id: the consumer group.
+        member_id: this member, unique per consumer object.
+        topics: subscribed topics, stored (prefixed) names.
+        from_beginning: where partitions without a committed position start (0 or the end).
+    """
+
+    group_id: str
+    member_id: str
+    topics: tuple[str, ...]
+    from_beginning: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Polled:
+    version: int
+    positions: dict[_TP, int]
+    records: list[Record]
+    more: bool
+    first_expiry_ms: int | None
+
+
+def _poll(
+    conn: sqlite3.Connection,
+    seen_version: int | None,
+    force: bool,
+    membership: Membership | None,
+    positions: dict[_TP, int],
+    names: Mapping[int, str],
+    max_records: int,
+    first: int,
+    now: int,
+) -> _Polled | None:
+    """One poll on the reader thread: ``None`` when the file did not change since
+    ``seen_version`` (and not ``force``), else the new assignment's positions after the
+    records read. ``positions`` is the caller's copy and is updated in place."""
+    version: int = conn.execute("PRAGMA data_version").fetchone()[0]
+    if version == seen_version and not force:
+        return None
+    with read_transaction(conn):
+        gained: frozenset[_TP] = frozenset()
+        first_expiry = None
+        if membership is not None:
+            mine, first_expiry = groups.owned(conn, membership.group_id, membership.member_id, now)
+            for tp in positions.keys() - mine:
+                del positions[tp]
+            gained = mine - positions.keys()
+        ends = log.end_offsets(conn, positions.keys() | gained)
+        if membership is not None and gained:
+            positions.update(
+                groups.start_positions(
+                    conn, membership.group_id, gained, ends, membership.from_beginning
+                )
+            )
+        records, more = log.read(conn, positions, ends, names, max_records, first)
+    return _Polled(version, positions, records, more, first_expiry)
+
+
+class SQLiteConsumer(Consumer):
+    """A consumer of the embedded bus; made by :meth:`SQLiteBus.subscribe` or ``assign``.
+
+    Group members renew their lease (``session_timeout_s``) while they call :meth:`getmany`:
+    a member that does not poll for a whole session loses its partitions to the others (it
+    rejoins at its next poll). That one timeout plays the roles of Kafka's session timeout and
+    ``max.poll.interval.ms``. Not safe for concurrent use by several tasks, like aiokafka's.
+    """
+
+    def __init__(
+        self,
+        context: ConsumerContext,
+        membership: Membership | None,
+        positions: dict[_TP, int],
+    ) -> None:
+        self._ctx = context
+        self._membership = membership
+        self._positions = positions
+        self._seen_version: int | None = None
+        self._dirty = True
+        self._refresh_at_ms: int | None = None
+        self._epoch = 0
+        self._first = 0
+        self._heartbeat_due = 0.0
+        self._closed = False
+
+    async def join(self) -> None:
+        """Register the group membership and compute the first assignment.
+
+        Raises :class:`BusError` (e.g. :class:`~trainguard.agent.bus.BusUnavailable`).
+        """
+        if self._membership is not None:
+            await self._heartbeat(self._membership)
+        await self._poll(0)
+
+    async def getmany(self, timeout_s: float = 1.0, max_records: int = 1000) -> list[Record]:
+        """See :meth:`Consumer.getmany`. Also renews the group lease when due."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        delay = _POLL_MIN_S
+        membership = self._membership
+        while True:
+            if membership is not None and loop.time() >= self._heartbeat_due:
+                await self._heartbeat(membership)
+            records = await self._poll(max_records)
+            if records:
+                return records
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return []
+            await self._ctx.wait_for_append(min(delay, remaining))
+            delay = min(2 * delay, _POLL_MAX_S)
+            self._check_open()
+
+    async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
+        """See :meth:`Consumer.commit`.
+
+        Positions of partitions this member does not own at the moment of the commit (lost in
+        a rebalance) are ignored: their records will be delivered again to their new owner.
+        Raises :class:`BusError` without a group or for a negative offset,
+        :class:`~trainguard.agent.bus.BusUnavailable` when the file stays locked longer than
+        the bus's send timeout.
+        """
+        self._check_open()
+        membership = self._membership
+        if membership is None:
+            raise BusError("commit() needs a consumer group; this consumer was made by assign()")
+        if offsets is None:
+            positions = dict(self._positions)
+        else:
+            positions = {self._ctx.resolve(tp): offset for tp, offset in offsets.items()}
+        if any(offset < 0 for offset in positions.values()):
+            raise BusError(f"commit(): offsets must be >= 0, got {offsets}")
+        try:
+            await self._ctx.writer.run(
+                groups.commit,
+                membership.group_id,
+                membership.member_id,
+                positions,
+                int(self._ctx.session_timeout_s * 1000),
+                now_ms(),
+                time.monotonic() + self._ctx.write_timeout_s,
+            )
+        except sqlite3.Error as exc:
+            raise translate(exc, "commit") from exc
+        self._dirty = True
+
+    async def seek(self, tp: TopicPartition, offset: int) -> None:
+        """See :meth:`Consumer.seek`. Raises :class:`BusError` if ``tp`` is not assigned."""
+        self._check_open()
+        key = self._ctx.resolve(tp)
+        if key not in self._positions:
+            raise BusError(f"seek(): {tp} is not assigned to this consumer")
+        if offset < 0:
+            raise BusError(f"seek(): offset must be >= 0, got {offset}")
+        self._positions[key] = offset
+        self._epoch += 1
+        self._dirty = True
+
+    def assignment(self) -> frozenset[TopicPartition]:
+        """See :meth:`Consumer.assignment`; for a group member, as of its last poll."""
+        self._check_open()
+        return frozenset(TopicPartition(self._ctx.names[t], p) for t, p in self._positions)
+
+    async def close(self) -> None:
+        """See :meth:`Consumer.close`. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ctx.forget(self)
+        membership = self._membership
+        if membership is None:
+            return
+        try:
+            await self._ctx.writer.run(
+                groups.leave,
+                membership.group_id,
+                membership.member_id,
+                time.monotonic() + self._ctx.write_timeout_s,
+            )
+        except sqlite3.Error:
+            # The lease still ends within the session timeout; the others take over then.
+            return
+
+    def _check_open(self) -> None:
+        if self._closed or self._ctx.bus_closed():
+            raise BusClosed("the consumer is closed")
+
+    async def _heartbeat(self, membership: Membership) -> None:
+        now = now_ms()
+        try:
+            await self._ctx.writer.run(
+                groups.heartbeat,
+                membership.group_id,
+                membership.member_id,
+                membership.topics,
+                now + int(self._ctx.session_timeout_s * 1000),
+                now,
+                time.monotonic() + self._ctx.write_timeout_s,
+            )
+        except sqlite3.Error as exc:
+            raise translate(exc, "consumer group heartbeat") from exc
+        self._heartbeat_due = asyncio.get_running_loop().time() + self._ctx.session_timeout_s / 3
+        # Renewing is also when expired members are noticed: recompute the assignment.
+        self._dirty = True
+
+    async def _poll(self, max_records: int) -> list[Record]:
+        epoch = self._epoch
+        now = now_ms()
+        # A member whose lease ends changes nothing in the file: look again at that time.
+        expired = self._refresh_at_ms is not None and now >= self._refresh_at_ms
+        try:
+            polled = await self._ctx.reader.run(
+                _poll,
+                self._seen_version,
+                self._dirty or expired,
+                self._membership,
+                dict(self._positions),
+                self._ctx.names,
+                max_records,
+                self._first,
+                now,
+            )
+        except sqlite3.Error as exc:
+            raise translate(exc, "poll") from exc
+        self._check_open()
+        if polled is None or epoch != self._epoch:
+            # Unchanged file, or a seek() raced this poll: its records are stale.
+            return []
+        self._first += 1
+        self._seen_version = polled.version
+        self._dirty = polled.more
+        self._refresh_at_ms = polled.first_expiry_ms
+        self._positions = polled.positions
+        return polled.records

@@ -1,0 +1,315 @@
+"""The embedded bus's SQLite file: schema, connection set-up, transactions, and the worker
+thread that owns a connection.
+
+Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
+
+    topics(topic_id PK, name UNIQUE, partitions, compacted)   -- name carries the bus prefix
+    partitions(topic_id, partition, next_offset)              -- PK (topic_id, partition)
+    records(topic_id, partition, offset, ts_ms, key, value)   -- PK (topic_id, partition, offset)
+    group_members(group_id, member_id, topics, expires_ms)    -- PK (group_id, member_id)
+    group_offsets(group_id, topic_id, partition, position)    -- PK (group_id, topic_id, partition)
+    meta(name PK, value)                                      -- last_compaction_ms
+
+``partitions.next_offset`` is the offset the next appended record gets; it is the only source
+of offsets (never ``max(offset) + 1``), so it never goes back when compaction deletes records.
+
+Durability: WAL mode with ``synchronous=NORMAL``. A committed transaction is in the WAL file,
+so it survives the crash of any process; an operating-system crash or power loss may roll back
+the last transactions, but never an earlier one while keeping a later one (WAL frames carry
+cumulative checksums and recovery stops at the first bad frame,
+https://sqlite.org/fileformat2.html#the_write_ahead_log),
+so the file is always a consistent prefix of its history: a committed group position never
+outlives the records it covers. That is the durability of a single Kafka broker, which also
+acknowledges from the page cache (``flush.messages`` is unbounded by default). ``FULL`` would
+fsync every commit: measured here at about 2.6 ms, i.e. under 400 commits/s for the whole
+machine, which an agent that awaits each publish would feel directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
+
+from trainguard.agent.bus._errors import BusError, BusUnavailable
+from trainguard.agent.bus._port import TopicSpec
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ConnectionThread",
+    "TopicMeta",
+    "connect",
+    "is_busy",
+    "load_topics",
+    "now_ms",
+    "prepare",
+    "read_transaction",
+    "translate",
+    "write_transaction",
+]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+
+MIN_SQLITE_VERSION = (3, 24, 0)
+"""UPSERT (``ON CONFLICT DO UPDATE``) appeared in SQLite 3.24."""
+
+BUSY_TIMEOUT_S = 1.0
+"""How long one SQLite call waits for another process's lock before the caller's retry loop
+checks its own deadline again."""
+
+_SCHEMA = """
+CREATE TABLE topics (
+    topic_id   INTEGER PRIMARY KEY,
+    name       TEXT NOT NULL UNIQUE,
+    partitions INTEGER NOT NULL CHECK (partitions >= 1),
+    compacted  INTEGER NOT NULL CHECK (compacted IN (0, 1))
+);
+CREATE TABLE partitions (
+    topic_id    INTEGER NOT NULL REFERENCES topics (topic_id),
+    partition   INTEGER NOT NULL,
+    next_offset INTEGER NOT NULL,
+    PRIMARY KEY (topic_id, partition)
+) WITHOUT ROWID;
+CREATE TABLE records (
+    topic_id  INTEGER NOT NULL,
+    partition INTEGER NOT NULL,
+    offset    INTEGER NOT NULL,
+    ts_ms     INTEGER NOT NULL,
+    key       TEXT,
+    value     BLOB,
+    PRIMARY KEY (topic_id, partition, offset)
+) WITHOUT ROWID;
+CREATE TABLE group_members (
+    group_id   TEXT NOT NULL,
+    member_id  TEXT NOT NULL,
+    topics     TEXT NOT NULL,
+    expires_ms INTEGER NOT NULL,
+    PRIMARY KEY (group_id, member_id)
+) WITHOUT ROWID;
+CREATE TABLE group_offsets (
+    group_id  TEXT NOT NULL,
+    topic_id  INTEGER NOT NULL,
+    partition INTEGER NOT NULL,
+    position  INTEGER NOT NULL,
+    PRIMARY KEY (group_id, topic_id, partition)
+) WITHOUT ROWID;
+CREATE TABLE meta (
+    name  TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class TopicMeta:
+    """A topic as stored in the file.
+
+    Attributes:
+        topic_id: row id used by every other table.
+        name: logical name (without the bus prefix).
+        partitions: partition count, >= 1.
+        compacted: whether the compaction pass keeps only the latest record per key.
+    """
+
+    topic_id: int
+    name: str
+    partitions: int
+    compacted: bool
+
+
+def now_ms() -> int:
+    """Wall-clock time in milliseconds since the Unix epoch (shared by every process)."""
+    return time.time_ns() // 1_000_000
+
+
+def is_busy(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` means another connection holds the lock (``SQLITE_BUSY``/``LOCKED``)."""
+    return isinstance(exc, sqlite3.OperationalError) and (exc.sqlite_errorcode & 0xFF) in (
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+    )
+
+
+def translate(exc: sqlite3.Error, what: str) -> BusError:
+    """The bus error for a failed SQLite call: :class:`BusUnavailable` (retriable) when the
+    file stayed locked too long, :class:`BusError` otherwise."""
+    if is_busy(exc):
+        return BusUnavailable(f"{what}: the bus file stayed locked by another process ({exc})")
+    return BusError(f"{what}: {exc}")
+
+
+def connect(path: str) -> sqlite3.Connection:
+    """Open ``path`` in WAL mode with ``synchronous=NORMAL`` (see the module docstring).
+
+    The connection is in autocommit mode: transactions are explicit (``BEGIN IMMEDIATE`` for
+    writes, see :func:`write_transaction`). Raises :class:`sqlite3.Error` (busy while another
+    process switches the journal mode, not a database, unreadable) and :class:`BusError` when
+    WAL cannot be enabled (e.g. a network file system).
+    """
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    try:
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise BusError(f"{path}: SQLite refused WAL mode (journal_mode={mode})")
+        conn.execute("PRAGMA synchronous=NORMAL")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+@contextmanager
+def write_transaction(conn: sqlite3.Connection, deadline: float) -> Iterator[None]:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolls back if the body raises.
+
+    ``BEGIN IMMEDIATE`` takes the file's single write lock up front, so offset allocation
+    (read ``next_offset``, insert, update) is serialised across every process. While another
+    process holds the lock, waits (SQLite's busy handler, :data:`BUSY_TIMEOUT_S` per try) until
+    ``deadline`` (``time.monotonic()`` seconds), then raises the busy :class:`sqlite3.Error`.
+    """
+    while True:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            break
+        except sqlite3.Error as exc:
+            if not is_busy(exc) or time.monotonic() >= deadline:
+                raise
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+@contextmanager
+def read_transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """A deferred read transaction: every query inside sees one snapshot of the file."""
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        conn.execute("COMMIT")
+
+
+def prepare(
+    conn: sqlite3.Connection, prefix: str, topics: tuple[TopicSpec, ...], deadline: float
+) -> None:
+    """Create the schema if the file is new and the missing ``topics`` (named ``prefix+name``).
+
+    A topic that exists keeps its partition count and cleanup policy, as on Kafka, where
+    creating an existing topic is a no-op. Raises :class:`BusError` when the file holds another
+    schema version, :class:`sqlite3.Error` when it cannot be written before ``deadline``.
+    """
+    with write_transaction(conn, deadline):
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            # One statement at a time: executescript() would COMMIT the open transaction.
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        elif version != SCHEMA_VERSION:
+            raise BusError(
+                f"bus file has schema version {version}, this trainguard reads {SCHEMA_VERSION}"
+            )
+        for spec in topics:
+            if spec.partitions < 1:
+                raise BusError(f"topic {spec.name!r}: partitions must be >= 1")
+            conn.execute(
+                "INSERT INTO topics (name, partitions, compacted) VALUES (?, ?, ?)"
+                " ON CONFLICT (name) DO NOTHING",
+                (prefix + spec.name, spec.partitions, int(spec.compacted)),
+            )
+            topic_id, partitions = conn.execute(
+                "SELECT topic_id, partitions FROM topics WHERE name = ?", (prefix + spec.name,)
+            ).fetchone()
+            conn.executemany(
+                "INSERT INTO partitions (topic_id, partition, next_offset) VALUES (?, ?, 0)"
+                " ON CONFLICT DO NOTHING",
+                [(topic_id, p) for p in range(partitions)],
+            )
+
+
+def load_topics(conn: sqlite3.Connection, prefix: str) -> dict[str, TopicMeta]:
+    """Every topic whose stored name starts with ``prefix``, by logical name."""
+    rows = conn.execute("SELECT topic_id, name, partitions, compacted FROM topics").fetchall()
+    return {
+        name[len(prefix) :]: TopicMeta(topic_id, name[len(prefix) :], partitions, bool(compacted))
+        for topic_id, name, partitions, compacted in rows
+        if name.startswith(prefix)
+    }
+
+
+def _open(path: str, deadline: float) -> sqlite3.Connection:
+    if sqlite3.sqlite_version_info < MIN_SQLITE_VERSION:
+        raise BusError(f"the embedded bus needs SQLite >= 3.24, found {sqlite3.sqlite_version}")
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    while True:
+        # Switching a new file to WAL needs a moment of exclusive access; another process
+        # creating the same file at the same time makes that busy.
+        try:
+            return connect(path)
+        except sqlite3.Error as exc:
+            if not is_busy(exc) or time.monotonic() >= deadline:
+                raise
+
+
+class ConnectionThread:
+    """One worker thread that owns one SQLite connection and runs calls on it in order.
+
+    SQLite calls block (disk I/O, waiting for another process's lock), so they never run on
+    the event loop; a single thread per connection also satisfies ``sqlite3``'s rule that a
+    connection stays on the thread that made it. The GIL is released inside SQLite calls.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._conn: sqlite3.Connection | None = None
+
+    async def open(self, path: str, deadline: float) -> None:
+        """Open the database at ``path``, creating its directory if missing.
+
+        Raises :class:`sqlite3.Error` (e.g. still busy at ``deadline``, monotonic seconds),
+        :class:`OSError` (directory cannot be created) or :class:`BusError` (SQLite too old,
+        WAL refused).
+        """
+        self._conn = await self._submit(_open, path, deadline)
+
+    async def run(
+        self,
+        fn: Callable[Concatenate[sqlite3.Connection, P], T],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """Run ``fn(connection, *args, **kwargs)`` on the thread and return its result.
+
+        If the awaiting task is cancelled, the call still runs to completion on the thread.
+        """
+        conn = self._conn
+        if conn is None:
+            raise BusError("the bus connection is not open")
+        return await self._submit(functools.partial(fn, conn, *args, **kwargs))
+
+    async def close(self) -> None:
+        """Close the connection (after the calls already queued) and stop the thread."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await self._submit(conn.close)
+        self._executor.shutdown(wait=False)
+
+    def _submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

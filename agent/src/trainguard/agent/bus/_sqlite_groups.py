@@ -1,0 +1,179 @@
+"""Consumer groups of the embedded bus: membership leases, assignment, committed positions.
+
+A member is a row in ``group_members`` with the topics it subscribes to and a lease end
+(``expires_ms``). Members renew their lease while they poll; a member whose lease ran out is
+ignored by everyone (and its row deleted by the next member that renews). There is no
+coordinator: every member computes the same assignment from the live rows
+(:func:`round_robin`), so when membership changes each member drops or picks up partitions at
+its next poll. A partition a member picks up starts at the group's committed position, and a
+commit only stores positions of partitions the member owns at that moment, so a member that
+lost a partition cannot move its position; records are never skipped, only possibly delivered
+twice around a rebalance (at-least-once, as on Kafka). Leases are in wall-clock milliseconds,
+which all processes of one machine share; a clock step shortens or lengthens them once.
+
+Every function takes the connection first and runs on its worker thread. Partitions are named
+by ``(topic_id, partition)`` pairs; topics in member rows by their stored (prefixed) names.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import cycle
+
+from trainguard.agent.bus._sqlite_db import write_transaction
+
+__all__ = ["commit", "heartbeat", "leave", "owned", "round_robin", "start_positions"]
+
+
+def round_robin(
+    members: Mapping[str, frozenset[str]], partitions: Mapping[str, int]
+) -> dict[str, set[tuple[str, int]]]:
+    """Deal topic partitions to group members, as Kafka's ``RoundRobinAssignor``.
+
+    ``members`` maps member id to its subscribed topics; ``partitions`` maps topic to its
+    partition count. All ``(topic, partition)`` pairs, sorted, go in turn to the members sorted
+    by id, skipping members not subscribed to the pair's topic. Deterministic: every member
+    computes the same answer from the same rows. Returns every member's share.
+    """
+    shares: dict[str, set[tuple[str, int]]] = {member: set() for member in members}
+    if not members:
+        return shares
+    ring = cycle(sorted(members))
+    for topic in sorted(partitions):
+        if not any(topic in topics for topics in members.values()):
+            continue
+        for partition in range(partitions[topic]):
+            member = next(ring)
+            while topic not in members[member]:
+                member = next(ring)
+            shares[member].add((topic, partition))
+    return shares
+
+
+def heartbeat(
+    conn: sqlite3.Connection,
+    group_id: str,
+    member_id: str,
+    topics: Sequence[str],
+    expires_ms: int,
+    now_ms: int,
+    deadline: float,
+) -> None:
+    """Join ``group_id`` or renew the lease of ``member_id`` until ``expires_ms``.
+
+    ``topics`` are stored topic names. Also deletes the group's members whose lease ended
+    before ``now_ms``. Raises :class:`sqlite3.Error` (busy past ``deadline``, monotonic s).
+    """
+    with write_transaction(conn, deadline):
+        conn.execute(
+            "INSERT INTO group_members (group_id, member_id, topics, expires_ms)"
+            " VALUES (?, ?, ?, ?) ON CONFLICT (group_id, member_id)"
+            " DO UPDATE SET topics = excluded.topics, expires_ms = excluded.expires_ms",
+            (group_id, member_id, json.dumps(sorted(topics)), expires_ms),
+        )
+        conn.execute(
+            "DELETE FROM group_members WHERE group_id = ? AND expires_ms <= ?", (group_id, now_ms)
+        )
+
+
+def leave(conn: sqlite3.Connection, group_id: str, member_id: str, deadline: float) -> None:
+    """Remove ``member_id`` from ``group_id`` at once (its partitions go to the others)."""
+    with write_transaction(conn, deadline):
+        conn.execute(
+            "DELETE FROM group_members WHERE group_id = ? AND member_id = ?", (group_id, member_id)
+        )
+
+
+def owned(
+    conn: sqlite3.Connection, group_id: str, member_id: str, now_ms: int
+) -> tuple[frozenset[tuple[int, int]], int | None]:
+    """The partitions ``member_id`` owns among the members of ``group_id`` live at ``now_ms``,
+    and when (ms since the epoch) the first of those members' leases ends unless renewed.
+
+    The partitions are empty when the member's own lease has ended.
+    """
+    rows = conn.execute(
+        "SELECT member_id, topics, expires_ms FROM group_members"
+        " WHERE group_id = ? AND expires_ms > ?",
+        (group_id, now_ms),
+    ).fetchall()
+    members = {member: frozenset(json.loads(topics)) for member, topics, _ in rows}
+    first_expiry = min((expires for _, _, expires in rows), default=None)
+    if member_id not in members:
+        return frozenset(), first_expiry
+    wanted = frozenset().union(*members.values())
+    topics = {
+        name: (topic_id, partitions)
+        for topic_id, name, partitions in conn.execute(
+            "SELECT topic_id, name, partitions FROM topics"
+        )
+        if name in wanted
+    }
+    share = round_robin(members, {name: count for name, (_, count) in topics.items()})
+    mine = frozenset((topics[name][0], partition) for name, partition in share[member_id])
+    return mine, first_expiry
+
+
+def start_positions(
+    conn: sqlite3.Connection,
+    group_id: str,
+    partitions: Iterable[tuple[int, int]],
+    ends: Mapping[tuple[int, int], int],
+    from_beginning: bool,
+) -> dict[tuple[int, int], int]:
+    """Where a member that just got ``partitions`` starts reading each of them.
+
+    The group's committed position if there is one, else 0 (``from_beginning``) or the
+    partition's end offset from ``ends``.
+    """
+    starts = {}
+    for tp in partitions:
+        row = conn.execute(
+            "SELECT position FROM group_offsets"
+            " WHERE group_id = ? AND topic_id = ? AND partition = ?",
+            (group_id, *tp),
+        ).fetchone()
+        if row is not None:
+            starts[tp] = row[0]
+        else:
+            starts[tp] = 0 if from_beginning else ends[tp]
+    return starts
+
+
+def commit(
+    conn: sqlite3.Connection,
+    group_id: str,
+    member_id: str,
+    positions: Mapping[tuple[int, int], int],
+    lease_ms: int,
+    now_ms: int,
+    deadline: float,
+) -> frozenset[tuple[int, int]]:
+    """Store ``positions`` (next offset to read) for the partitions ``member_id`` owns now.
+
+    Positions of partitions the member does not own (lost in a rebalance, or its lease ended)
+    are dropped, so a stale member can never move a position another member relies on; the
+    records after the kept position are delivered again (at-least-once). A live member's lease
+    is renewed to ``now_ms + lease_ms``. Returns the partitions stored. Raises
+    :class:`sqlite3.Error` (busy past ``deadline``, monotonic seconds).
+    """
+    with write_transaction(conn, deadline):
+        conn.execute(
+            "UPDATE group_members SET expires_ms = ?"
+            " WHERE group_id = ? AND member_id = ? AND expires_ms > ?",
+            (now_ms + lease_ms, group_id, member_id, now_ms),
+        )
+        mine, _ = owned(conn, group_id, member_id, now_ms)
+        stored = [(tp, position) for tp, position in positions.items() if tp in mine]
+        conn.executemany(
+            "INSERT INTO group_offsets (group_id, topic_id, partition, position)"
+            " VALUES (?, ?, ?, ?) ON CONFLICT (group_id, topic_id, partition)"
+            " DO UPDATE SET position = excluded.position",
+            [
+                (group_id, topic_id, partition, position)
+                for (topic_id, partition), position in stored
+            ],
+        )
+    return frozenset(tp for tp, _ in stored)

@@ -1,0 +1,184 @@
+"""What the state machine decides: data for the shell to act on, log and audit.
+
+Every decision is an immutable, comparable dataclass with a ``reason`` naming its evidence, and
+a :meth:`~Transition.to_dict` giving a JSON-ready form whose content depends only on the
+decision (a replay compares decisions, or these dicts, for equality).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, is_dataclass
+from typing import ClassVar, Literal, TypeAlias
+
+from trainguard.schemas import Command, JSONValue, Manifest
+
+from ._state import IncidentCause, JobPhase
+
+RejectCode: TypeAlias = Literal[
+    "wrong_job",
+    "stale_generation",
+    "future_generation",
+    "duplicate",
+    "world_size_conflict",
+    "rank_out_of_range",
+    "wrong_snapshot",
+]
+"""Why an input was rejected (left the state unchanged)."""
+
+AnomalyKind: TypeAlias = Literal[
+    "checkpoint_mismatch",
+    "snapshot_corrupt",
+    "unknown_snapshot",
+    "rank_error",
+    "exit_without_ranks",
+]
+"""Something reported and recorded but not by itself acted on."""
+
+IncidentOutcome: TypeAlias = Literal["resumed", "failed", "finished"]
+
+
+def _plain(value: object) -> JSONValue:
+    """JSON-ready form of a decision field: dataclasses (messages get their ``schema``) become
+    dicts, sequences lists, and non-finite floats the strings ``"nan"``, ``"inf"``, ``"-inf"``
+    as on the wire (see :mod:`trainguard.schemas._messages`).
+
+    Raises:
+        TypeError: a value of a type no decision holds.
+    """
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if is_dataclass(value) and not isinstance(value, type):
+        out: dict[str, JSONValue] = {}
+        schema = getattr(value, "SCHEMA", None)
+        if isinstance(schema, str):
+            out["schema"] = schema
+        for f in fields(value):
+            out[f.name] = _plain(getattr(value, f.name))
+        return out
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    raise TypeError(f"cannot convert {type(value).__name__} to JSON")
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    """Base of all decisions: the ``to_dict`` form."""
+
+    KIND: ClassVar[str]
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        """``{"decision": <kind>, <field>: <value>, ...}``, JSON-ready, fields in declaration
+        order; commands and manifests nested as dicts with their ``schema``."""
+        out: dict[str, JSONValue] = {"decision": self.KIND}
+        for f in fields(self):
+            out[f.name] = _plain(getattr(self, f.name))
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transition(_Decision):
+    """The job's phase changed from ``old`` to ``new``; ``generation`` is the one after it."""
+
+    KIND: ClassVar[str] = "transition"
+    old: JobPhase
+    new: JobPhase
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Committed(_Decision):
+    """Every rank's shard of a step arrived and agrees: ``manifest`` is a restore target now."""
+
+    KIND: ClassVar[str] = "committed"
+    manifest: Manifest
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IncidentOpened(_Decision):
+    """A failure was detected in ``generation``.
+
+    Attributes:
+        incident_id: ``<job_id>/i<n>``.
+        cause: the detector that fired.
+        generation: the generation the failure happened in.
+        ranks: the ranks named by the evidence, ascending.
+        hosts: their hosts, sorted, without repeats (may be empty when unknown).
+        reason: the evidence.
+    """
+
+    KIND: ClassVar[str] = "incident_opened"
+    incident_id: str
+    cause: IncidentCause
+    generation: int
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IncidentClosed(_Decision):
+    """The incident ended: ``resumed`` (all ranks acknowledged a restore), ``failed`` (restore
+    attempts exhausted, job aborted) or ``finished`` (the ranks finished meanwhile)."""
+
+    KIND: ClassVar[str] = "incident_closed"
+    incident_id: str
+    outcome: IncidentOutcome
+    attempts: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Issue(_Decision):
+    """Publish ``command`` (already numbered and stamped) on the commands topic."""
+
+    KIND: ClassVar[str] = "issue"
+    command: Command
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejected(_Decision):
+    """The input was not applied (the state is unchanged); for the dead-letter topic."""
+
+    KIND: ClassVar[str] = "rejected"
+    code: RejectCode
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Anomaly(_Decision):
+    """Reported evidence that is recorded but not by itself acted on."""
+
+    KIND: ClassVar[str] = "anomaly"
+    kind: AnomalyKind
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobFailed(_Decision):
+    """The job is ``failed`` for good; the shell reports this loudly."""
+
+    KIND: ClassVar[str] = "job_failed"
+    reason: str
+
+
+Decision: TypeAlias = (
+    Transition
+    | Committed
+    | IncidentOpened
+    | IncidentClosed
+    | Issue
+    | Rejected
+    | Anomaly
+    | JobFailed
+)

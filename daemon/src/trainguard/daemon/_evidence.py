@@ -1,0 +1,77 @@
+"""Wording of the evidence in decision reasons.
+
+Pure and platform independent: a replay on another machine must produce the same strings, so
+signal names come from a fixed table rather than the running platform's ``signal`` module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# Numbers that are the same on Linux, macOS and the BSDs (those marked XSI in POSIX's `kill`
+# utility are fixed by the standard); others are reported by number only.
+_SIGNAL_NAMES = {
+    1: "SIGHUP",
+    2: "SIGINT",
+    3: "SIGQUIT",
+    4: "SIGILL",
+    5: "SIGTRAP",
+    6: "SIGABRT",
+    8: "SIGFPE",
+    9: "SIGKILL",
+    11: "SIGSEGV",
+    13: "SIGPIPE",
+    14: "SIGALRM",
+    15: "SIGTERM",
+}
+
+_LISTED = 8
+"""Ranks spelled out in a reason before the rest are only counted."""
+
+
+def exit_status(exit_code: int | None, signal: int | None) -> str:
+    """``"with signal 9 (SIGKILL)"``, ``"with exit code 1"`` or ``"without an exit status"``."""
+    if signal is not None:
+        name = _SIGNAL_NAMES.get(signal)
+        return f"with signal {signal} ({name})" if name else f"with signal {signal}"
+    if exit_code is not None:
+        return f"with exit code {exit_code}"
+    return "without an exit status"
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``"rank 3"``, ``"ranks 1, 2"``, or the first eight and a count of the rest."""
+    listed = sorted(ranks)
+    if len(listed) == 1:
+        return f"rank {listed[0]}"
+    text = ", ".join(str(r) for r in listed[:_LISTED])
+    if len(listed) > _LISTED:
+        text += f" and {len(listed) - _LISTED} more"
+    return f"ranks {text}"
+
+
+def hosts_text(hosts: Iterable[str]) -> str:
+    """``"host h1"`` or ``"hosts h1, h2"``; ``""`` when no host is known."""
+    listed = sorted(set(hosts))
+    if not listed:
+        return ""
+    if len(listed) == 1:
+        return f"host {listed[0]}"
+    text = ", ".join(listed[:_LISTED])
+    if len(listed) > _LISTED:
+        text += f" and {len(listed) - _LISTED} more"
+    return f"hosts {text}"
+
+
+def steps_text(steps: Iterable[int | None]) -> str:
+    """``" at step 37"``, ``" at steps 36-37"``, or ``""`` when no step is known."""
+    known = [s for s in steps if s is not None]
+    if not known:
+        return ""
+    low, high = min(known), max(known)
+    return f" at step {low}" if low == high else f" at steps {low}-{high}"
+
+
+def seconds_text(ns: int) -> str:
+    """A duration in nanoseconds as seconds, ``"12.5 s"`` (shortest exact-enough form)."""
+    return f"{ns / 1_000_000_000:g} s"

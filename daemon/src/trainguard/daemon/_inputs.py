@@ -1,0 +1,45 @@
+"""What the per-job state machine folds: observed events and clock ticks.
+
+The daemon's clock enters the machine only through these inputs, so a recorded sequence of
+inputs replays to the same decisions (ARCHITECTURE.md section 4, invariant 1). For that, the shell
+must record its ticks along with the events' bus offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from trainguard.schemas import Event
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """An event as the daemon consumed it from the bus.
+
+    Attributes:
+        at_ns: the bus record's append timestamp in nanoseconds since the Unix epoch (the
+            broker's or the embedded bus's clock, not the sender's ``ts``).
+        offset: the record's offset in its partition, or ``None`` when the event did not come
+            from a bus (tests, what-if runs). Carried for the audit trail; the machine does not
+            decide on it.
+        event: the decoded and verified event.
+    """
+
+    at_ns: int
+    offset: int | None
+    event: Event
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """The daemon's clock reached ``at_ns`` (nanoseconds since the Unix epoch).
+
+    The shell schedules ticks at :func:`trainguard.daemon._machine.next_deadline` so timeouts
+    fire without waiting for the next event.
+    """
+
+    at_ns: int
+
+
+Input: TypeAlias = Observed | Tick

@@ -1,0 +1,577 @@
+"""The per-job state machine: ``decide(state, input, config) -> (state', decisions)``.
+
+Pure (ARCHITECTURE.md section 4): no I/O, no clock reads, no randomness, no logging. Time enters
+only through the inputs' ``at_ns``; the shell acts on the returned decisions (publishes commands
+and manifests, logs reasons, writes the audit trail).
+
+Order of work for an observed event:
+
+1. in a ``finished`` or ``failed`` job, change nothing (the state is final);
+2. screen it (wrong job, stale or future generation, duplicate ``seq``, world-size conflict,
+   rank out of range, restore acknowledgement for the wrong snapshot): a rejected event leaves
+   the state untouched and yields one :class:`Rejected`;
+3. fold it (one handler per event type), then settle phase changes it completes (all ranks
+   heard, all restores acknowledged, all ranks finished);
+4. check the deadlines (heartbeat silence, startup, restore) at the new clock.
+
+A :class:`Tick` runs steps 1 and 4 only. Recovery (incidents, restore retries, abort) lives in
+:mod:`trainguard.daemon._recovery`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import assert_never
+
+from rpds import HashTrieMap, HashTrieSet
+
+from trainguard.schemas import (
+    Checkpoint,
+    DataCursorEvent,
+    Event,
+    Heartbeat,
+    Lifecycle,
+    Phase,
+    Resume,
+)
+
+from ._commit import commit
+from ._config import MachineConfig
+from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Issue, Rejected, Transition
+from ._evidence import exit_status, hosts_text, ranks_text, seconds_text, steps_text
+from ._inputs import Input, Observed, Tick
+from ._recovery import Failure, fail_over, next_command_seq, target_text
+from ._state import TERMINAL_PHASES, JobState, RankState, RankStatus
+
+Decisions = tuple[Decision, ...]
+_NONE: Decisions = ()
+
+
+def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobState, Decisions]:
+    """Fold one input into a job's state.
+
+    Args:
+        state: the job's state before ``item``.
+        item: an observed event of this job, or a clock tick.
+        config: thresholds and the daemon's identity.
+
+    Returns:
+        The new state and the decisions taken, in the order the shell must act on them. A
+        rejected event returns ``state`` itself and one :class:`Rejected`; a ``finished`` or
+        ``failed`` job returns ``state`` itself and no decision (but a :class:`Rejected` for
+        an event of another job).
+
+    Folding a heartbeat costs O(log32 n) in the number of ranks n (persistent maps), plus an
+    amortised O(1) share of the occasional scan for silent ranks (see ``JobState``).
+    """
+    if state.phase in TERMINAL_PHASES:
+        return _at_rest(state, item)
+    match item:
+        case Observed(at_ns=at_ns, event=event):
+            rejected = _screen(state, event)
+            if rejected is not None:
+                return state, (rejected,)
+            state = _accept(state, event, at_ns)
+            state, decisions = _handle(state, event, config)
+            state, settled = _settle(state, config)
+            return _expire(state, config, decisions + settled)
+        case Tick(at_ns=at_ns):
+            return _expire(_advance(state, at_ns), config, _NONE)
+        case _:
+            assert_never(item)
+
+
+def fold(
+    state: JobState, items: Iterable[Input], config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Fold ``items`` in order with :func:`decide`; return the last state and every decision.
+
+    The same state, inputs and config give the same result (replay, what-if runs).
+    """
+    collected: list[Decision] = []
+    for item in items:
+        state, decisions = decide(state, item, config)
+        collected.extend(decisions)
+    return state, tuple(collected)
+
+
+def next_deadline(state: JobState, config: MachineConfig) -> int | None:
+    """The earliest clock (ns) at which a :class:`Tick` could decide something, or ``None``.
+
+    A lower bound: a tick at that time may find nothing due (a silent rank spoke meanwhile) and
+    only move the bound forward; call again after every :func:`decide`.
+    """
+    if state.phase in TERMINAL_PHASES:
+        return None
+    due: list[int] = []
+    if state.silence_floor_ns is not None:
+        due.append(state.silence_floor_ns + config.heartbeat_timeout_ns + 1)
+    if state.phase == "starting" and state.generation_started_ns is not None:
+        due.append(state.generation_started_ns + config.startup_timeout_ns + 1)
+    if state.phase == "restoring" and state.incident is not None:
+        due.append(state.incident.issued_ns + config.restore_timeout_ns + 1)
+    return min(due, default=None)
+
+
+def _at_rest(state: JobState, item: Input) -> tuple[JobState, Decisions]:
+    """A ``finished`` or ``failed`` job is final: its state no longer changes, and only an
+    event for another job (a routing fault) is worth a decision."""
+    if isinstance(item, Observed) and item.event.job_id != state.job_id:
+        return state, (_wrong_job(state, item.event),)
+    return state, _NONE
+
+
+def _advance(state: JobState, at_ns: int) -> JobState:
+    """Move the clock to ``at_ns`` unless that is in its past; start generation 0's clock."""
+    if at_ns <= state.clock_ns and state.generation_started_ns is not None:
+        return state
+    clock = max(state.clock_ns, at_ns)
+    started = clock if state.generation_started_ns is None else state.generation_started_ns
+    return state._replace(clock_ns=clock, generation_started_ns=started)
+
+
+def _stated_world_size(event: Event) -> int | None:
+    """The world size ``event`` states, if its type carries one."""
+    if isinstance(event, DataCursorEvent):
+        return None
+    return event.world_size
+
+
+def _screen(state: JobState, event: Event) -> Rejected | None:
+    """Why ``event`` must not be applied to ``state``, or ``None`` when it may be."""
+    if event.job_id != state.job_id:
+        return _wrong_job(state, event)
+    if event.generation < state.generation:
+        return Rejected(
+            code="stale_generation",
+            reason=f"stale generation: {_sender(event)} is of generation {event.generation}, "
+            f"the job is in generation {state.generation}",
+        )
+    if event.generation > state.generation:
+        return Rejected(
+            code="future_generation",
+            reason=f"{_sender(event)} claims generation {event.generation}, but the daemon has "
+            f"only created up to generation {state.generation}",
+        )
+    last = state.senders.get((event.rank, event.host, event.pid))
+    if last is not None and event.seq <= last:
+        return Rejected(
+            code="duplicate",
+            reason=f"duplicate: {_sender(event)} has seq {event.seq}, already accepted up to "
+            f"seq {last}",
+        )
+    stated = _stated_world_size(event)
+    current = state.world_size_generation == state.generation
+    if stated is not None and current and stated != state.world_size:
+        return Rejected(
+            code="world_size_conflict",
+            reason=f"{_sender(event)} states world size {stated}, but generation "
+            f"{state.generation} runs with world size {state.world_size}",
+        )
+    bound = stated if stated is not None else state.world_size
+    named = (event.rank,) if event.rank is not None else _group_ranks(event)
+    outside = [r for r in named if r < 0 or (bound is not None and r >= bound)]
+    if outside:
+        return Rejected(
+            code="rank_out_of_range",
+            reason=f"{_sender(event)} names {ranks_text(outside)}, outside world size {bound}",
+        )
+    if (
+        isinstance(event, Lifecycle)
+        and event.kind == "restored"
+        and event.rank is not None
+        and event.snapshot_id is not None
+        and state.incident is not None
+    ):
+        expected = state.incident.target
+        if expected is None or event.snapshot_id != expected.snapshot_id:
+            return Rejected(
+                code="wrong_snapshot",
+                reason=f"{_sender(event)} acknowledged restoring {event.snapshot_id}, but "
+                f"restore attempt {state.incident.attempt} of {state.incident.incident_id} "
+                f"targets {target_text(expected)}",
+            )
+    return None
+
+
+def _wrong_job(state: JobState, event: Event) -> Rejected:
+    return Rejected(
+        code="wrong_job",
+        reason=f"{_sender(event)} is for job {event.job_id!r}, not {state.job_id!r}",
+    )
+
+
+def _sender(event: Event) -> str:
+    """``"Heartbeat from rank 1 on host h0 (pid 42)"``: an event named for a reason."""
+    who = "supervisor" if event.rank is None else f"rank {event.rank}"
+    return f"{type(event).__name__} from {who} on host {event.host} (pid {event.pid})"
+
+
+def _group_ranks(event: Event) -> tuple[int, ...]:
+    """The ranks a supervisor's event speaks for (only lifecycle events have them)."""
+    return event.ranks if isinstance(event, Lifecycle) else ()
+
+
+def _accept(state: JobState, event: Event, at_ns: int) -> JobState:
+    """Record a screened event's time, ``seq`` and stated world size."""
+    clock = max(state.clock_ns, at_ns)
+    started = clock if state.generation_started_ns is None else state.generation_started_ns
+    senders = state.senders.insert((event.rank, event.host, event.pid), event.seq)
+    stated = _stated_world_size(event)
+    if stated is None or (
+        stated == state.world_size and state.world_size_generation == state.generation
+    ):
+        return state._replace(clock_ns=clock, generation_started_ns=started, senders=senders)
+    # First statement of the world size in this generation: it may differ from the one carried
+    # over from the previous generation; ranks heard from beyond it no longer exist.
+    ranks, incident = state.ranks, state.incident
+    if any(r >= stated for r in ranks):
+        ranks = HashTrieMap((r, s) for r, s in ranks.items() if r < stated)
+        if incident is not None:
+            incident = replace(incident, acks=HashTrieSet(a for a in incident.acks if a < stated))
+    return state._replace(
+        clock_ns=clock,
+        generation_started_ns=started,
+        senders=senders,
+        world_size=stated,
+        world_size_generation=state.generation,
+        ranks=ranks,
+        finished_ranks=sum(1 for s in ranks.values() if s.status == "finished"),
+        incident=incident,
+    )
+
+
+def _handle(state: JobState, event: Event, config: MachineConfig) -> tuple[JobState, Decisions]:
+    """Fold an accepted event by its type."""
+    match event:
+        case Heartbeat():
+            return _touch(
+                state, event.rank, event.host, event.pid, step=event.step, phase=event.phase
+            ), _NONE
+        case Checkpoint():
+            return _on_checkpoint(state, event, config)
+        case DataCursorEvent():
+            return _touch(state, event.rank, event.host, event.pid), _NONE
+        case Lifecycle():
+            return _on_lifecycle(state, event, config)
+        case _:
+            assert_never(event)
+
+
+def _touch(
+    state: JobState,
+    rank: int,
+    host: str,
+    pid: int,
+    *,
+    step: int | None = None,
+    phase: Phase | None = None,
+    status: RankStatus | None = None,
+) -> JobState:
+    """Record that ``rank`` spoke at the current clock (the hot path: O(log32 n))."""
+    clock = state.clock_ns
+    prev = state.ranks.get(rank)
+    if prev is None:
+        record = RankState(
+            rank=rank,
+            host=host,
+            pid=pid,
+            status=status or "alive",
+            phase=phase,
+            last_heard_ns=clock,
+            step=step,
+            step_advanced_ns=None if step is None else clock,
+        )
+        newly_finished = record.status == "finished"
+    else:
+        advanced = step is not None and (prev.step is None or step > prev.step)
+        record = RankState(
+            rank=rank,
+            host=host,
+            pid=pid,
+            status=status or prev.status,
+            phase=prev.phase if phase is None else phase,
+            last_heard_ns=clock,
+            step=prev.step if step is None else step,
+            step_advanced_ns=clock if advanced else prev.step_advanced_ns,
+        )
+        newly_finished = record.status == "finished" and prev.status != "finished"
+    return state._replace(
+        ranks=state.ranks.insert(rank, record),
+        finished_ranks=state.finished_ranks + newly_finished,
+        silence_floor_ns=clock if state.silence_floor_ns is None else state.silence_floor_ns,
+    )
+
+
+def _on_checkpoint(
+    state: JobState, event: Checkpoint, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Add a shard to its step; commit the step once every rank's shard is in."""
+    state = _touch(state, event.rank, event.host, event.pid)
+    newest = state.committed[-1] if state.committed else None
+    if newest is not None and newest.generation == state.generation and event.step <= newest.step:
+        # A newer step of this generation is committed already: this one can never be the
+        # better target, and keeping it would let late shards accumulate.
+        return state, _NONE
+    shards = state.pending.get(event.step, HashTrieMap()).insert(event.rank, event)
+    world_size = event.world_size  # equal to state.world_size: screened
+    if len(shards) < world_size:
+        return state._replace(pending=state.pending.insert(event.step, shards)), _NONE
+    pending = HashTrieMap((s, v) for s, v in state.pending.items() if s > event.step)
+    result = commit(state.job_id, state.generation, event.step, world_size, shards, state.clock_ns)
+    if isinstance(result, str):
+        return state._replace(pending=pending), (
+            Anomaly(kind="checkpoint_mismatch", reason=result),
+        )
+    committed = (*state.committed, result)[-config.keep_snapshots :]
+    kept = {m.snapshot_id for m in committed}
+    bad = frozenset(s for s in state.bad_snapshots if s in kept)
+    reason = (
+        f"all {world_size} ranks reported their shard of step {event.step} in generation "
+        f"{state.generation} (data version {result.data_version!r})"
+    )
+    return state._replace(pending=pending, committed=committed, bad_snapshots=bad), (
+        Committed(manifest=result, reason=reason),
+    )
+
+
+def _on_lifecycle(
+    state: JobState, event: Lifecycle, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Fold a lifecycle report of a worker (``rank`` set) or of a supervisor."""
+    if event.kind == "exited":
+        return _on_exited(state, event, config)
+    if event.kind == "error":
+        return _on_error(state, event, config)
+    if event.rank is None:
+        # A supervisor's started/restored/finished: recorded (seq, world size), not acted on;
+        # workers speak for their ranks.
+        return state, _NONE
+    status: RankStatus | None = "finished" if event.kind == "finished" else None
+    state = _touch(state, event.rank, event.host, event.pid, step=event.step, status=status)
+    incident = state.incident
+    if event.kind == "restored" and state.phase == "restoring" and incident is not None:
+        state = state._replace(incident=replace(incident, acks=incident.acks.insert(event.rank)))
+    return state, _NONE
+
+
+def _on_exited(
+    state: JobState, event: Lifecycle, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """A worker, or a supervisor's process group, exited: an incident unless all finished."""
+    status = exit_status(event.exit_code, event.signal)
+    generation = state.generation
+    if event.rank is None and not event.ranks:
+        return state, (
+            Anomaly(
+                kind="exit_without_ranks",
+                reason=f"the supervisor on host {event.host} (pid {event.pid}) reported an exit "
+                f"{status} in generation {generation} without naming its ranks",
+            ),
+        )
+    named = {event.rank} if event.rank is not None else set(event.ranks)
+    records = {r: state.ranks.get(r) for r in named}
+    dead = sorted(r for r, rec in records.items() if rec is None or rec.status != "finished")
+    if not dead:
+        return state, _NONE
+    steps = steps_text(rec.step for r, rec in records.items() if rec is not None and r in dead)
+    who = f"{ranks_text(dead)} on host {event.host}"
+    if event.rank is not None:
+        reason = f"{who} (pid {event.pid}) exited {status} in generation {generation}{steps}"
+    else:
+        reason = (
+            f"{who} exited {status} in generation {generation}{steps} "
+            f"(reported by the supervisor, pid {event.pid})"
+        )
+    return fail_over(state, Failure("exited", reason, tuple(dead), (event.host,)), config)
+
+
+def _on_error(
+    state: JobState, event: Lifecycle, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """An error report; one naming a snapshot marks it bad (and retries a restore to it)."""
+    if event.rank is not None:
+        state = _touch(state, event.rank, event.host, event.pid, step=event.step)
+        who = f"rank {event.rank} on host {event.host}"
+    else:
+        who = f"the supervisor on host {event.host} (pid {event.pid})"
+    detail = f": {event.message}" if event.message else ""
+    sid = event.snapshot_id
+    if sid is None:
+        return state, (
+            Anomaly(
+                kind="rank_error",
+                reason=f"{who} reported an error in generation {state.generation}{detail}",
+            ),
+        )
+    if all(m.snapshot_id != sid for m in state.committed):
+        return state, (
+            Anomaly(
+                kind="unknown_snapshot",
+                reason=f"{who} reported that snapshot {sid} failed verification, but it is not "
+                f"a committed snapshot of this job{detail}",
+            ),
+        )
+    reason = f"{who} reported that snapshot {sid} failed verification{detail}"
+    state = state._replace(bad_snapshots=state.bad_snapshots | {sid})
+    noted = Anomaly(kind="snapshot_corrupt", reason=f"{reason}; no longer a restore target")
+    incident = state.incident
+    if (
+        state.phase == "restoring"
+        and incident is not None
+        and incident.target is not None
+        and incident.target.snapshot_id == sid
+    ):
+        named = (event.rank,) if event.rank is not None else event.ranks
+        state, decisions = fail_over(
+            state, Failure("snapshot_corrupt", reason, named, (event.host,)), config
+        )
+        return state, (noted, *decisions)
+    return state, (noted,)
+
+
+def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions]:
+    """Phase changes an event can complete: all finished, all heard, all restores acked."""
+    world_size = state.world_size
+    if world_size is None or state.world_size_generation != state.generation:
+        return state, _NONE
+    generation = state.generation
+    incident = state.incident
+    if state.finished_ranks == world_size:
+        reason = f"all {world_size} ranks finished in generation {generation}"
+        decisions: Decisions = (
+            Transition(old=state.phase, new="finished", generation=generation, reason=reason),
+        )
+        if incident is not None:
+            decisions += (
+                IncidentClosed(
+                    incident_id=incident.incident_id,
+                    outcome="finished",
+                    attempts=incident.attempt,
+                    reason=reason,
+                ),
+            )
+        return state._replace(phase="finished", incident=None), decisions
+    if state.phase == "starting" and len(state.ranks) == world_size:
+        reason = f"all {world_size} ranks reported in generation {generation}"
+        return state._replace(phase="running"), (
+            Transition(old="starting", new="running", generation=generation, reason=reason),
+        )
+    if state.phase == "restoring" and incident is not None and len(incident.acks) == world_size:
+        step = 0 if incident.target is None else incident.target.step
+        seq = next_command_seq(state)
+        reason = (
+            f"all {world_size} ranks acknowledged restore attempt {incident.attempt} of "
+            f"{incident.incident_id} to {target_text(incident.target)} in generation {generation}"
+        )
+        resume = Resume(
+            job_id=state.job_id,
+            generation=generation,
+            ts=state.clock_ns,
+            seq=seq,
+            daemon_id=config.daemon_id,
+            step=step,
+        )
+        return state._replace(phase="running", incident=None, command_seq=seq), (
+            Transition(old="restoring", new="running", generation=generation, reason=reason),
+            Issue(command=resume, reason=reason),
+            IncidentClosed(
+                incident_id=incident.incident_id,
+                outcome="resumed",
+                attempts=incident.attempt,
+                reason=reason,
+            ),
+        )
+    return state, _NONE
+
+
+def _expire(
+    state: JobState, config: MachineConfig, decisions: Decisions
+) -> tuple[JobState, Decisions]:
+    """Check the deadlines at the current clock; at most one failure is acted on per input."""
+    if state.phase in TERMINAL_PHASES:
+        return state, decisions
+    clock = state.clock_ns
+    failure: Failure | None = None
+    floor = state.silence_floor_ns
+    if floor is not None and clock > floor + config.heartbeat_timeout_ns:
+        state, failure = _scan_silence(state, config)
+    started = state.generation_started_ns
+    if (
+        failure is None
+        and state.phase == "starting"
+        and started is not None
+        and clock > started + config.startup_timeout_ns
+    ):
+        failure = _startup_failure(state, config)
+    incident = state.incident
+    if (
+        failure is None
+        and state.phase == "restoring"
+        and incident is not None
+        and clock > incident.issued_ns + config.restore_timeout_ns
+    ):
+        missing = tuple(r for r in range(state.world_size or 0) if r not in incident.acks)
+        reason = (
+            f"restore attempt {incident.attempt} of {incident.incident_id} to "
+            f"{target_text(incident.target)} (generation {state.generation}) not acknowledged "
+            f"within {seconds_text(config.restore_timeout_ns)}"
+            + (f" by {ranks_text(missing)}" if missing else "")
+        )
+        hosts = tuple(rec.host for r in missing if (rec := state.ranks.get(r)) is not None)
+        failure = Failure("restore_timeout", reason, missing, hosts)
+    if failure is None:
+        return state, decisions
+    state, more = fail_over(state, failure, config)
+    return state, decisions + more
+
+
+def _scan_silence(state: JobState, config: MachineConfig) -> tuple[JobState, Failure | None]:
+    """Look at every alive rank (O(n), amortised over the heartbeats since the last scan):
+    name those silent for longer than the heartbeat timeout, else raise the silence floor."""
+    clock = state.clock_ns
+    timeout = config.heartbeat_timeout_ns
+    silent: list[RankState] = []
+    floor: int | None = None
+    for rec in state.ranks.values():
+        if rec.status != "alive":
+            continue
+        if clock - rec.last_heard_ns > timeout:
+            silent.append(rec)
+        elif floor is None or rec.last_heard_ns < floor:
+            floor = rec.last_heard_ns
+    if not silent:
+        return state._replace(silence_floor_ns=floor), None
+    silent.sort(key=lambda rec: rec.rank)
+    longest = max(clock - rec.last_heard_ns for rec in silent)
+    reason = (
+        f"no event from {ranks_text(rec.rank for rec in silent)} on "
+        f"{hosts_text(rec.host for rec in silent)} for up to {seconds_text(longest)} "
+        f"(heartbeat timeout {seconds_text(timeout)}) in generation {state.generation}"
+        f"{steps_text(rec.step for rec in silent)}"
+    )
+    return state, Failure(
+        "heartbeat_timeout",
+        reason,
+        tuple(rec.rank for rec in silent),
+        tuple(rec.host for rec in silent),
+    )
+
+
+def _startup_failure(state: JobState, config: MachineConfig) -> Failure:
+    """The ranks of generation ``state.generation`` not heard from within the startup timeout."""
+    timeout = seconds_text(config.startup_timeout_ns)
+    world_size = state.world_size
+    if world_size is None:
+        reason = (
+            f"no rank stated the world size within the startup timeout of {timeout} in "
+            f"generation {state.generation}"
+        )
+        return Failure("startup_timeout", reason, (), ())
+    missing = tuple(r for r in range(world_size) if r not in state.ranks)
+    reason = (
+        f"{ranks_text(missing)} of world size {world_size} not heard from within the startup "
+        f"timeout of {timeout} in generation {state.generation}"
+    )
+    return Failure("startup_timeout", reason, missing, ())

@@ -1,0 +1,93 @@
+"""The wire contract of trainguard: typed messages, their JSON Schema files and the codec.
+
+Every message is a frozen dataclass (``Heartbeat``, ``Checkpoint``, ... ``Manifest``) with a
+``SCHEMA`` class attribute ``"<type>/<major>.<minor>"`` naming its JSON Schema file
+(``json/<type>.v<major>.json``, draft 2020-12). ``encode(msg)`` gives canonical JSON bytes;
+``decode(data, expect=...)`` validates bytes against the schema and returns the dataclass, or
+raises a :class:`SchemaError` subclass naming the field and the reason. ``docs/wire-contract.md``
+describes the messages, the version rule and the errors.
+
+Example::
+
+    from trainguard.schemas import Heartbeat, decode, encode
+
+    data = encode(Heartbeat(job_id="j", generation=0, ts=0, seq=1, rank=0, host="h", pid=1,
+                            world_size=1, step=0, phase="init"))
+    hb = decode(data, expect=Heartbeat)
+"""
+
+from trainguard.schemas._codec import DEFAULT_MAX_BYTES, decode, encode
+from trainguard.schemas._errors import (
+    MessageTooLarge,
+    NestingTooDeep,
+    NotJSON,
+    NotUTF8,
+    SchemaError,
+    SchemaViolation,
+    UnexpectedMessage,
+    UnknownSchema,
+)
+from trainguard.schemas._messages import (
+    MESSAGE_TYPES,
+    Abort,
+    Checkpoint,
+    CheckpointMeta,
+    Command,
+    DataCursor,
+    DataCursorEvent,
+    Event,
+    Heartbeat,
+    JSONValue,
+    Lifecycle,
+    LifecycleKind,
+    Manifest,
+    MaybeNonFinite,
+    Message,
+    NonFiniteAsString,
+    Phase,
+    Restore,
+    RestoreMode,
+    Resume,
+    Shard,
+)
+from trainguard.schemas._schema_files import SCHEMA_BASE_URI, load_schema, schema_path
+from trainguard.schemas._wire_form import MAX_FREEFORM_DEPTH
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "MAX_FREEFORM_DEPTH",
+    "MESSAGE_TYPES",
+    "SCHEMA_BASE_URI",
+    "Abort",
+    "Checkpoint",
+    "CheckpointMeta",
+    "Command",
+    "DataCursor",
+    "DataCursorEvent",
+    "Event",
+    "Heartbeat",
+    "JSONValue",
+    "Lifecycle",
+    "LifecycleKind",
+    "Manifest",
+    "MaybeNonFinite",
+    "Message",
+    "MessageTooLarge",
+    "NestingTooDeep",
+    "NonFiniteAsString",
+    "NotJSON",
+    "NotUTF8",
+    "Phase",
+    "Restore",
+    "RestoreMode",
+    "Resume",
+    "SchemaError",
+    "SchemaViolation",
+    "Shard",
+    "UnexpectedMessage",
+    "UnknownSchema",
+    "decode",
+    "encode",
+    "load_schema",
+    "schema_path",
+]

@@ -1,0 +1,227 @@
+"""The torch sampler yields exactly what the cursor arithmetic says, through a real DataLoader."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, Dataset
+
+from trainguard.agent._cursor import CursorMismatch, DataVersionMismatch, GlobalOrder
+from trainguard.agent._sampler import ResumableDistributedSampler
+from trainguard.schemas._messages import DataCursor
+
+VERSION = "sha256:" + "cd" * 32
+
+
+class Indices(Dataset[int]):
+    """A dataset whose sample ``i`` is ``i``, so batches show the indices the loader fetched."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def samplers(
+    n: int, world_size: int, per_rank: int, seed: int, start: DataCursor | None = None
+) -> list[ResumableDistributedSampler]:
+    return [
+        ResumableDistributedSampler(
+            n,
+            rank=rank,
+            world_size=world_size,
+            per_rank_batch_size=per_rank,
+            seed=seed,
+            data_version=VERSION,
+            start=start,
+        )
+        for rank in range(world_size)
+    ]
+
+
+def loaders(ranks: list[ResumableDistributedSampler], n: int) -> list[DataLoader[int]]:
+    return [
+        DataLoader(Indices(n), batch_size=s.per_rank_batch_size, sampler=s, shuffle=False)
+        for s in ranks
+    ]
+
+
+def train(
+    ranks: list[ResumableDistributedSampler], n: int, steps: int
+) -> tuple[list[list[int]], DataCursor]:
+    """Run ``steps`` lockstep steps over the ranks' loaders, starting new passes as needed.
+
+    Returns each step's global batch (ranks' batches concatenated in rank order) and the
+    cursor after the last step, checked to be the same on every rank.
+    """
+    batches: list[list[int]] = []
+    iterators = [iter(loader) for loader in loaders(ranks, n)]
+    done_in_pass = 0
+    while len(batches) < steps:
+        try:
+            step = [next(it) for it in iterators]
+        except StopIteration:
+            iterators, done_in_pass = [iter(loader) for loader in loaders(ranks, n)], 0
+            continue
+        done_in_pass += 1
+        batches.append([i for batch in step for i in batch.tolist()])
+    cursors = {s.cursor_after(done_in_pass) for s in ranks}
+    assert len(cursors) == 1
+    cursor = cursors.pop()
+    assert all(s.cursor == cursor for s in ranks)  # no prefetch with num_workers=0
+    return batches, cursor
+
+
+def expected_batches(
+    order: GlobalOrder, start: DataCursor, global_batch: int, steps: int
+) -> list[list[int]]:
+    cursor, batches = start, []
+    for _ in range(steps):
+        batches.append(list(order.samples(cursor, global_batch)))
+        cursor = order.advance(cursor, global_batch)
+    return batches
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**64 - 1),
+    world_size=st.integers(1, 4),
+    per_rank=st.integers(1, 5),
+    steps=st.integers(1, 25),
+)
+def test_dataloader_yields_what_the_arithmetic_says(
+    n: int, seed: int, world_size: int, per_rank: int, steps: int
+) -> None:
+    order = GlobalOrder(n, seed, VERSION)
+    global_batch = world_size * per_rank
+    batches, cursor = train(samplers(n, world_size, per_rank, seed), n, steps)
+    assert batches == expected_batches(order, order.start(), global_batch, steps)
+    assert cursor == order.advance(order.start(world_size), global_batch, steps)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**64 - 1),
+    w1=st.integers(1, 4),
+    w2=st.integers(1, 4),
+    scale=st.integers(1, 2),
+    total=st.integers(1, 20),
+    data=st.data(),
+)
+def test_samplers_restored_on_another_world_size_continue_exactly(
+    n: int, seed: int, w1: int, w2: int, scale: int, total: int, data: st.DataObject
+) -> None:
+    kill = data.draw(st.integers(0, total))
+    global_batch = math.lcm(w1, w2) * scale
+    order = GlobalOrder(n, seed, VERSION)
+    uninterrupted, _ = train(samplers(n, w1, global_batch // w1, seed), n, total)
+
+    before, cursor = train(samplers(n, w1, global_batch // w1, seed), n, kill)
+    saved = torch.load(_saved(samplers(n, w1, global_batch // w1, seed, cursor)[0]))
+    after, _ = train(
+        samplers(n, w2, global_batch // w2, seed, DataCursor(**saved)), n, total - kill
+    )
+
+    assert before + after == uninterrupted
+    assert uninterrupted == expected_batches(order, order.start(), global_batch, total)
+
+
+def _saved(sampler: ResumableDistributedSampler) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(sampler.state_dict(), buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_state_dict_survives_weights_only_loading() -> None:
+    (sampler,) = samplers(10, 1, 3, seed=4)
+    list(itertools.islice(sampler, 7))  # two full batches and one index of the third
+    saved = torch.load(_saved(sampler), weights_only=True)
+    assert saved == {"data_version": VERSION, "seed": 4, "epoch": 0, "offset": 6, "world_size": 1}
+    (restored,) = samplers(10, 1, 3, seed=4)
+    restored.load_state_dict(saved)
+    assert restored.cursor == sampler.cursor
+
+
+def test_passes_follow_data_epochs_and_continue_the_stream() -> None:
+    n, per_rank = 10, 2
+    ranks = samplers(n, 2, per_rank, seed=9)
+    order = ranks[0].order
+    first = [list(s) for s in ranks]
+    assert [len(p) for p in first] == [6, 6]  # 3 global batches start in epoch 0 (0, 4, 8)
+    assert ranks[0].cursor == order.cursor_at(12, 2)  # the last one reached into epoch 1
+    assert len(ranks[0]) == 4  # the next pass: batches at 12 and 16 start in epoch 1
+    second = [list(s) for s in ranks]
+    assert ranks[0].start_cursor == order.cursor_at(12, 2)
+    assert ranks[0].cursor == order.cursor_at(20, 2)
+    stream = [
+        i
+        for step in range(5)
+        for rank in (first, second)[step // 3]
+        for i in rank[(step % 3) * per_rank : (step % 3 + 1) * per_rank]
+    ]
+    assert stream == list(order.samples(order.start(), 20))
+
+
+def test_cursor_after_is_exact_while_workers_prefetch() -> None:
+    n, per_rank = 64, 2
+    (sampler,) = samplers(n, 1, per_rank, seed=1)
+    loader = DataLoader(
+        Indices(n), batch_size=per_rank, sampler=sampler, num_workers=1, prefetch_factor=4
+    )
+    consumed = list(itertools.islice(loader, 3))
+    order = sampler.order
+    assert sampler.cursor_after(3) == order.advance(order.start(), per_rank, 3)
+    assert [b.tolist() for b in consumed] == expected_batches(order, order.start(), per_rank, 3)
+    assert order.position(sampler.cursor) > 3 * per_rank  # handed out ahead of training
+
+
+def test_huge_dataset_resumes_at_its_last_samples() -> None:
+    n = 10**12
+    start = GlobalOrder(n, 2, VERSION).cursor_at(7 * n + n - 3, 8)
+    ranks = samplers(n, 2, 2, seed=2, start=start)
+    assert len(ranks[0]) == 2  # one global batch of 4 starts in epoch 7
+    batch = [i for s in ranks for i in itertools.islice(s, 2)]
+    assert batch == list(ranks[0].order.samples(start, 4))
+    assert ranks[1].cursor == ranks[0].order.cursor_at(8 * n + 1, 2)
+
+
+def test_load_state_dict_refuses_another_data_version_unless_allowed() -> None:
+    other = GlobalOrder(10, 4, "sha256:" + "00" * 32).cursor_at(13, 2)
+    (sampler,) = samplers(10, 1, 3, seed=4)
+    with pytest.raises(DataVersionMismatch):
+        sampler.load_state_dict(other)
+    sampler.load_state_dict(other, allow_data_version_change=True)
+    assert sampler.start_cursor == sampler.order.cursor_at(13, 1)
+    with pytest.raises(CursorMismatch, match="seed"):
+        samplers(10, 1, 3, seed=5, start=sampler.cursor)
+
+
+@pytest.mark.parametrize(
+    ("rank", "world_size", "per_rank", "message"),
+    [(2, 2, 1, "outside world size"), (0, 0, 1, "outside world size"), (0, 1, 0, "per_rank")],
+)
+def test_sampler_rejects_inconsistent_arguments(
+    rank: int, world_size: int, per_rank: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ResumableDistributedSampler(
+            10,
+            rank=rank,
+            world_size=world_size,
+            per_rank_batch_size=per_rank,
+            seed=0,
+            data_version=VERSION,
+        )
