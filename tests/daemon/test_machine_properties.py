@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tests.daemon.machine_scenarios import (
     JOB,
     T0,
@@ -25,7 +26,6 @@ from tests.daemon.machine_scenarios import (
     restores_by_incident,
     run,
 )
-
 from trainguard.daemon._decisions import (
     Anomaly,
     Committed,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+
 from tests.daemon.machine_scenarios import (
     DAEMON,
     JOB,
@@ -21,7 +22,6 @@ from tests.daemon.machine_scenarios import (
     run,
     running_job,
 )
-
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import (
     Anomaly,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from examples.charlm.checkpoint import latest_complete_step, load_checkpoint, save_checkpoint
 from examples.charlm.data import ByteWindows
 from examples.charlm.ledger import (

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from examples.charlm.checkpoint import latest_complete_step
 from examples.charlm.ledger import LedgerRecord, compare_ledgers, read_ledger
 

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
+from tests.schemas.support import BAD_CASES, BadCase, doc_examples, example
 from trainguard.schemas import (
     DEFAULT_MAX_BYTES,
     MAX_FREEFORM_DEPTH,
@@ -32,8 +33,6 @@ from trainguard.schemas import (
     decode,
     encode,
 )
-
-from tests.schemas.support import BAD_CASES, BadCase, doc_examples, example
 
 
 def raw(wire: dict[str, Any]) -> bytes:

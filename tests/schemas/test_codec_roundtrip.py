@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.schemas.support import STRATEGIES, example, same_message
 from trainguard.schemas import (
     MESSAGE_TYPES,
     Abort,
@@ -25,8 +26,6 @@ from trainguard.schemas import (
     decode,
     encode,
 )
-
-from tests.schemas.support import STRATEGIES, example, same_message
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -14,6 +14,7 @@ import orjson
 import pytest
 from referencing.exceptions import Unresolvable
 
+from tests.schemas.support import registry, schema_files
 from trainguard.schemas import (
     MESSAGE_TYPES,
     SCHEMA_BASE_URI,
@@ -24,8 +25,6 @@ from trainguard.schemas import (
     load_schema,
     schema_path,
 )
-
-from tests.schemas.support import registry, schema_files
 
 DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
 

@@ -18,8 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainguard.schemas import encode
-
 from tests.schemas.support import (
     BAD_CASES,
     BadCase,
@@ -30,6 +28,7 @@ from tests.schemas.support import (
     reference_validator,
     schema_name_of,
 )
+from trainguard.schemas import encode
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
+from tests.schemas.support import example
 from trainguard.schemas import (
     Checkpoint,
     Heartbeat,
@@ -17,8 +18,6 @@ from trainguard.schemas import (
     UnknownSchema,
     decode,
 )
-
-from tests.schemas.support import example
 
 
 def raw(wire: dict[str, Any]) -> bytes:

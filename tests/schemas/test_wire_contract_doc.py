@@ -7,9 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from trainguard.schemas import MESSAGE_TYPES, decode, encode
-
 from tests.schemas.support import doc_examples, same_message
+from trainguard.schemas import MESSAGE_TYPES, decode, encode
 
 
 @pytest.mark.parametrize("wire", doc_examples(), ids=lambda w: w["schema"])
