@@ -139,6 +139,13 @@ async def test_explicit_offsets_and_seek(bus_factory: BusFactory) -> None:
         await at_end.close()
 
 
+async def test_a_group_without_commits_has_no_committed_position(bus_factory: BusFactory) -> None:
+    async with bus_factory.open() as bus:
+        consumer = await bus.subscribe(["events"], bus_factory.group("fresh"))
+        assert await consumer.committed(TopicPartition("events", 0)) is None
+        await consumer.close()
+
+
 async def test_commit_without_a_group_is_an_error(bus_factory: BusFactory) -> None:
     async with bus_factory.open() as bus, await bus.assign({EVENTS[0]: 0}) as consumer:
         with pytest.raises(BusError):
@@ -197,6 +204,7 @@ async def test_consumer_restarted_mid_stream_resumes_at_its_commit(
     await publish_all(bus_factory, [("job-1", b"%d" % i) for i in range(40, 50)])
     async with bus_factory.open() as bus:
         consumer = await bus.subscribe(["events"], group)
+        assert await consumer.committed(tp) == 15
         records = await read_n(consumer, 35)
         await consumer.close()
     assert [r.offset for r in records] == list(range(15, 50))

@@ -21,6 +21,7 @@ from trainguard.schemas import (
     Abort,
     Checkpoint,
     CheckpointMeta,
+    ClockTick,
     DataCursor,
     DataCursorEvent,
     Heartbeat,
@@ -187,6 +188,7 @@ restores = st.builds(
 )
 resumes = st.builds(Resume, **_command, step=counts)
 aborts = st.builds(Abort, **_command, reason=text(1, 60))
+ticks = st.builds(ClockTick, **_command)
 
 STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
     Heartbeat: heartbeats,
@@ -197,6 +199,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
     Resume: resumes,
     Abort: aborts,
     Manifest: manifests,
+    ClockTick: ticks,
 }
 messages = st.one_of(*STRATEGIES.values())
 

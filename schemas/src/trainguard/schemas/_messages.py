@@ -303,13 +303,31 @@ class Abort:
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClockTick:
+    """The daemon's clock in a job's event stream (``tick/1``).
+
+    The daemon appends one to a job's partition of ``events`` when a timeout of that job may
+    have expired. Folding it lets the state machine see time pass, and because it sits in the
+    log, a replay of the log sees the same time pass at the same place. The time the machine
+    uses is the record's append timestamp on the bus; ``ts`` is informational.
+    """
+
+    SCHEMA: ClassVar[str] = "tick/1.0"
+    job_id: str
+    generation: int
+    ts: int
+    seq: int
+    daemon_id: str
+
+
 Event: TypeAlias = Heartbeat | Checkpoint | DataCursorEvent | Lifecycle
 """Messages sent by workers and supervisors on the ``events`` topic."""
 
 Command: TypeAlias = Restore | Resume | Abort
 """Messages sent by the daemon on the ``commands`` topic."""
 
-Message: TypeAlias = Event | Command | Manifest
+Message: TypeAlias = Event | Command | Manifest | ClockTick
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Heartbeat,
@@ -320,5 +338,6 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     Resume,
     Abort,
     Manifest,
+    ClockTick,
 )
 """Every top-level message class, one per schema file."""

@@ -389,6 +389,19 @@ class _KafkaConsumer(Consumer):
         except (KafkaError, TimeoutError) as exc:
             raise BusError(f"commit for group {self._group_id!r} failed: {exc!r}") from exc
 
+    async def committed(self, tp: TopicPartition) -> int | None:
+        """The group's committed position of ``tp`` (one round trip to the coordinator)."""
+        if self._closed:
+            raise BusClosed("consumer is closed")
+        if self._group_id is None:
+            raise BusError("committed() needs a consumer group: this consumer was made by assign()")
+        ktp = KafkaTP(self._bus._full(tp.topic), tp.partition)
+        try:
+            position = await asyncio.wait_for(self._inner.committed(ktp), self._bus._timeout)
+        except (KafkaError, TimeoutError) as exc:
+            raise BusError(f"committed() for group {self._group_id!r} failed: {exc!r}") from exc
+        return None if position is None else int(position)
+
     async def seek(self, tp: TopicPartition, offset: int) -> None:
         """Next :meth:`getmany` for ``tp`` starts at ``offset``."""
         if self._closed:

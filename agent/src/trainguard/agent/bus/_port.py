@@ -120,6 +120,13 @@ class Consumer(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def committed(self, tp: TopicPartition) -> int | None:
+        """The group's committed position for ``tp``, or ``None`` when it has none.
+
+        Raises :class:`~trainguard.agent.bus.BusError` for a consumer without a group.
+        """
+
+    @abc.abstractmethod
     async def seek(self, tp: TopicPartition, offset: int) -> None:
         """Make the next :meth:`getmany` for ``tp`` start at ``offset``."""
 

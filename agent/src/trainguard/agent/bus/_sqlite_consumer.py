@@ -211,6 +211,19 @@ class SQLiteConsumer(Consumer):
             raise translate(exc, "commit") from exc
         self._dirty = True
 
+    async def committed(self, tp: TopicPartition) -> int | None:
+        """See :meth:`Consumer.committed`."""
+        self._check_open()
+        membership = self._membership
+        if membership is None:
+            raise BusError("committed() needs a consumer group; this consumer was made by assign()")
+        try:
+            return await self._ctx.reader.run(
+                groups.committed, membership.group_id, self._ctx.resolve(tp)
+            )
+        except sqlite3.Error as exc:
+            raise translate(exc, "committed") from exc
+
     async def seek(self, tp: TopicPartition, offset: int) -> None:
         """See :meth:`Consumer.seek`. Raises :class:`BusError` if ``tp`` is not assigned."""
         self._check_open()

@@ -130,16 +130,23 @@ def start_positions(
     """
     starts = {}
     for tp in partitions:
-        row = conn.execute(
-            "SELECT position FROM group_offsets"
-            " WHERE group_id = ? AND topic_id = ? AND partition = ?",
-            (group_id, *tp),
-        ).fetchone()
-        if row is not None:
-            starts[tp] = row[0]
+        position = committed(conn, group_id, tp)
+        if position is not None:
+            starts[tp] = position
         else:
             starts[tp] = 0 if from_beginning else ends[tp]
     return starts
+
+
+def committed(
+    conn: sqlite3.Connection, group_id: str, tp: tuple[int, int]
+) -> int | None:
+    """The group's committed position of ``tp`` (``(topic_id, partition)``), or ``None``."""
+    row = conn.execute(
+        "SELECT position FROM group_offsets WHERE group_id = ? AND topic_id = ? AND partition = ?",
+        (group_id, *tp),
+    ).fetchone()
+    return None if row is None else int(row[0])
 
 
 def commit(

@@ -1,0 +1,73 @@
+"""trainguard's agent: what runs inside every training worker, and the per-node supervisor.
+
+``from trainguard.agent import Agent`` is the entry point for training code; see
+:class:`Agent`. The data cursor (:class:`GlobalOrder`, :class:`ResumableDistributedSampler`)
+makes a restore resume with no sample skipped or repeated; :func:`dataset_version` binds a
+checkpoint to the data it was trained on.
+
+Importing this package does not import torch; ``ResumableDistributedSampler`` loads it on
+first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainguard.agent._agent import Agent
+from trainguard.agent._config import DEFAULT_BUS_URL, AgentConfig
+from trainguard.agent._cursor import (
+    MAX_DATASET_LEN,
+    CursorMismatch,
+    DataVersionMismatch,
+    GlobalOrder,
+    KeyedPermutation,
+    epoch_permutation,
+)
+from trainguard.agent._dataset_version import ManifestEntry, dataset_manifest, dataset_version
+from trainguard.agent._errors import (
+    AgentError,
+    ConfigError,
+    JobAborted,
+    RestoreTimeout,
+    ShardCorrupt,
+    ShardError,
+    ShardMissing,
+)
+from trainguard.agent._faults import Fault, parse_faults
+
+if TYPE_CHECKING:
+    from trainguard.agent._sampler import ResumableDistributedSampler
+
+__all__ = [
+    "DEFAULT_BUS_URL",
+    "MAX_DATASET_LEN",
+    "Agent",
+    "AgentConfig",
+    "AgentError",
+    "ConfigError",
+    "CursorMismatch",
+    "DataVersionMismatch",
+    "Fault",
+    "GlobalOrder",
+    "JobAborted",
+    "KeyedPermutation",
+    "ManifestEntry",
+    "RestoreTimeout",
+    "ResumableDistributedSampler",
+    "ShardCorrupt",
+    "ShardError",
+    "ShardMissing",
+    "dataset_manifest",
+    "dataset_version",
+    "epoch_permutation",
+    "parse_faults",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The sampler subclasses torch's Sampler; load torch only when it is asked for.
+    if name == "ResumableDistributedSampler":
+        from trainguard.agent._sampler import ResumableDistributedSampler
+
+        return ResumableDistributedSampler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
