@@ -7,7 +7,9 @@ node that only supervises workers never imports the daemon's service code.
 from __future__ import annotations
 
 import asyncio
+import signal
 from importlib.metadata import version as _dist_version
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -64,6 +66,131 @@ def bus_check(
     except BusError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+
+
+def _parse_ranks(spec: str) -> tuple[int, ...]:
+    """``"0-3,6"`` -> ``(0, 1, 2, 3, 6)``."""
+    ranks: list[int] = []
+    for part in filter(None, spec.split(",")):
+        first, _, last = part.partition("-")
+        ranks.extend(range(int(first), int(last or first) + 1))
+    return tuple(ranks)
+
+
+async def _until_signalled(main: object) -> None:
+    """Run coroutine function ``main(stop)`` until it returns or SIGTERM/SIGINT set ``stop``."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await main(stop)  # type: ignore[operator]
+
+
+@app.command()
+def daemon(
+    bus: BusURL = "sqlite:///trainguard-bus.db",
+    config: Annotated[
+        Path | None, typer.Option(help="TOML file with [bus], [machine], [service] tables.")
+    ] = None,
+    heartbeat_timeout: Annotated[
+        float | None, typer.Option(help="Seconds of silence after which a rank is dead.")
+    ] = None,
+    restore_timeout: Annotated[
+        float | None, typer.Option(help="Seconds for all ranks to acknowledge a restore.")
+    ] = None,
+    topic_prefix: Annotated[
+        str | None, typer.Option(envvar="TRAINGUARD_TOPIC_PREFIX", help="Bus topic prefix.")
+    ] = None,
+    console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
+) -> None:
+    """Run the daemon: fold every job's events, detect failures, coordinate restores.
+
+    Stops cleanly on SIGTERM or SIGINT (consumed positions committed).
+    """
+    from trainguard.daemon._logging import configure_logging
+    from trainguard.daemon._service import DaemonService
+    from trainguard.daemon._settings import load_daemon_config
+
+    configure_logging(json=not console)
+    machine = {
+        k: v
+        for k, v in {
+            "heartbeat_timeout_s": heartbeat_timeout,
+            "restore_timeout_s": restore_timeout,
+        }.items()
+        if v is not None
+    }
+    try:
+        settings = load_daemon_config(config, bus_url=bus, machine=machine)
+    except (OSError, ValueError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    if topic_prefix is not None:
+        from dataclasses import replace
+
+        settings = replace(settings, bus=replace(settings.bus, prefix=topic_prefix))
+    try:
+        asyncio.run(_until_signalled(DaemonService(settings).run))
+    except BusError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: Annotated[list[str], typer.Argument(help="The worker command, after --.")],
+    job: Annotated[str, typer.Option(envvar="TRAINGUARD_JOB", help="The job's name.")],
+    bus: BusURL = "sqlite:///trainguard-bus.db",
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option(
+            help="Start this many local ranks (torchrun-style env); else run COMMAND once."
+        ),
+    ] = None,
+    nnodes: Annotated[int, typer.Option(help="Number of nodes.")] = 1,
+    node_rank: Annotated[int, typer.Option(help="This node's index.")] = 0,
+    master_addr: Annotated[
+        str, typer.Option(help="Rendezvous host (rank 0's node).")
+    ] = "127.0.0.1",
+    master_port: Annotated[
+        int | None, typer.Option(help="Rendezvous port; default: a free port per generation.")
+    ] = None,
+    ranks: Annotated[
+        str, typer.Option(help="Plain mode: the ranks COMMAND hosts, e.g. 0-7 (for exit reports).")
+    ] = "",
+    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+    topic_prefix: Annotated[
+        str, typer.Option(envvar="TRAINGUARD_TOPIC_PREFIX", help="Bus topic prefix.")
+    ] = "trainguard.",
+    console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
+) -> None:
+    """Supervise this node's workers: start COMMAND, report exits, restart on restore orders.
+
+    Example: trainguard run --job j1 --nproc-per-node 2 -- python train.py
+    """
+    from trainguard.agent._supervisor import Supervisor, SupervisorConfig
+    from trainguard.agent.bus import BusConfig
+    from trainguard.daemon._logging import configure_logging
+
+    configure_logging(json=not console)
+    config = SupervisorConfig(
+        job_id=job,
+        bus=BusConfig(url=bus, prefix=topic_prefix, client_id=f"supervisor-{node_rank}"),
+        command=command,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        ranks=_parse_ranks(ranks),
+        grace_s=grace,
+    )
+    try:
+        code = asyncio.run(Supervisor(config).run())
+    except BusError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -138,9 +138,7 @@ def start_positions(
     return starts
 
 
-def committed(
-    conn: sqlite3.Connection, group_id: str, tp: tuple[int, int]
-) -> int | None:
+def committed(conn: sqlite3.Connection, group_id: str, tp: tuple[int, int]) -> int | None:
     """The group's committed position of ``tp`` (``(topic_id, partition)``), or ``None``."""
     row = conn.execute(
         "SELECT position FROM group_offsets WHERE group_id = ? AND topic_id = ? AND partition = ?",

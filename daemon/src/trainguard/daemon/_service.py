@@ -1,0 +1,333 @@
+"""The daemon service: the shell around the pure state machine.
+
+One loop per daemon process:
+
+1. consume ``events`` as a member of the daemon's consumer group (one owner per partition,
+   hence per job);
+2. decode each record (``ClockTick`` records become :class:`Tick` inputs, everything else an
+   :class:`Observed` event whose time is the record's append timestamp), fold it into its
+   job's state with :func:`decide`, and act on the decisions: publish commands on
+   ``commands``, committed training snapshots on ``manifests``, the decisions with the input's
+   position on ``audit``; rejected input goes to ``dead-letter`` with its reason;
+3. when a job's :func:`next_deadline` has passed, append a ``ClockTick`` to the job's event
+   stream (so the timeout is decided when the tick is folded, and a replay of the log decides
+   it at the same place);
+4. commit the consumed positions after acting.
+
+Restart without a second decision: when a partition is assigned, the loop reads it again from
+offset 0 and folds the records before the group's committed position *silently* (rebuilding
+state, acting on nothing), then acts on the rest. A crash between acting and committing makes
+the loop derive the same decisions again; commands already on the bus are recognised (same or
+newer generation in the job's latest command) and not sent twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import orjson
+import structlog
+
+from trainguard.agent.bus import Bus, BusError, Consumer, Record, TopicPartition, open_bus
+from trainguard.daemon._decisions import (
+    Anomaly,
+    Committed,
+    Decision,
+    IncidentClosed,
+    IncidentOpened,
+    Issue,
+    JobFailed,
+    Rejected,
+    Transition,
+)
+from trainguard.daemon._inputs import Input, Observed, Tick
+from trainguard.daemon._machine import decide, next_deadline
+from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon._state import TERMINAL_PHASES, JobState, new_job
+from trainguard.schemas import (
+    Abort,
+    Checkpoint,
+    ClockTick,
+    Command,
+    DataCursorEvent,
+    Heartbeat,
+    Lifecycle,
+    Restore,
+    Resume,
+    SchemaError,
+    decode,
+    encode,
+)
+
+__all__ = ["DaemonService"]
+
+log = structlog.get_logger("trainguard.daemon")
+
+_INPUT_TYPES = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick)
+# A command supersedes another of the same generation in this order (restore, then resume,
+# then abort), which is how a re-derived command is recognised as already sent.
+_COMMAND_ORDER = {Restore: 0, Resume: 1, Abort: 2}
+
+
+def _command_rank(command: Command) -> tuple[int, int]:
+    return command.generation, _COMMAND_ORDER[type(command)]
+
+
+@dataclass
+class _Partition:
+    """What the loop knows of one assigned partition of ``events``."""
+
+    replay_until: int  # records before this offset are folded silently (already acted on)
+    position: int = 0  # next offset to process
+    committed: int = 0  # last position committed
+    jobs: set[str] = field(default_factory=set)
+
+
+class DaemonService:
+    """Runs the state machine for every job on the bus partitions this instance owns.
+
+    Args:
+        config: bus, machine and loop settings.
+        clock: wall clock in ns (injected for tests); used only to decide *when* to write a
+            tick, never as an input to the machine.
+
+    ``await service.run(stop)`` returns after ``stop`` is set (and the consumed positions are
+    committed). Raises :class:`~trainguard.agent.bus.BusError` if the bus fails for longer
+    than its configured timeouts.
+    """
+
+    def __init__(self, config: DaemonConfig, clock: Callable[[], int] = time.time_ns) -> None:
+        self._c = config
+        self._clock = clock
+        self.jobs: dict[str, JobState] = {}
+        self._partitions: dict[int, _Partition] = {}
+        self._job_partition: dict[str, int] = {}
+        self._sent_commands: dict[str, Command] = {}
+        self._last_tick_ns: dict[str, int] = {}
+        self._tick_seq = itertools.count(1)
+        self._acted_since_commit = False
+        self._last_commit = 0.0
+        self.ready = asyncio.Event()
+        """Set once every assigned partition has been rebuilt up to its committed position."""
+        self.counters: dict[str, int] = {"folded": 0, "rejected": 0, "commands": 0, "ticks": 0}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume, fold and act until ``stop`` is set."""
+        async with open_bus(self._c.bus) as bus:
+            await self._load_sent_commands(bus)
+            consumer = await bus.subscribe(["events"], self._c.group_id)
+            log.info("daemon started", group=self._c.group_id, bus=self._c.bus.url)
+            try:
+                while not stop.is_set():
+                    records = await consumer.getmany(timeout_s=self._c.poll_s, max_records=2000)
+                    fresh = await self._sync_assignment(consumer)
+                    for record in records:
+                        if record.partition not in fresh:
+                            await self._process(bus, record)
+                    await self._write_due_ticks(bus)
+                    await self._commit(consumer)
+            finally:
+                await self._commit(consumer, force=True)
+                await consumer.close()
+                log.info("daemon stopped", folded=self.counters["folded"])
+
+    # -- partitions --------------------------------------------------------------------------
+
+    async def _sync_assignment(self, consumer: Consumer) -> set[int]:
+        """Start rebuilding newly assigned partitions and forget revoked ones.
+
+        Returns the newly assigned partitions: records already fetched for them are dropped,
+        because they are read again from offset 0.
+        """
+        assigned = {tp.partition for tp in consumer.assignment() if tp.topic == "events"}
+        for p in self._partitions.keys() - assigned:
+            for job in self._partitions.pop(p).jobs:
+                self.jobs.pop(job, None)
+                self._job_partition.pop(job, None)
+            log.info("partition revoked", partition=p)
+        fresh = assigned - self._partitions.keys()
+        for p in fresh:
+            tp = TopicPartition("events", p)
+            committed = await consumer.committed(tp) or 0
+            await consumer.seek(tp, 0)
+            self._partitions[p] = _Partition(replay_until=committed, committed=committed)
+            log.info("partition assigned", partition=p, replay_until=committed)
+        if fresh:
+            self.ready.clear()
+        if not self.ready.is_set() and self._caught_up():
+            self.ready.set()
+            log.info("daemon ready", partitions=sorted(self._partitions), jobs=len(self.jobs))
+        return fresh
+
+    def _caught_up(self) -> bool:
+        return all(p.position >= p.replay_until for p in self._partitions.values())
+
+    async def _load_sent_commands(self, bus: Bus) -> None:
+        for job, record in (await bus.latest_per_key("commands")).items():
+            if record.value is None:
+                continue
+            try:
+                command = decode(record.value, expect=(Restore, Resume, Abort))
+            except SchemaError:
+                continue
+            self._sent_commands[job] = command  # type: ignore[assignment]
+
+    # -- folding -----------------------------------------------------------------------------
+
+    async def _process(self, bus: Bus, record: Record) -> None:
+        part = self._partitions[record.partition]
+        if record.offset < part.position:
+            return  # redelivered after a seek
+        part.position = record.offset + 1
+        silent = record.offset < part.replay_until
+        item, job, reason = self._to_input(record)
+        if item is None or job is None:
+            if not silent:
+                await self._dead_letter(bus, record, reason)
+            return
+        state = self.jobs.get(job)
+        if state is None:
+            state = new_job(job)
+            part.jobs.add(job)
+            self._job_partition[job] = record.partition
+        new_state, decisions = decide(state, item, self._c.machine)
+        self.jobs[job] = new_state
+        self.counters["folded"] += 1
+        if not silent and decisions:
+            await self._act(bus, record, job, decisions)
+        if silent and part.position >= part.replay_until and self._caught_up():
+            self.ready.set()
+            log.info("daemon ready", partitions=sorted(self._partitions), jobs=len(self.jobs))
+
+    def _to_input(self, record: Record) -> tuple[Input | None, str | None, str]:
+        if record.value is None:
+            return None, None, "tombstone on the events topic"
+        try:
+            message = decode(record.value, expect=_INPUT_TYPES)
+        except SchemaError as exc:
+            return None, None, str(exc)
+        if message.job_id != record.key:
+            return None, None, f"job_id {message.job_id!r} does not match record key {record.key!r}"
+        at_ns = record.timestamp_ms * 1_000_000
+        if isinstance(message, ClockTick):
+            return Tick(at_ns), message.job_id, ""
+        return Observed(at_ns, record.offset, message), message.job_id, ""  # type: ignore[arg-type]
+
+    # -- acting ------------------------------------------------------------------------------
+
+    async def _act(
+        self, bus: Bus, record: Record, job: str, decisions: tuple[Decision, ...]
+    ) -> None:
+        self._acted_since_commit = True
+        for decision in decisions:
+            match decision:
+                case Issue(command=command):
+                    await self._issue(bus, job, command)
+                case Committed(manifest=manifest):
+                    await bus.publish("manifests", job, encode(manifest))
+                    log.info(
+                        "committed", job_id=job, snapshot=manifest.snapshot_id, step=manifest.step
+                    )
+                case Rejected(code=code, reason=reason):
+                    self.counters["rejected"] += 1
+                    await self._dead_letter(bus, record, f"{code}: {reason}")
+                case JobFailed(reason=reason):
+                    log.error("job failed", job_id=job, reason=reason)
+                case IncidentOpened() | IncidentClosed() | Transition() | Anomaly():
+                    log.info(decision.KIND, job_id=job, **_log_fields(decision))
+        audit = {
+            "job_id": job,
+            "partition": record.partition,
+            "offset": record.offset,
+            "at_ms": record.timestamp_ms,
+            "decisions": [d.to_dict() for d in decisions],
+        }
+        await bus.send("audit", job, orjson.dumps(audit))
+
+    async def _issue(self, bus: Bus, job: str, command: Command) -> None:
+        sent = self._sent_commands.get(job)
+        if sent is not None and _command_rank(sent) >= _command_rank(command):
+            log.info("command already sent", job_id=job, generation=command.generation)
+            return
+        await bus.publish("commands", job, encode(command))
+        self._sent_commands[job] = command
+        self.counters["commands"] += 1
+        log.warning(
+            f"{type(command).__name__.lower()} issued",
+            job_id=job,
+            generation=command.generation,
+            **({"reason": command.reason} if isinstance(command, Restore | Abort) else {}),
+        )
+
+    async def _dead_letter(self, bus: Bus, record: Record, reason: str) -> None:
+        entry = {
+            "reason": reason,
+            "topic": record.topic,
+            "partition": record.partition,
+            "offset": record.offset,
+            "key": record.key,
+            "value_b64": base64.b64encode(record.value or b"").decode(),
+        }
+        log.info("input rejected", reason=reason, partition=record.partition, offset=record.offset)
+        await bus.send("dead-letter", record.key or "", orjson.dumps(entry))
+
+    # -- time --------------------------------------------------------------------------------
+
+    async def _write_due_ticks(self, bus: Bus) -> None:
+        """Append a ``ClockTick`` to each job whose next deadline has passed."""
+        if not self.ready.is_set():
+            return  # deadlines of a half-rebuilt state mean nothing
+        now = self._clock()
+        min_gap = int(self._c.tick_interval_s * 1e9)
+        for job, state in self.jobs.items():
+            if state.phase in TERMINAL_PHASES:
+                continue
+            due = next_deadline(state, self._c.machine)
+            if due is None or now < due or now - self._last_tick_ns.get(job, 0) < min_gap:
+                continue
+            self._last_tick_ns[job] = now
+            tick = ClockTick(
+                job_id=job,
+                generation=state.generation,
+                ts=now,
+                seq=next(self._tick_seq),
+                daemon_id=self._c.machine.daemon_id,
+            )
+            await bus.send("events", job, encode(tick))
+            self.counters["ticks"] += 1
+
+    async def _commit(self, consumer: Consumer, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not (
+            force
+            or self._acted_since_commit
+            or now - self._last_commit >= self._c.commit_interval_s
+        ):
+            return
+        positions = {
+            TopicPartition("events", p): part.position
+            for p, part in self._partitions.items()
+            if part.position > part.committed and part.position >= part.replay_until
+        }
+        self._last_commit = now
+        self._acted_since_commit = False
+        if not positions:
+            return
+        try:
+            await consumer.commit(positions)
+        except BusError as exc:
+            log.warning("commit failed", error=str(exc))
+            return
+        for tp, position in positions.items():
+            self._partitions[tp.partition].committed = position
+
+
+def _log_fields(decision: Decision) -> dict[str, object]:
+    out: dict[str, object] = dict(decision.to_dict())
+    out.pop("decision", None)
+    return out

@@ -1,0 +1,113 @@
+"""The daemon's configuration: built once at the edge from a TOML file and overrides.
+
+Precedence, highest first: explicit overrides (command-line options), the TOML file
+(``trainguard daemon --config daemon.toml``), defaults. The file has two tables::
+
+    [bus]
+    url = "kafka://broker:9092"     # or sqlite:///path/bus.db
+    prefix = "trainguard."
+
+    [machine]                       # MachineConfig fields, seconds as floats
+    heartbeat_timeout_s = 10.0
+    restore_timeout_s = 120.0
+    max_restore_attempts = 3
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from trainguard.agent.bus import BusConfig
+from trainguard.daemon._config import MachineConfig
+
+__all__ = ["DaemonConfig", "load_daemon_config"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DaemonConfig:
+    """Everything the daemon service needs.
+
+    Attributes:
+        bus: how to reach the bus.
+        machine: thresholds of the state machine (and ``daemon_id``).
+        group_id: consumer group of the daemon instances on ``events``; every partition
+            (hence every job) has exactly one owner in the group.
+        poll_s: longest wait for new events before checking the clock for due ticks, seconds.
+        tick_interval_s: least time between two ticks the daemon writes for one job, seconds.
+        commit_interval_s: longest time between commits of consumed positions, seconds.
+            Positions are also committed right after decisions were acted on.
+    """
+
+    bus: BusConfig
+    machine: MachineConfig
+    group_id: str = "trainguard-daemon"
+    poll_s: float = 0.05
+    tick_interval_s: float = 0.25
+    commit_interval_s: float = 1.0
+
+
+def _default_daemon_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def load_daemon_config(
+    path: Path | None = None,
+    *,
+    bus_url: str | None = None,
+    machine: Mapping[str, Any] | None = None,
+    **service: Any,
+) -> DaemonConfig:
+    """Build a :class:`DaemonConfig` from an optional TOML file and overrides.
+
+    Args:
+        path: TOML file with ``[bus]``, ``[machine]`` and ``[service]`` tables, or ``None``.
+        bus_url: overrides ``[bus] url``.
+        machine: overrides of ``[machine]`` keys (``MachineConfig`` field names).
+        **service: overrides of ``DaemonConfig`` fields (``group_id``, ``poll_s``, ...).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: an unknown key, a malformed file (``tomllib.TOMLDecodeError`` is a
+            ``ValueError``), or a value ``MachineConfig`` refuses.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    unknown = data.keys() - {"bus", "machine", "service"}
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
+    bus_table = dict(data.get("bus", {}))
+    if bus_url is not None:
+        bus_table["url"] = bus_url
+    bus_table.setdefault("url", "sqlite:///trainguard-bus.db")
+    machine_table = {
+        "daemon_id": _default_daemon_id(),
+        **data.get("machine", {}),
+        **(machine or {}),
+    }
+    service_table = {
+        **data.get("service", {}),
+        **{k: v for k, v in service.items() if v is not None},
+    }
+    _check_keys("bus", bus_table, BusConfig)
+    _check_keys("machine", machine_table, MachineConfig)
+    _check_keys("service", service_table, DaemonConfig)
+    return DaemonConfig(
+        bus=BusConfig(**bus_table),
+        machine=MachineConfig(**machine_table),
+        **service_table,
+    )
+
+
+def _check_keys(table: str, values: Mapping[str, Any], cls: type) -> None:
+    known = {f.name for f in fields(cls) if f.init}
+    unknown = values.keys() - known
+    if unknown:
+        raise ValueError(f"[{table}]: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
