@@ -24,6 +24,8 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
+from tests.buses import BusFactory
+
 KAFKA_DEV = Path(__file__).resolve().parent.parent / "deploy" / "kafka" / "kafka-dev"
 # Seconds for kafka-dev to see the broker ready once its JVM runs (measured: about 4-7 s here).
 BROKER_START_TIMEOUT_S = 120.0
@@ -137,6 +139,25 @@ def kafka_bootstrap(
         _kafka_dev(
             "stop", "--dir", run_dir, "--timeout", stop_s, timeout=KAFKA_DEV_STOP_TIMEOUT_S + 30
         )
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """aiokafka runs on asyncio only, so async tests do too."""
+    return "asyncio"
+
+
+@pytest.fixture(
+    params=[pytest.param("sqlite"), pytest.param("kafka", marks=pytest.mark.kafka)],
+)
+def bus_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BusFactory:
+    """A :class:`BusFactory` for a fresh bus of each adapter: a SQLite file in ``tmp_path``, or
+    the session's Kafka broker with a topic prefix unique to the test."""
+    if request.param == "sqlite":
+        return BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
+    bootstrap: str = request.getfixturevalue("kafka_bootstrap")
+    prefix: str = request.getfixturevalue("unique_prefix")
+    return BusFactory("kafka", f"kafka://{bootstrap}", prefix)
 
 
 @pytest.fixture

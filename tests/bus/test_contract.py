@@ -27,7 +27,7 @@ from trainguard.agent.bus._partitioner import partition_for
 
 if TYPE_CHECKING:
     # Only for annotations: pytest imports conftest modules itself, under a name of its own.
-    from tests.bus.conftest import BusFactory
+    from tests.buses import BusFactory
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

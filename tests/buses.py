@@ -1,13 +1,11 @@
-"""Fixtures of the bus contract suite: ``bus_factory``, parametrized over every adapter."""
+"""``BusFactory``: fresh buses of each adapter for tests (the ``bus_factory`` fixture in
+``tests/conftest.py`` makes one per adapter)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from trainguard.agent.bus import Bus, BusConfig, TopicSpec, open_bus
 
@@ -51,22 +49,3 @@ class BusFactory:
     def group(self, name: str) -> str:
         """A consumer group id unique to this test (Kafka keeps groups across tests)."""
         return f"{self.prefix}{name}"
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    """aiokafka runs on asyncio only, so the contract suite does too."""
-    return "asyncio"
-
-
-@pytest.fixture(
-    params=[pytest.param("sqlite"), pytest.param("kafka", marks=pytest.mark.kafka)],
-)
-def bus_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BusFactory:
-    """A :class:`BusFactory` for a fresh bus of each adapter: a SQLite file in ``tmp_path``, or
-    the session's Kafka broker with a topic prefix unique to the test."""
-    if request.param == "sqlite":
-        return BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
-    bootstrap: str = request.getfixturevalue("kafka_bootstrap")
-    prefix: str = request.getfixturevalue("unique_prefix")
-    return BusFactory("kafka", f"kafka://{bootstrap}", prefix)

@@ -1,0 +1,217 @@
+"""The daemon service on a real bus (SQLite and Kafka): it acts on the machine's decisions,
+writes ticks into the log, parks bad input in the dead-letter topic, and rebuilds after a
+restart without deciding anything twice."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.buses import BusFactory
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus
+from trainguard.daemon import DaemonService, MachineConfig
+from trainguard.daemon._settings import DaemonConfig
+from trainguard.schemas import (
+    Checkpoint,
+    ClockTick,
+    DataCursor,
+    Event,
+    Heartbeat,
+    Lifecycle,
+    Manifest,
+    Restore,
+    decode,
+    encode,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+
+JOB = "svc-job"
+CURSOR = DataCursor(data_version="v1", seed=7, epoch=0, offset=80, world_size=2)
+
+
+def daemon_config(factory: BusFactory, **machine: Any) -> DaemonConfig:
+    return DaemonConfig(
+        bus=factory.config(topics=DEFAULT_TOPICS),
+        machine=MachineConfig(daemon_id="test-daemon", **machine),
+        group_id=factory.group("daemon"),
+        poll_s=0.02,
+    )
+
+
+@asynccontextmanager
+async def running(service: DaemonService) -> AsyncIterator[DaemonService]:
+    """Run ``service`` in the background; stop it (gracefully) on exit."""
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(service.run(stop))
+    try:
+        yield service
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+
+async def publish(bus: Bus, *events: Event) -> None:
+    for event in events:
+        await bus.publish("events", event.job_id, encode(event))
+
+
+async def read_all(bus: Bus, topic: str) -> list[Any]:
+    """Every record of ``topic`` from offset 0 (values only, in partition order)."""
+    ends = await bus.end_offsets(topic)
+    pending = {tp for tp, end in ends.items() if end > 0}
+    values: list[Any] = []
+    if not pending:
+        return values
+    async with await bus.assign(dict.fromkeys(pending, 0)) as consumer:
+        seen = dict.fromkeys(pending, 0)
+        while any(seen[tp] < ends[tp] for tp in pending):
+            for record in await consumer.getmany(timeout_s=1.0):
+                seen[record.tp] = record.offset + 1
+                values.append(record.value)
+    return values
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = await check()
+        if result:
+            return result
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def _sender(rank: int | None, seq: int) -> dict[str, Any]:
+    return {"job_id": JOB, "generation": 0, "ts": time.time_ns(), "seq": seq, "host": "h0"}
+
+
+def started(rank: int) -> Lifecycle:
+    return Lifecycle(**_sender(rank, 0), rank=rank, pid=100 + rank, kind="started", world_size=2)
+
+
+def beat(rank: int, seq: int, step: int) -> Heartbeat:
+    return Heartbeat(
+        **_sender(rank, seq), rank=rank, pid=100 + rank, world_size=2, step=step, phase="train"
+    )
+
+
+def shard(rank: int, seq: int, step: int) -> Checkpoint:
+    return Checkpoint(
+        **_sender(rank, seq),
+        rank=rank,
+        pid=100 + rank,
+        world_size=2,
+        step=step,
+        shard_uri=f"file:///ckpt/{step}/{rank}.pt",
+        size_bytes=123,
+        digest="sha256:" + "ab" * 32,
+        cursor=CURSOR,
+    )
+
+
+def killed(rank: int) -> Lifecycle:
+    return Lifecycle(
+        **_sender(None, 0), rank=None, pid=900, kind="exited", ranks=(rank,), signal=9
+    )
+
+
+async def commands(bus: Bus) -> list[Any]:
+    return [decode(v) for v in await read_all(bus, "commands")]
+
+
+async def test_an_exit_leads_to_one_restore_also_across_a_restart(bus_factory: BusFactory) -> None:
+    config = daemon_config(bus_factory)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, started(0), started(1), beat(0, 1, 10), beat(1, 1, 10))
+        await publish(bus, shard(0, 2, 10), shard(1, 2, 10), killed(1))
+        async with running(DaemonService(config)):
+            restores = await eventually(lambda: _restores(bus))
+        [restore] = restores
+        assert restore.generation == 1
+        assert restore.target is not None
+        assert restore.target.step == 10
+        assert "signal 9" in restore.reason
+        manifests = [decode(v, expect=Manifest) for v in await read_all(bus, "manifests")]
+        assert [m.snapshot_id for m in manifests] == [f"{JOB}/g0/s10"]
+
+        # A new daemon instance (same group) rebuilds from the log and decides nothing new.
+        async with running(DaemonService(config)) as second:
+            await asyncio.wait_for(second.ready.wait(), 30)
+            await eventually(lambda: _folded(second))
+            assert second.jobs[JOB].phase == "restoring"
+        assert len(await _restores(bus)) == 1
+
+
+async def test_decisions_acted_on_but_not_committed_are_not_sent_twice(
+    bus_factory: BusFactory,
+) -> None:
+    """A daemon that dies after publishing a restore but before committing its position: the
+    next one folds the same input live again and recognises the restore as already sent."""
+
+    class CrashesBeforeCommit(DaemonService):
+        async def _commit(self, consumer: Any, *, force: bool = False) -> None:
+            return None
+
+    config = daemon_config(bus_factory)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, started(0), started(1), shard(0, 1, 5), shard(1, 1, 5), killed(0))
+        async with running(CrashesBeforeCommit(config)):
+            await eventually(lambda: _restores(bus))
+        async with running(DaemonService(config)) as second:
+            await eventually(lambda: _folded(second))
+            assert second.counters["commands"] == 0
+        assert len(await _restores(bus)) == 1
+
+
+async def test_silence_is_detected_through_ticks_written_into_the_log(
+    bus_factory: BusFactory,
+) -> None:
+    config = daemon_config(bus_factory, heartbeat_timeout_s=1.0)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, started(0), started(1), beat(0, 1, 3), beat(1, 1, 3))
+        async with running(DaemonService(config)):
+            [restore] = await eventually(lambda: _restores(bus))
+        assert "no event from ranks 0, 1" in restore.reason
+        values = await read_all(bus, "events")
+        assert any(isinstance(decode(v), ClockTick) for v in values if v is not None)
+
+
+async def test_bad_input_is_parked_with_its_reason_and_changes_nothing(
+    bus_factory: BusFactory,
+) -> None:
+    good = (started(0), started(1), beat(0, 1, 4), beat(1, 1, 4))
+    reference_config = daemon_config(bus_factory)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await bus.publish("events", JOB, b"\xff\xfe not json")
+        await publish(bus, *good[:2])
+        forged = encode(dataclasses.replace(beat(0, 2, 99), job_id="other-job"))
+        await bus.publish("events", JOB, forged)  # key says one job, body another
+        await publish(bus, *good[2:])
+        await publish(bus, beat(0, 1, 4))  # duplicate seq
+        async with running(DaemonService(reference_config)) as service:
+            await eventually(lambda: _folded(service, n=len(good) + 1))
+            state = service.jobs[JOB]
+        parked = [orjson.loads(v) for v in await read_all(bus, "dead-letter")]
+    reasons = [p["reason"] for p in parked]
+    assert len(parked) == 3, reasons
+    assert any("UTF-8" in r or "JSON" in r for r in reasons)
+    assert any("does not match record key" in r for r in reasons)
+    assert any("duplicate" in r for r in reasons)
+    assert state.ranks[0].step == 4
+    assert state.ranks[1].step == 4
+
+
+async def _restores(bus: Bus) -> list[Restore]:
+    return [c for c in await commands(bus) if isinstance(c, Restore)]
+
+
+async def _folded(service: DaemonService, n: int = 1) -> bool:
+    return service.counters["folded"] >= n
