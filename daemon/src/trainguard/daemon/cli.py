@@ -193,6 +193,39 @@ def run(
     raise typer.Exit(code)
 
 
+@app.command()
+def demo(
+    bus: Annotated[
+        str | None,
+        typer.Option(help="Bus URL; default: an embedded bus in the work folder (no server)."),
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of the kill step; default: random.")
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 240,
+    workdir: Annotated[
+        Path | None, typer.Option(help="Work folder; default: a fresh temporary folder.")
+    ] = None,
+) -> None:
+    """Train a real 2-rank job, SIGKILL rank 1 at a random step, and watch trainguard recover.
+
+    Exits 0 when the job recovered exactly: one restore, final parameters bitwise equal to an
+    uninterrupted run, and no sample skipped or repeated.
+    """
+    from trainguard.daemon._demo import DemoOptions, run_demo
+
+    try:
+        ok = run_demo(DemoOptions(bus=bus, seed=seed, steps=steps, workdir=workdir))
+    except (FileNotFoundError, RuntimeError, BusError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    raise typer.Exit(0 if ok else 1)
+
+
 def main() -> None:
     """Entry point of the ``trainguard`` console script."""
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""``trainguard demo``: a real 2-rank training job survives a SIGKILLed rank.
+
+It starts a daemon and a supervisor running the ``examples/charlm`` job (DDP, gloo, CPU), has
+rank 1 SIGKILL itself at a step drawn from the printed seed, shows detection, restore and
+resume as they happen, and ends with a summary: detection latency, time to resume, steps lost,
+and whether the final parameters and the sample ledger equal an uninterrupted reference run
+(cached after its first run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, TopicPartition, open_bus
+from trainguard.agent.bus._partitioner import partition_for
+from trainguard.daemon._rehearsal import (
+    JobRecord,
+    read_job_record,
+    start_daemon,
+    stop_process,
+    supervise,
+)
+from trainguard.schemas import Heartbeat, Lifecycle, Restore, Resume, SchemaError, decode
+
+__all__ = ["DemoOptions", "find_example", "run_demo"]
+
+JOB = "charlm-demo"
+WORLD_SIZE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What ``trainguard demo`` runs.
+
+    Attributes:
+        bus: bus URL, or ``None`` for an embedded bus in the work folder.
+        seed: seeds the kill step (and the training); ``None`` draws one.
+        steps: training steps of the job.
+        checkpoint_every: steps between checkpoints.
+        workdir: where checkpoints, ledgers and logs go; ``None`` for a fresh temp folder.
+        cache: folder of cached reference runs.
+    """
+
+    bus: str | None = None
+    seed: int | None = None
+    steps: int = 240
+    checkpoint_every: int = 20
+    workdir: Path | None = None
+    cache: Path = Path.home() / ".cache" / "trainguard" / "demo"
+
+
+def find_example() -> Path:
+    """The repository folder holding ``examples/charlm`` (the demo runs it from there).
+
+    Raises ``FileNotFoundError`` with a hint when trainguard was installed from a wheel
+    rather than from a clone (``pip install -e .``), or run outside the clone.
+    """
+    candidates = [Path.cwd(), *Path(__file__).resolve().parents]
+    for root in candidates:
+        if (root / "examples" / "charlm" / "train.py").is_file():
+            return root
+    raise FileNotFoundError(
+        "examples/charlm not found: run `trainguard demo` from a clone of the trainguard "
+        "repository (pip install -e '.[torch]')"
+    )
+
+
+def _train_command(out: Path, options: DemoOptions, seed: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "examples.charlm.train",
+        "--steps",
+        str(options.steps),
+        "--checkpoint-every",
+        str(options.checkpoint_every),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+    ]
+
+
+def _env(out: Path, faults: str = "") -> dict[str, str]:
+    return {
+        "TRAINGUARD_CHECKPOINT_DIR": str(out / "checkpoints"),
+        "TRAINGUARD_HEARTBEAT_INTERVAL": "0.5",
+        "TRAINGUARD_FAULTS": faults,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _reference_key(repo: Path, options: DemoOptions, seed: int) -> str:
+    """Cache key: everything that decides the reference run's bytes."""
+    import torch
+
+    h = hashlib.sha256()
+    for path in sorted((repo / "examples" / "charlm").glob("*.py")):
+        h.update(path.read_bytes())
+    h.update(f"{options.steps}:{options.checkpoint_every}:{seed}:{torch.__version__}".encode())
+    return h.hexdigest()[:16]
+
+
+def _reference(repo: Path, options: DemoOptions, seed: int, console: Console) -> Path:
+    """Run (or reuse) the uninterrupted reference job; return its output folder."""
+    out = options.cache / f"reference-{_reference_key(repo, options, seed)}"
+    if (out / "final.sha256").is_file():
+        console.print(f"[dim]reference run: cached in {out}[/dim]")
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    console.print("[dim]reference run: training the same job without faults (cached after)…[/dim]")
+    started = time.monotonic()
+    sup = supervise(
+        JOB,
+        _train_command(out, options, seed),
+        bus_url=f"sqlite:///{out / 'bus.db'}",
+        prefix="ref.",
+        nproc_per_node=WORLD_SIZE,
+        log_path=out / "supervisor.log",
+        env={**_env(out), "PYTHONPATH": str(repo)},
+    )
+    if sup.wait() != 0:
+        raise RuntimeError(f"the reference run failed; see {out / 'supervisor.log'}")
+    console.print(f"[dim]reference run: done in {time.monotonic() - started:.0f} s[/dim]")
+    return out
+
+
+def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
+    """Run the demo; return whether the recovery was exact (params and ledger equal)."""
+    console = console or Console()
+    repo = find_example()
+    # The summary reads the example's ledgers with the example's own reader.
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    seed = options.seed if options.seed is not None else random.SystemRandom().randrange(10_000)
+    kill_step = random.Random(seed).randrange(options.checkpoint_every + 5, options.steps - 20)
+    console.rule("[bold]trainguard demo")
+    console.print(
+        f"seed {seed}: a 2-rank charlm job (DDP, gloo, CPU) for {options.steps} steps, "
+        f"checkpoint every {options.checkpoint_every}; rank 1 will be SIGKILLed at step {kill_step}"
+    )
+    reference = _reference(repo, options, seed, console)
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="trainguard-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "run"
+    bus_url = options.bus or f"sqlite:///{workdir / 'bus.db'}"
+    prefix = f"demo-{uuid.uuid4().hex[:8]}."
+    console.print(f"bus {bus_url} (topics {prefix}*), work folder {workdir}")
+    daemon = start_daemon(bus_url, prefix=prefix, log_path=workdir / "daemon.log")
+    try:
+        sup = supervise(
+            JOB,
+            _train_command(out, options, seed),
+            bus_url=bus_url,
+            prefix=prefix,
+            nproc_per_node=WORLD_SIZE,
+            log_path=workdir / "supervisor.log",
+            env={**_env(out, f"kill@step={kill_step},rank=1"), "PYTHONPATH": str(repo)},
+        )
+        asyncio.run(_watch(bus_url, prefix, options.steps, sup, console))
+        code = sup.wait()
+    finally:
+        stop_process(daemon)
+    record = asyncio.run(read_job_record(bus_url, prefix, JOB))
+    ok = _summary(record, code, out, reference, console)
+    console.print(f"[dim]logs: {workdir}/daemon.log, {workdir}/supervisor.log[/dim]")
+    return ok
+
+
+async def _watch(
+    bus_url: str, prefix: str, steps: int, sup: subprocess.Popen[bytes], console: Console
+) -> None:
+    """Print the job's story from the bus while the supervisor runs."""
+    config = BusConfig(url=bus_url, prefix=prefix, topics=DEFAULT_TOPICS, client_id="demo")
+    async with open_bus(config) as bus:
+        partition = partition_for(JOB, await bus.partitions("events"))
+        tps = {TopicPartition(t, partition): 0 for t in ("events", "commands", "audit")}
+        progress = Progress(
+            TextColumn("[bold]step {task.completed:>4}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        task = progress.add_task("generation 0", total=steps)
+        kill_at: float | None = None
+        async with await bus.assign(tps) as consumer:
+            with progress:
+                while True:
+                    records = await consumer.getmany(timeout_s=0.2)
+                    for rec in records:
+                        if rec.key != JOB or rec.value is None:
+                            continue
+                        if rec.topic == "audit":
+                            for d in json.loads(rec.value)["decisions"]:
+                                if d["decision"] == "incident_opened":
+                                    progress.console.print(
+                                        f"[yellow]⚑ incident {d['incident_id']}: {d['reason']}"
+                                    )
+                            continue
+                        try:
+                            msg = decode(rec.value)
+                        except SchemaError:
+                            continue
+                        kill_at = _story(msg, rec.timestamp_ms / 1000, kill_at, progress, task)
+                    if not records and sup.poll() is not None:
+                        return
+
+
+def _story(
+    msg: Any, at: float, kill_at: float | None, progress: Progress, task: Any
+) -> float | None:
+    say = progress.console.print
+    since = f" (+{(at - kill_at) * 1000:.0f} ms after the kill)" if kill_at is not None else ""
+    match msg:
+        case Heartbeat(step=step, generation=g):
+            progress.update(task, completed=step, description=f"generation {g}")
+        case Lifecycle(kind="exited", signal=sig, ranks=ranks) if sig is not None:
+            say(
+                f"[red]✖ rank {', '.join(map(str, ranks))} died of signal {sig} (reported by its supervisor)"
+            )
+            return at
+        case Restore(generation=g, target=target, reason=reason):
+            where = target.snapshot_id if target else "scratch (nothing committed yet)"
+            say(f"[cyan]↺ restore: generation {g}, target {where}{since}\n   because: {reason}")
+        case Lifecycle(kind="restored", rank=rank, step=step, generation=g):
+            say(
+                f"[green]  rank {rank} loaded and verified its shard, at step {step} (generation {g})"
+            )
+        case Resume(generation=g):
+            say(f"[green]▶ resume: every rank restored, generation {g} trains on{since}")
+        case Lifecycle(kind="finished", rank=0, step=step):
+            say(f"[bold green]✔ finished at step {step}")
+    return kill_at
+
+
+def _summary(record: JobRecord, code: int, out: Path, reference: Path, console: Console) -> bool:
+    from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
+
+    table = Table(title="summary", show_header=False)
+    kill = next(
+        (e for e in record.events if isinstance(e.message, Lifecycle) and e.message.signal), None
+    )
+    restores = record.restores()
+    restore_at = next((c.at_ms for c in record.commands if isinstance(c.message, Restore)), None)
+    table.add_row("supervisor exit", str(code))
+    table.add_row("restores issued", str(len(restores)))
+    if kill is not None and restore_at is not None and restores:
+        target_step = restores[0].target.step if restores[0].target else 0
+        table.add_row(
+            "detection latency (kill -> restore command)", f"{restore_at - kill.at_ms} ms"
+        )
+        resumed = next(
+            (
+                e.at_ms
+                for e in record.events
+                if isinstance(e.message, Heartbeat)
+                and e.message.generation == restores[0].generation
+                and e.message.step > target_step
+            ),
+            None,
+        )
+        if resumed is not None:
+            table.add_row(
+                "time to resume (kill -> first new step)", f"{(resumed - kill.at_ms) / 1000:.1f} s"
+            )
+        table.add_row("steps lost (recomputed)", str(record.max_step(0) - target_step))
+    same = (out / "final.sha256").is_file() and (out / "final.sha256").read_text() == (
+        reference / "final.sha256"
+    ).read_text()
+    table.add_row(
+        "final parameters == uninterrupted run",
+        "[green]bitwise equal" if same else "[red]DIFFERENT",
+    )
+    paths = [ledger_path(out, r) for r in range(WORLD_SIZE)]
+    ref_paths = [ledger_path(reference, r) for r in range(WORLD_SIZE)]
+    comparison = compare_ledgers(read_ledger(paths), read_ledger(ref_paths), WORLD_SIZE)
+    exact = comparison.exact
+    verdict = (
+        "[green]exact: nothing skipped, nothing repeated"
+        if exact
+        else f"[red]{sum(comparison.missing.values())} skipped, "
+        f"{sum(comparison.extra.values())} repeated or foreign"
+    )
+    table.add_row("sample ledger", verdict)
+    console.print(table)
+    return same and exact and code == 0 and len(restores) == 1
