@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from trainguard.agent._dataset_version import ManifestEntry, dataset_manifest, dataset_version
+from trainguard.agent import ManifestEntry, dataset_manifest, dataset_version
 
 
 def stdlib_root() -> Path:

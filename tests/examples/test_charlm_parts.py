@@ -1,15 +1,14 @@
-"""Fast, in-process tests of the charlm example's data, ledger and checkpoints."""
+"""Fast, in-process tests of the charlm example: data, ledger, and a one-process job that
+checkpoints through the agent and is restored from a hand-published restore command."""
 
 from __future__ import annotations
 
-import pickle
-import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from examples.charlm.checkpoint import latest_complete_step, load_checkpoint, save_checkpoint
 from examples.charlm.data import ByteWindows
 from examples.charlm.ledger import (
     LedgerError,
@@ -19,6 +18,10 @@ from examples.charlm.ledger import (
     effective_samples,
     read_ledger,
 )
+from examples.charlm.model import ModelConfig
+from examples.charlm.train import DEFAULT_JOB, TrainConfig, agent_config, train
+from tests.agent import _jobbus as daemon
+from trainguard.schemas import Checkpoint
 
 # --- data ------------------------------------------------------------------------------------
 
@@ -114,39 +117,58 @@ def test_one_generation_cannot_record_a_step_twice_differently():
         effective_samples([LedgerRecord(0, 1, 0, (1,)), LedgerRecord(0, 1, 0, (2,))], world_size=1)
 
 
-# --- checkpoints -----------------------------------------------------------------------------
+# --- training through the agent ------------------------------------------------------------
 
 
-def test_checkpoint_round_trip_restores_tensors_and_rng_streams(tmp_path):
-    weights = torch.arange(6.0).reshape(2, 3)
-    torch.manual_seed(1)
-    random.seed(2)
-    shard = save_checkpoint(tmp_path, 3, 1, {"w": weights})
-    assert shard.size == shard.path.stat().st_size
-    expected = (torch.rand(3), random.random())
-    torch.manual_seed(99)
-    random.seed(99)
-    loaded = load_checkpoint(tmp_path, 3, 1)
-    assert torch.equal(loaded["w"], weights)
-    after = (torch.rand(3), random.random())
-    assert torch.equal(after[0], expected[0])
-    assert after[1] == expected[1]
+def tiny(out: Path, steps: int) -> TrainConfig:
+    """A seconds-long configuration: a 1-layer model of width 16 on 16-byte windows."""
+    return TrainConfig(
+        steps=steps,
+        seed=0,
+        out=out,
+        checkpoint_every=3,
+        blocking_checkpoints=False,
+        per_rank_batch=4,
+        lr=3e-3,
+        threads=1,
+        model=ModelConfig(context=16, d_model=16, n_layers=1, n_heads=2, dropout=0.1),
+    )
 
 
-def test_checkpoint_load_refuses_arbitrary_objects(tmp_path):
-    target = tmp_path / "step-00000001" / "rank-0.pt"
-    target.parent.mkdir()
-    torch.save({"path": Path("/")}, target)
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
-        load_checkpoint(tmp_path, 1, 0)
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Run torch on one thread (as the example's main does), so runs compare bitwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
-def test_latest_complete_step_needs_every_rank(tmp_path: Path):
-    assert latest_complete_step(tmp_path / "missing", world_size=2) is None
-    for step, ranks in {5: [0, 1], 10: [0, 1], 15: [0]}.items():
-        for rank in ranks:
-            save_checkpoint(tmp_path, step, rank, {"step": step})
-    (tmp_path / "step-00000015" / ".rank-1.pt.123.tmp").write_bytes(b"torn")
-    (tmp_path / "step-20").mkdir()
-    assert latest_complete_step(tmp_path, world_size=2) == 10
-    assert latest_complete_step(tmp_path, world_size=1) == 15
+def test_a_restored_run_ends_where_the_uninterrupted_one_does(tmp_path, one_thread):
+    reference = tiny(tmp_path / "reference", steps=7)
+    train(reference, agent_config(reference, env={}))
+
+    first = tiny(tmp_path / "run", steps=5)  # no daemon: the agent only publishes
+    train(first, agent_config(first, env={}))
+    bus = f"sqlite://{(tmp_path / 'run' / 'bus.db').resolve()}"
+    events = daemon.read_events(bus, DEFAULT_JOB)
+    shards = daemon.of_type(events, Checkpoint)
+    # Checkpoints at 3 and at the last step; each cursor is the sample offset after its step.
+    assert [(c.step, c.cursor.offset) for c in shards] == [(3, 12), (5, 20)]
+    manifest = daemon.committed_manifest(events, DEFAULT_JOB, world_size=1)
+    assert manifest is not None
+
+    daemon.publish(bus, daemon.restore(DEFAULT_JOB, 1, manifest))
+    helper = daemon.after_acks(bus, 1, range(1), daemon.resume(DEFAULT_JOB, 1, step=5))
+    second = tiny(tmp_path / "run", steps=7)
+    train(second, agent_config(second, env={"TRAINGUARD_GENERATION": "1"}))
+    helper.join()
+
+    def digest(out: Path) -> str:
+        return (out / "final.sha256").read_text()
+
+    assert digest(tmp_path / "run") == digest(tmp_path / "reference")
+    run_ledger = read_ledger([tmp_path / "run" / "ledger-rank-0.jsonl"])
+    assert min(r.step for r in run_ledger if r.generation == 1) == 6
+    reference_ledger = read_ledger([tmp_path / "reference" / "ledger-rank-0.jsonl"])
+    assert compare_ledgers(run_ledger, reference_ledger, world_size=1).exact

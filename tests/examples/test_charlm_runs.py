@@ -1,8 +1,11 @@
-"""Scenario tests of the charlm example as real torchrun jobs: determinism, resume, kill+restart.
+"""Scenario tests of the charlm example as real two-rank torchrun jobs under trainguard's agent:
+determinism, and a rank killed by an injected fault, then restored from the committed snapshot.
 
-Invariants 4 and 5 of the architecture: a deterministic CPU job stopped or killed and restored
-from its last complete checkpoint ends bitwise equal to the uninterrupted run, and consumes
-exactly the same samples at the same steps and ranks.
+Invariants 4 and 5 of the architecture: a deterministic CPU job killed and restored from its
+last committed checkpoint ends bitwise equal to the uninterrupted run, and consumes exactly the
+same samples at the same steps and ranks. The daemon is not part of these runs: the test reads
+the checkpoint events from the job's bus, builds the manifest and publishes the ``restore`` and
+``resume`` commands itself.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from examples.charlm.checkpoint import latest_complete_step
 from examples.charlm.ledger import LedgerRecord, compare_ledgers, read_ledger
+from examples.charlm.train import DEFAULT_JOB
+from tests.agent import _jobbus as daemon
+from trainguard.schemas import Checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +29,15 @@ STEPS = 30
 WORLD_SIZE = 2
 
 
-def charlm(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run the example as a 2-rank torchrun job writing to ``out``."""
+def charlm(out: Path, *args: str, generation: int = 0) -> subprocess.CompletedProcess[str]:
+    """Run the example as a 2-rank torchrun job of ``generation`` writing to ``out``."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command = [*launcher, f"--nproc-per-node={WORLD_SIZE}", "-m", "examples.charlm.train"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINGUARD_GENERATION": str(generation)}
     return subprocess.run(
         [*command, "--out", str(out), *args],
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=env,
         capture_output=True,
         text=True,
         timeout=180,
@@ -51,46 +57,58 @@ def ledger(out: Path) -> list[LedgerRecord]:
     return read_ledger(sorted(out.glob("ledger-rank-*.jsonl")))
 
 
+def bus(out: Path) -> str:
+    """The example's default bus of a run writing to ``out``."""
+    return f"sqlite://{out.resolve() / 'bus.db'}"
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 2-rank run of STEPS steps."""
+    """An uninterrupted 2-rank run of STEPS steps, checkpointing in the background."""
     out: Path = tmp_path_factory.mktemp("reference")
     succeed(charlm(out, f"--steps={STEPS}", "--checkpoint-every=10"))
     return out
 
 
 def test_two_uninterrupted_runs_are_bitwise_equal(reference: Path, tmp_path: Path) -> None:
-    # Another checkpoint interval too: saving state must not perturb the run.
-    succeed(charlm(tmp_path, f"--steps={STEPS}", "--checkpoint-every=7"))
+    # Another interval and blocking writes: saving state must not perturb the run.
+    succeed(charlm(tmp_path, f"--steps={STEPS}", "--checkpoint-every=7", "--blocking-checkpoints"))
     assert digest(tmp_path) == digest(reference)
     assert sorted(ledger(tmp_path), key=repr) == sorted(ledger(reference), key=repr)
+    events = daemon.read_events(bus(tmp_path), DEFAULT_JOB)
+    steps = {(c.step, c.rank) for c in daemon.of_type(events, Checkpoint)}
+    assert steps == {(s, r) for s in (7, 14, 21, 28, 30) for r in range(WORLD_SIZE)}
 
 
-def test_stop_and_resume_equals_the_uninterrupted_run(reference: Path, tmp_path: Path) -> None:
-    succeed(charlm(tmp_path, "--steps=12", "--checkpoint-every=5"))  # checkpoints 5, 10, 12
-    assert digest(tmp_path) != digest(reference)  # control: the digest tracks training
-    resume = ["--resume-from", str(tmp_path / "checkpoints"), "--generation=1"]
-    succeed(charlm(tmp_path, f"--steps={STEPS}", "--checkpoint-every=5", *resume))
-    assert digest(tmp_path) == digest(reference)
-    records = ledger(tmp_path)
-    assert min(r.step for r in records if r.generation == 1) == 13
-    assert compare_ledgers(records, ledger(reference), WORLD_SIZE).exact
-
-
-def test_killed_rank_restarts_from_last_complete_checkpoint(
+def test_a_killed_rank_is_restored_from_the_committed_snapshot(
     reference: Path, tmp_path: Path
 ) -> None:
-    # Rank 1 dies after the backward pass of step 20: rank 0 may finish step 20 (and save its
-    # step-20 shard) but step 20 is never complete, so the restart goes back to step 10.
-    killed = charlm(tmp_path, f"--steps={STEPS}", "--checkpoint-every=10", "--kill-at=1:20")
+    # Rank 1 dies at the end of step 20, before its step-20 checkpoint: rank 0 may still save
+    # its own shard of step 20, but only step 10 has every rank's shard.
+    faults = "--faults=kill@step=20,rank=1"
+    killed = charlm(tmp_path, f"--steps={STEPS}", "--checkpoint-every=10", faults)
     assert killed.returncode != 0
     assert "SIGKILL" in killed.stderr
-    assert latest_complete_step(tmp_path / "checkpoints", WORLD_SIZE) == 10
-    assert max(r.step for r in ledger(tmp_path) if r.rank == 1) == 19
-    resume = ["--resume-from", str(tmp_path / "checkpoints"), "--generation=1"]
-    succeed(charlm(tmp_path, f"--steps={STEPS}", "--checkpoint-every=10", *resume))
+    assert max(r.step for r in ledger(tmp_path) if r.rank == 1) == 20
+    manifest = daemon.committed_manifest(
+        daemon.read_events(bus(tmp_path), DEFAULT_JOB), DEFAULT_JOB, WORLD_SIZE
+    )
+    assert manifest is not None
+    assert manifest.step == 10
+
+    daemon.publish(bus(tmp_path), daemon.restore(DEFAULT_JOB, 1, manifest))
+    resume = daemon.resume(DEFAULT_JOB, 1, step=10)
+    helper = daemon.after_acks(bus(tmp_path), 1, range(WORLD_SIZE), resume)
+    # The same command line: the fault fired once in this job and does not fire again.
+    restored = charlm(tmp_path, f"--steps={STEPS}", "--checkpoint-every=10", faults, generation=1)
+    helper.join()
+    succeed(restored)
     assert digest(tmp_path) == digest(reference)
     records = ledger(tmp_path)
     assert min(r.step for r in records if r.generation == 1) == 11
     comparison = compare_ledgers(records, ledger(reference), WORLD_SIZE)
     assert comparison.exact, comparison
+    acks = daemon.lifecycles(daemon.read_events(bus(tmp_path), DEFAULT_JOB), "restored")
+    assert {(a.rank, a.step, a.snapshot_id) for a in acks} == {
+        (r, 10, f"{DEFAULT_JOB}/g0/s10") for r in range(WORLD_SIZE)
+    }

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trainguard.agent._agent import Agent
+from trainguard.agent._agent import RESERVED_KEY, Agent, AgentStats
 from trainguard.agent._config import DEFAULT_BUS_URL, AgentConfig
 from trainguard.agent._cursor import (
     MAX_DATASET_LEN,
@@ -32,8 +32,9 @@ from trainguard.agent._errors import (
     ShardCorrupt,
     ShardError,
     ShardMissing,
+    StaleGeneration,
 )
-from trainguard.agent._faults import Fault, parse_faults
+from trainguard.agent._faults import Fault, FaultKind, parse_faults
 
 if TYPE_CHECKING:
     from trainguard.agent._sampler import ResumableDistributedSampler
@@ -41,13 +42,16 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BUS_URL",
     "MAX_DATASET_LEN",
+    "RESERVED_KEY",
     "Agent",
     "AgentConfig",
     "AgentError",
+    "AgentStats",
     "ConfigError",
     "CursorMismatch",
     "DataVersionMismatch",
     "Fault",
+    "FaultKind",
     "GlobalOrder",
     "JobAborted",
     "KeyedPermutation",
@@ -57,6 +61,7 @@ __all__ = [
     "ShardCorrupt",
     "ShardError",
     "ShardMissing",
+    "StaleGeneration",
     "dataset_manifest",
     "dataset_version",
     "epoch_permutation",

@@ -7,21 +7,25 @@ or trainguard's supervisor), defaults.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from trainguard.agent._errors import ConfigError
+from trainguard.agent._faults import parse_faults
+from trainguard.agent.bus import BusURLError, parse_bus_url
+from trainguard.schemas import Checkpoint, CheckpointMeta, DataCursor, SchemaError, encode
 
 __all__ = ["DEFAULT_BUS_URL", "AgentConfig"]
 
-DEFAULT_BUS_URL = "sqlite:///trainguard-bus.db"
+DEFAULT_BUS_URL = "sqlite:trainguard-bus.db"
+"""The embedded bus in ``trainguard-bus.db`` of the working directory."""
 
-# setting name -> (environment variables in order of precedence, converter)
-_ENV: dict[str, tuple[tuple[str, ...], type]] = {
+_ENVIRONMENT: Mapping[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
     "job_id": (("TRAINGUARD_JOB",), str),
     "bus_url": (("TRAINGUARD_BUS",), str),
     "topic_prefix": (("TRAINGUARD_TOPIC_PREFIX",), str),
@@ -30,34 +34,47 @@ _ENV: dict[str, tuple[tuple[str, ...], type]] = {
     "generation": (("TRAINGUARD_GENERATION",), int),
     "checkpoint_dir": (("TRAINGUARD_CHECKPOINT_DIR",), Path),
     "heartbeat_interval_s": (("TRAINGUARD_HEARTBEAT_INTERVAL",), float),
+    "restore_timeout_s": (("TRAINGUARD_RESTORE_TIMEOUT",), float),
     "resume_timeout_s": (("TRAINGUARD_RESUME_TIMEOUT",), float),
     "faults": (("TRAINGUARD_FAULTS",), str),
     "code_version": (("TRAINGUARD_CODE_VERSION",), str),
 }
+"""Setting name -> (environment variables, highest precedence first; parser of their value)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentConfig:
-    """Settings of one rank's agent.
+    """Settings of one rank's agent; validated on construction.
 
     Attributes:
-        job_id: the job's name (``TRAINGUARD_JOB``); required.
-        bus_url: bus URL (``TRAINGUARD_BUS``), default ``sqlite:///trainguard-bus.db``.
+        job_id: the job's name, 1-128 characters of ``[A-Za-z0-9._-]`` (``TRAINGUARD_JOB``);
+            required.
+        bus_url: bus URL (``TRAINGUARD_BUS``), default :data:`DEFAULT_BUS_URL`;
+            ``sqlite:///abs/path.db``, ``sqlite:rel/path.db`` or ``kafka://host:port,...``.
         topic_prefix: bus topic prefix (``TRAINGUARD_TOPIC_PREFIX``), default ``trainguard.``.
         rank: this process's rank (``TRAINGUARD_RANK``, else ``RANK``), default 0.
         world_size: number of ranks (``TRAINGUARD_WORLD_SIZE``, else ``WORLD_SIZE``), default 1.
         generation: fencing generation this process runs in (``TRAINGUARD_GENERATION``, set by
             the supervisor on every restart), default 0.
-        checkpoint_dir: root folder of checkpoint shards (``TRAINGUARD_CHECKPOINT_DIR``),
-            default ``./checkpoints``; must be shared by all nodes for multi-node restores.
-        heartbeat_interval_s: seconds between heartbeats (``TRAINGUARD_HEARTBEAT_INTERVAL``).
+        checkpoint_dir: root folder of checkpoint shards and fault markers
+            (``TRAINGUARD_CHECKPOINT_DIR``), default ``./checkpoints``; must be shared by all
+            nodes for multi-node restores.
+        heartbeat_interval_s: seconds between heartbeats (``TRAINGUARD_HEARTBEAT_INTERVAL``),
+            default 1.
+        restore_timeout_s: seconds :meth:`Agent.restore_target` waits for the daemon's
+            ``restore`` command (``TRAINGUARD_RESTORE_TIMEOUT``), default 300.
         resume_timeout_s: seconds :meth:`Agent.ready` waits for the daemon's ``resume`` after a
-            restore (``TRAINGUARD_RESUME_TIMEOUT``).
+            restore (``TRAINGUARD_RESUME_TIMEOUT``), default 300.
         faults: fault-injection spec (``TRAINGUARD_FAULTS``), see :mod:`._faults`.
         code_version: recorded in checkpoint metadata (``TRAINGUARD_CODE_VERSION``).
-        hyperparameters: recorded in checkpoint metadata.
+        hyperparameters: a JSON object recorded in checkpoint metadata (at most 16 levels deep).
         host: this machine's name, default ``socket.gethostname()``.
-        heartbeat_queue: most heartbeats kept while the bus is slow; older ones are dropped.
+        heartbeat_queue: most heartbeats kept while the bus is slow or away (>= 1); older ones
+            are dropped and counted.
+
+    Raises:
+        ConfigError: a value is out of range or does not fit the wire contract (the message
+            names the setting).
     """
 
     job_id: str
@@ -68,6 +85,7 @@ class AgentConfig:
     generation: int = 0
     checkpoint_dir: Path = Path("checkpoints")
     heartbeat_interval_s: float = 1.0
+    restore_timeout_s: float = 300.0
     resume_timeout_s: float = 300.0
     faults: str = ""
     code_version: str = ""
@@ -75,33 +93,84 @@ class AgentConfig:
     host: str = field(default_factory=socket.gethostname)
     heartbeat_queue: int = 16
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
+        for name in ("heartbeat_interval_s", "restore_timeout_s", "resume_timeout_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if self.heartbeat_queue < 1:
+            raise ConfigError(f"heartbeat_queue must be >= 1, got {self.heartbeat_queue}")
+        parse_faults(self.faults)
+        try:
+            parse_bus_url(self.bus_url)
+        except BusURLError as exc:
+            raise ConfigError(str(exc)) from exc
+        try:
+            # What ends up on the wire is checked by the wire contract itself: job id, host,
+            # rank, world size, generation, hyperparameters and code version.
+            encode(self.checkpoint_template(step=0, cursor=_PROBE_CURSOR, pid=1))
+        except SchemaError as exc:
+            raise ConfigError(f"invalid agent setting: {exc}") from exc
+
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> AgentConfig:
-        """Build the configuration from ``overrides``, then ``env`` (default ``os.environ``).
+        """Build the configuration from ``overrides``, then ``env`` (default ``os.environ``),
+        then defaults; see the module docstring for the precedence.
 
-        ``None`` overrides are ignored, so callers can pass optional arguments straight on.
-        Raises :class:`ConfigError` when ``job_id`` is missing or a value does not parse.
+        ``None`` overrides are ignored, so callers can pass optional arguments straight on;
+        empty environment variables count as unset.
+
+        Raises:
+            ConfigError: unknown setting, ``job_id`` missing, an environment variable that does
+                not parse, or an invalid value (see the class docstring).
         """
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for name, (variables, convert) in _ENV.items():
-            for var in variables:
-                raw = env.get(var)
-                if raw:
-                    try:
-                        values[name] = convert(raw)
-                    except ValueError as exc:
-                        raise ConfigError(f"{var}={raw!r}: not a valid {name}") from exc
-                    break
         known = {f.name for f in fields(cls)}
-        for name, value in overrides.items():
-            if name not in known:
-                raise ConfigError(f"unknown agent setting {name!r}")
-            if value is not None:
-                values[name] = value
+        unknown = sorted(overrides.keys() - known)
+        if unknown:
+            raise ConfigError(f"unknown agent setting(s): {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        for name, (variables, parse) in _ENVIRONMENT.items():
+            raw = next((env[v] for v in variables if env.get(v)), None)
+            if raw is None:
+                continue
+            try:
+                values[name] = parse(raw)
+            except ValueError as exc:
+                var = next(v for v in variables if env.get(v))
+                raise ConfigError(f"{var}={raw!r}: not a valid {name}") from exc
+        values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("job_id"):
             raise ConfigError("job id missing: pass job_id=... or set TRAINGUARD_JOB")
-        config = cls(**values)
-        if not 0 <= config.rank < config.world_size:
-            raise ConfigError(f"rank {config.rank} outside world size {config.world_size}")
-        return config
+        if "checkpoint_dir" in values:
+            values["checkpoint_dir"] = Path(values["checkpoint_dir"])
+        return cls(**values)
+
+    def checkpoint_template(self, *, step: int, cursor: DataCursor, pid: int) -> Checkpoint:
+        """A checkpoint event of this rank for ``step`` with placeholder shard fields
+        (URI, size, digest, ``seq``, ``ts``), to be replaced once the shard is written."""
+        return Checkpoint(
+            job_id=self.job_id,
+            generation=self.generation,
+            ts=0,
+            seq=0,
+            rank=self.rank,
+            host=self.host,
+            pid=pid,
+            world_size=self.world_size,
+            step=step,
+            shard_uri="file:///",
+            size_bytes=0,
+            digest="sha256:" + "0" * 64,
+            cursor=cursor,
+            metadata=CheckpointMeta(
+                hyperparameters=dict(self.hyperparameters),
+                topology={"world_size": self.world_size},
+                code_version=self.code_version,
+            ),
+        )
+
+
+_PROBE_CURSOR = DataCursor(data_version="probe", seed=0, epoch=0, offset=0, world_size=1)

@@ -10,6 +10,7 @@ __all__ = [
     "ShardCorrupt",
     "ShardError",
     "ShardMissing",
+    "StaleGeneration",
 ]
 
 
@@ -18,15 +19,16 @@ class AgentError(Exception):
 
 
 class ConfigError(AgentError, ValueError):
-    """A required setting is missing or invalid (names the argument and environment variable)."""
+    """A setting is missing or invalid; the message names the setting or environment variable."""
 
 
 class ShardError(AgentError):
-    """A checkpoint shard cannot be used."""
+    """A checkpoint shard cannot be used (the agent reported its snapshot to the daemon)."""
 
 
 class ShardMissing(ShardError, FileNotFoundError):
-    """The shard file named in a manifest does not exist."""
+    """The shard file named in a manifest does not exist, or the manifest has no shard for
+    this rank."""
 
 
 class ShardCorrupt(ShardError):
@@ -34,8 +36,14 @@ class ShardCorrupt(ShardError):
 
 
 class RestoreTimeout(AgentError, TimeoutError):
-    """The daemon did not confirm a restore (``resume``) in time."""
+    """The daemon's ``restore`` or ``resume`` command for this generation did not arrive in
+    time."""
 
 
 class JobAborted(AgentError):
     """The daemon aborted the job; the message says why."""
+
+
+class StaleGeneration(AgentError):
+    """The daemon moved on to a newer generation while this process waited for its own: this
+    process is fenced off and its supervisor will replace it."""

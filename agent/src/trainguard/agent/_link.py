@@ -1,19 +1,28 @@
 """The agent's link to the bus: a background event loop that sends events and hears commands.
 
-The training thread never waits on the network. It hands messages over with a thread-safe
-call; the loop (an anyio blocking portal in its own thread, ARCHITECTURE.md section 2) sends
-them in the order of their ``seq`` numbers, which the daemon uses to drop duplicates (so a
-message must never overtake one with a lower ``seq``). One FIFO, two policies:
+The training thread never waits on the network. It hands events over with :meth:`Link.submit`
+(a lock, an encode, a wake-up: tens of microseconds); an asyncio event loop in a daemon thread
+sends them. (ARCHITECTURE.md section 2 names an anyio blocking portal; but the portal of
+``start_blocking_portal`` runs in a non-daemon thread, so a process that never closes its agent
+would hang at exit, and the bus adapters are asyncio-only anyway.) Events leave in the order
+of their ``seq`` numbers, which the daemon uses to drop duplicates (``seq <= last seen``), so
+an event never overtakes one with a lower ``seq``. One FIFO, two policies:
 
-* checkpoint and lifecycle events are retried, unchanged, until the bus takes them, and
-  nothing behind them is sent meanwhile (losing one would lose a commit or an acknowledgement;
-  a retry that lands twice is dropped by the daemon as a duplicate);
+* checkpoint and lifecycle events are retried, unchanged, until the bus takes them, and nothing
+  behind them is sent meanwhile (losing one would lose a commit or an acknowledgement; a retry
+  that lands twice is dropped by the daemon as a duplicate);
 * heartbeats are dropped, oldest first, when more than ``ring`` of them wait: only the newest
-  progress matters, and a backlog would grow without limit while the broker is away.
+  progress matters, and a backlog would grow without limit while the bus is away.
 
-Commands for the job arrive on the compacted ``commands`` topic. The link first reads the
-latest command of the job (a late-starting worker must see the restore it was started for),
-then follows the partition from there. Commands of an older generation are ignored.
+The loop connects in the background and reconnects after failures (capped exponential
+back-off), so a bus that is down, locked or slow at start-up or later never stalls training;
+events wait in the FIFO meanwhile.
+
+Commands for the job arrive on the compacted ``commands`` topic. On its first connection the
+link reads the latest command of the job (a late-starting worker must see the restore it was
+started for), then follows the job's partition from there; after a reconnection it continues
+after the last command it read. Commands of an older generation than this process's are
+ignored.
 """
 
 from __future__ import annotations
@@ -23,12 +32,23 @@ import collections
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from structlog.typing import FilteringBoundLogger
 
-from trainguard.agent.bus import Bus, BusConfig, BusError, Record, TopicPartition, open_bus
+from trainguard.agent.bus import (
+    Bus,
+    BusConfig,
+    BusError,
+    Consumer,
+    Record,
+    TopicPartition,
+    open_bus,
+    parse_bus_url,
+)
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import (
     Abort,
@@ -42,49 +62,117 @@ from trainguard.schemas import (
     encode,
 )
 
-__all__ = ["CommandState", "Link"]
+__all__ = ["Commands", "Link"]
 
-_RETRY_S = 0.5
+_E = TypeVar("_E", bound=Event)
+_T = TypeVar("_T")
+
+_BACKOFF_S = (0.1, 2.0)
+"""First and longest pause after a failed connect or send, seconds (doubling in between)."""
+
+_POLL_S = 1.0
+"""Longest wait of one command poll, seconds (bounds how late a broken consumer is noticed)."""
+
+_STOP_GRACE_S = 5.0
+"""Seconds :meth:`Link.close` waits for the loop thread after cancelling it."""
+
+# One counter for the whole process: a sender is (rank, host, pid), and seqs must keep rising
+# across every Agent a process creates. Starting at the wall clock in ns keeps them rising
+# across processes too, when a restarted worker gets the same pid (a container's pid namespace)
+# in the same generation: the daemon would drop its events as duplicates otherwise.
+_SEQ = itertools.count(time.time_ns())
 
 
-class CommandState:
-    """What the job's commands have said so far; written by the loop, read by the trainer.
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    """One encoded event waiting in the FIFO."""
+
+    seq: int
+    data: bytes
+    heartbeat: bool
+
+
+class Commands:
+    """What the daemon has said to this job so far; written by the loop, read by the trainer.
 
     Attributes:
         restores: restore commands by generation (this process's and newer ones).
-        resumed: generations the daemon has resumed.
+        resumes: resume commands by generation.
         aborted: the abort command, once one arrived.
-        ignored: count of commands ignored (stale generation, other job, undecodable).
+        newest_generation: highest generation of any command taken (this process's at least).
+        ignored: commands ignored so far (older generation, undecodable).
     """
 
-    def __init__(self) -> None:
-        self.changed = threading.Condition()
+    def __init__(self, job_id: str, generation: int) -> None:
+        self._job_id = job_id
+        self._generation = generation
+        self._changed = threading.Condition()
         self.restores: dict[int, Restore] = {}
-        self.resumed: set[int] = set()
+        self.resumes: dict[int, Resume] = {}
         self.aborted: Abort | None = None
+        self.newest_generation = generation
         self.ignored = 0
 
-    def wait_for(self, predicate: Callable[[], Any], timeout_s: float) -> Any:
-        """Block the calling (training) thread until ``predicate()`` is truthy or time runs out.
+    def take(self, record: Record) -> None:
+        """Apply one record of the ``commands`` topic (other jobs' records are skipped)."""
+        if record.key != self._job_id or record.value is None:
+            return
+        try:
+            command = decode(record.value, expect=Command)
+        except SchemaError:
+            self.ignored += 1
+            return
+        if (
+            not isinstance(command, Restore | Resume | Abort)
+            or command.job_id != self._job_id
+            or command.generation < self._generation
+        ):
+            self.ignored += 1
+            return
+        with self._changed:
+            match command:
+                case Restore():
+                    self.restores[command.generation] = command
+                case Resume():
+                    self.resumes[command.generation] = command
+                case Abort():
+                    self.aborted = command
+            self.newest_generation = max(self.newest_generation, command.generation)
+            self._changed.notify_all()
 
-        Returns the predicate's last value.
-        """
-        with self.changed:
-            return self.changed.wait_for(predicate, timeout_s)
+    def wait(self, predicate: Callable[[], _T], timeout_s: float) -> _T:
+        """Block the calling thread until ``predicate()`` is truthy or ``timeout_s`` seconds
+        passed; return its last value. ``predicate`` runs under the lock that :meth:`take`
+        holds while it changes anything."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout_s)
 
 
 class Link:
-    """Background sender/listener for one rank. Start with :meth:`open`, stop with :meth:`close`.
+    """Background sender/listener of one rank: :meth:`start` it, :meth:`close` it.
 
     Args:
-        bus_config: how to reach the bus.
-        job_id: the job whose commands to follow.
-        generation: this process's generation; older commands are ignored.
-        ring: most heartbeats queued while the bus is slow.
-        beat: builds the current heartbeat from a ``seq``; called from the loop thread every
+        bus_config: how to reach the bus (the URL is checked here; nothing connects before
+            :meth:`start`).
+        job_id: the job: the key of every event sent and of the commands followed.
+        generation: this process's generation; commands of older ones are ignored.
+        ring: most heartbeats kept waiting (>= 1); older ones are dropped when more arrive.
+        beat: builds the current heartbeat for a ``seq``; called from the loop thread every
             ``interval_s`` seconds, so heartbeats keep flowing while the training thread is
-            busy or stuck (which is what lets the daemon tell a hang from a death).
+            busy or stuck (that is how the daemon tells a hang from a death).
         interval_s: seconds between heartbeats.
+        log: logger for connection trouble and losses.
+
+    Raises:
+        BusURLError: ``bus_config.url`` is not a bus URL.
+
+    Attributes (counters, read from any thread):
+        commands: the job's commands heard so far.
+        connected: whether the loop holds a working connection.
+        sent: events the bus confirmed.
+        dropped_heartbeats: heartbeats never delivered (ring overflow, failed sends).
+        send_errors: failed connect, send and poll attempts.
+        last_error: the latest of those failures, as text.
     """
 
     def __init__(
@@ -96,215 +184,288 @@ class Link:
         ring: int,
         beat: Callable[[int], Heartbeat],
         interval_s: float,
+        log: FilteringBoundLogger,
     ) -> None:
-        self._beat = beat
-        self._interval_s = interval_s
+        parse_bus_url(bus_config.url)
         self._bus_config = bus_config
         self._job_id = job_id
-        self._generation = generation
-        self.commands = CommandState()
+        self._ring = ring
+        self._beat = beat
+        self._interval_s = interval_s
+        self._log = log
+        self.commands = Commands(job_id, generation)
+        self.connected = False
+        self.sent = 0
         self.dropped_heartbeats = 0
         self.send_errors = 0
-        self._ring = ring
-        self._queue: collections.deque[Event] = collections.deque()
-        self._queued_beats = 0
-        self._lock = threading.Lock()
-        self._seq = itertools.count()
-        self._portal_cm: Any = None
-        self._portal: BlockingPortal | None = None
-        self._loop: _Loop | None = None
+        self.last_error: str | None = None
+        # The FIFO; its condition's lock also makes "assign seq, append" one step, and lets
+        # flush() wait for the loop thread's progress.
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._queue_changed = threading.Condition()
+        self._last_seq = -1
+        self._commands_next: int | None = None  # offset after the last command read
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._main: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._wake = asyncio.Event()  # something was queued, or stop
+        self._broken: BusError | None = None  # the listener's failure, for the sender
 
-    def open(self, timeout_s: float) -> None:
-        """Start the loop thread, connect and subscribe; raises ``BusError`` on failure."""
-        self._portal_cm = start_blocking_portal(backend="asyncio")
-        self._portal = self._portal_cm.__enter__()
-        try:
-            self._portal.call(self._start, timeout_s)
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            raise
+    # -- called from the training thread ------------------------------------------------------
 
-    async def _start(self, timeout_s: float) -> None:
-        loop = _Loop(asyncio.get_running_loop())
-        bus = open_bus(self._bus_config)
-        await asyncio.wait_for(bus.start(), timeout_s)
-        commands = await self._follow_commands(bus)
-        loop.done = asyncio.ensure_future(self._run(bus, commands, loop))
-        self._loop = loop
+    @property
+    def queued(self) -> int:
+        """Events waiting to be sent."""
+        return len(self._queue)
 
-    async def _follow_commands(self, bus: Bus) -> Any:
-        partition = partition_for(self._job_id, await bus.partitions("commands"))
-        tp = TopicPartition("commands", partition)
-        # End offset first: a command appended while we read the latest one is read twice
-        # (harmless, commands are idempotent) rather than missed.
-        end = (await bus.end_offsets("commands"))[tp]
-        latest = (await bus.latest_per_key("commands")).get(self._job_id)
-        if latest is not None:
-            self._on_command(latest)
-        return await bus.assign({tp: end})
+    def submit(self, build: Callable[[int], _E]) -> _E:
+        """Queue the event ``build(seq)`` and return it; safe from any thread.
 
-    async def _run(self, bus: Bus, commands: Any, loop: _Loop) -> None:
-        helpers = [
-            asyncio.ensure_future(self._listen(commands)),
-            asyncio.ensure_future(self._heartbeats()),
-        ]
-        try:
-            await self._send_loop(bus, loop)
-        finally:
-            for task in helpers:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, BusError):
-                    await task
-            await commands.close()
-            await bus.close()
+        ``seq`` is assigned, the event built and encoded under the queue's lock, so queue order
+        and ``seq`` order agree. A heartbeat beyond ``ring`` waiting ones evicts the oldest.
 
-    async def _heartbeats(self) -> None:
-        while True:
-            self.submit(self._beat)
-            await asyncio.sleep(self._interval_s)
-
-    async def _listen(self, consumer: Any) -> None:
-        while True:
-            for record in await consumer.getmany(timeout_s=0.2):
-                self._on_command(record)
-
-    def _on_command(self, record: Record) -> None:
-        state = self.commands
-        if record.key != self._job_id or record.value is None:
-            return
-        try:
-            command: Command = decode(record.value, expect=(Restore, Resume, Abort))  # type: ignore[assignment]
-        except SchemaError:
-            state.ignored += 1
-            return
-        if command.job_id != self._job_id or command.generation < self._generation:
-            state.ignored += 1
-            return
-        with state.changed:
-            match command:
-                case Restore():
-                    state.restores[command.generation] = command
-                case Resume():
-                    state.resumed.add(command.generation)
-                case Abort():
-                    state.aborted = command
-            state.changed.notify_all()
-
-    async def _send_loop(self, bus: Bus, loop: _Loop) -> None:
-        while True:
-            await loop.wake.wait()
-            loop.wake.clear()
-            while self._queue:
-                if isinstance(self._queue[0], Heartbeat):
-                    await self._send_heartbeats(bus)
-                else:
-                    await self._send_urgent(bus, self._queue[0])
-            loop.idle.set()
-            if loop.stopping.is_set():
-                return
-
-    async def _send_urgent(self, bus: Bus, event: Event) -> None:
-        data = encode(event)
-        while True:
-            try:
-                await bus.publish("events", self._job_id, data)
-            except BusError:
-                self.send_errors += 1
-                await asyncio.sleep(_RETRY_S)
-                continue
-            with self._lock:
-                self._queue.popleft()
-            return
-
-    async def _send_heartbeats(self, bus: Bus) -> None:
-        """Pipeline the run of heartbeats at the head of the queue; failures are dropped."""
-        pending = []
-        with self._lock:
-            while self._queue and isinstance(self._queue[0], Heartbeat):
-                pending.append(self._queue.popleft())
-                self._queued_beats -= 1
-        futures = []
-        for beat in pending:
-            try:
-                futures.append(await bus.send("events", self._job_id, encode(beat)))
-            except BusError:
-                self.send_errors += 1
-        for fut in futures:
-            try:
-                await fut
-            except BusError:
-                self.send_errors += 1
-
-    # -- called from the training thread --------------------------------------------------------
-
-    def submit(self, build: Callable[[int], Event]) -> None:
-        """Queue the event ``build(seq)``; ``seq`` is assigned here so that queue order and
-        ``seq`` order agree. Heartbeats beyond ``ring`` waiting ones evict the oldest."""
-        with self._lock:
-            event = build(next(self._seq))
-            if isinstance(event, Heartbeat):
-                if self._queued_beats >= self._ring:
-                    oldest = next(i for i, e in enumerate(self._queue) if isinstance(e, Heartbeat))
-                    del self._queue[oldest]
-                    self._queued_beats -= 1
-                    self.dropped_heartbeats += 1
-                self._queued_beats += 1
-            self._queue.append(event)
-        if self._loop is not None:
-            self._loop.poke()
+        Raises:
+            SchemaError: the event breaks the wire contract (nothing is queued).
+        """
+        with self._queue_changed:
+            seq = next(_SEQ)
+            event = build(seq)
+            heartbeat = isinstance(event, Heartbeat)
+            item = _Queued(seq, encode(event), heartbeat)
+            if heartbeat and sum(q.heartbeat for q in self._queue) >= self._ring:
+                oldest = next(i for i, q in enumerate(self._queue) if q.heartbeat)
+                del self._queue[oldest]
+                self.dropped_heartbeats += 1
+            self._queue.append(item)
+            self._last_seq = seq
+        self._call(self._wake.set)
+        return event
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until everything queued so far is sent; returns False on timeout."""
-        if self._portal is None or self._loop is None:
-            return False
-        loop = self._loop
+        """Wait until every event queued so far has left the FIFO (sent, or a heartbeat
+        dropped), at most ``timeout_s`` seconds; return whether it has."""
+        with self._queue_changed:
+            upto = self._last_seq
+            return self._queue_changed.wait_for(
+                lambda: not self._queue or self._queue[0].seq > upto, timeout_s
+            )
 
-        async def _drained() -> None:
-            loop.idle.clear()
-            loop.wake.set()
-            await loop.idle.wait()
+    def start(self) -> None:
+        """Start the loop thread; it connects in the background. Call once."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._run_thread, name=f"trainguard-agent-{self._job_id}", daemon=True
+        )
+        self._thread.start()
 
-        try:
-            self._portal.call(asyncio.wait_for, _drained(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+    def close(self, timeout_s: float) -> int:
+        """Stop heartbeats, send what is queued (for at most ``timeout_s`` seconds), disconnect,
+        stop the thread. Returns the number of checkpoint and lifecycle events left unsent
+        (logged when > 0)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return self._unsent()
+        self._call(self._begin_stop)
+        thread.join(timeout_s)
+        if thread.is_alive():
+            self._call(self._cancel_main)
+            thread.join(_STOP_GRACE_S)
+        return self._unsent()
 
-    def close(self, timeout_s: float) -> None:
-        """Send what is queued (bounded by ``timeout_s``), disconnect, stop the loop thread."""
-        if self._portal is None:
+    def _unsent(self) -> int:
+        unsent = sum(not q.heartbeat for q in self._queue)
+        if unsent:
+            self._log.warning("events_unsent", count=unsent, last_error=self.last_error)
+        return unsent
+
+    def _call(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the loop thread soon; a no-op before :meth:`start` (the loop looks at
+        the FIFO when it starts) and once the loop has ended."""
+        if self._loop is None:
             return
-        portal, self._portal = self._portal, None
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            self._loop.call_soon_threadsafe(fn)
+
+    # -- the loop thread ----------------------------------------------------------------------
+
+    def _run_thread(self) -> None:
         loop = self._loop
-
-        async def _stop() -> None:
-            if loop is None or loop.done is None:
-                return
-            loop.stopping.set()
-            loop.wake.set()
-            try:
-                await asyncio.wait_for(asyncio.shield(loop.done), timeout_s)
-            except TimeoutError:
-                loop.done.cancel()
-                with contextlib.suppress(asyncio.CancelledError, BusError):
-                    await loop.done
-
+        assert loop is not None  # set by start() before the thread starts
+        asyncio.set_event_loop(loop)
+        self._main = loop.create_task(self._run())
         try:
-            portal.call(_stop)
+            loop.run_until_complete(self._main)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            self._log.exception("agent_link_crashed")
         finally:
-            self._portal_cm.__exit__(None, None, None)
+            self.connected = False
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
+    def _begin_stop(self) -> None:
+        """Stop heartbeats; with nothing left to send, disconnect at once, else let the sender
+        finish first."""
+        self._stopping = True
+        if self._queue:
+            self._wake.set()
+        else:
+            self._cancel_main()
 
-class _Loop:
-    """The background loop and the events the two threads signal each other with."""
+    def _cancel_main(self) -> None:
+        if self._main is not None:
+            self._main.cancel()
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.wake = asyncio.Event()
-        self.idle = asyncio.Event()
-        self.stopping = asyncio.Event()
-        self.done: asyncio.Future[None] | None = None
+    async def _run(self) -> None:
+        beats = asyncio.create_task(self._heartbeats())
+        try:
+            await self._connections()
+        finally:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
 
-    def poke(self) -> None:
-        """Wake the sender; safe from any thread."""
-        self.loop.call_soon_threadsafe(self.wake.set)
+    async def _heartbeats(self) -> None:
+        while not self._stopping:
+            try:
+                self.submit(self._beat)
+            except SchemaError as exc:
+                # A heartbeat the wire contract refuses (e.g. an absurd step) is lost, not fatal.
+                with self._queue_changed:
+                    self.dropped_heartbeats += 1
+                self._fail("heartbeat", exc)
+            await asyncio.sleep(self._interval_s)
+
+    async def _connections(self) -> None:
+        """Connect, serve, and on failure reconnect, until stopped with an empty FIFO."""
+        failures = 0
+        while True:
+            bus = open_bus(self._bus_config)
+            consumer: Consumer | None = None
+            try:
+                await bus.start()
+                consumer = await self._follow_commands(bus)
+                if failures:
+                    self._log.info("bus_reconnected", after_failures=failures)
+                failures, self.connected, self._broken = 0, True, None
+                listener = asyncio.create_task(self._listen(consumer))
+                try:
+                    await self._send(bus)
+                    return
+                finally:
+                    listener.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await listener
+            except BusError as exc:
+                self._fail("bus", exc, first=not failures)
+                failures += 1
+            finally:
+                self.connected = False
+                with contextlib.suppress(BusError):
+                    if consumer is not None:
+                        await consumer.close()
+                    await bus.close()
+            await self._pause(failures)
+
+    async def _pause(self, failures: int) -> None:
+        """Back off before retrying: ``0.1 * 2**(failures - 1)`` seconds, at most 2."""
+        low, high = _BACKOFF_S
+        await asyncio.sleep(min(high, low * 2 ** max(0, failures - 1)))
+
+    def _fail(self, what: str, exc: BaseException, *, first: bool = True) -> None:
+        """Count and remember a failure; log it when it starts a streak (``first``)."""
+        self.send_errors += 1
+        self.last_error = f"{what}: {type(exc).__name__}: {exc}"
+        if first:
+            self._log.warning("bus_trouble", error=self.last_error)
+
+    async def _follow_commands(self, bus: Bus) -> Consumer:
+        tp = TopicPartition(
+            "commands", partition_for(self._job_id, await bus.partitions("commands"))
+        )
+        if self._commands_next is None:
+            # End offset first: a command appended while the latest one is read is then read
+            # twice (harmless, commands are idempotent) rather than missed.
+            end = (await bus.end_offsets("commands"))[tp]
+            latest = (await bus.latest_per_key("commands")).get(self._job_id)
+            if latest is not None:
+                self.commands.take(latest)
+            self._commands_next = end
+        return await bus.assign({tp: self._commands_next})
+
+    async def _listen(self, consumer: Consumer) -> None:
+        try:
+            while True:
+                for record in await consumer.getmany(timeout_s=_POLL_S):
+                    self.commands.take(record)
+                    self._commands_next = record.offset + 1
+        except BusError as exc:
+            self._broken = exc
+            self._wake.set()
+
+    async def _send(self, bus: Bus) -> None:
+        """Send the FIFO's events in order until stopped with an empty FIFO.
+
+        Raises:
+            BusError: the connection is unusable (the caller reconnects).
+        """
+        failures = 0
+        while True:
+            if self._broken is not None:
+                raise self._broken
+            head = self._queue[0] if self._queue else None
+            if head is None:
+                if self._stopping:
+                    return
+                await self._wake.wait()
+                self._wake.clear()
+            elif head.heartbeat:
+                await self._send_heartbeats(bus)
+            else:
+                try:
+                    await bus.publish("events", self._job_id, head.data)
+                except BusError as exc:
+                    if not exc.retriable:
+                        raise
+                    self._fail("send", exc, first=not failures)
+                    failures += 1
+                    await self._pause(failures)
+                    continue
+                failures = 0
+                self._pop(1, sent=1)
+
+    async def _send_heartbeats(self, bus: Bus) -> None:
+        """Pipeline the run of heartbeats at the head of the FIFO; failures drop them.
+
+        The run leaves the FIFO at once, so that the ring's evictions never touch it.
+        """
+        with self._queue_changed:
+            batch = list(itertools.takewhile(lambda q: q.heartbeat, self._queue))
+            self._pop(len(batch), sent=0)
+        futures: list[asyncio.Future[Any]] = []
+        try:
+            for item in batch:
+                futures.append(await bus.send("events", self._job_id, item.data))
+            results = await asyncio.gather(*futures, return_exceptions=True)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            with self._queue_changed:
+                self.dropped_heartbeats += len(batch)
+            raise
+        failures = [r for r in results if isinstance(r, BaseException)]
+        with self._queue_changed:
+            self.sent += len(batch) - len(failures)
+            self.dropped_heartbeats += len(failures)
+        if failures:
+            self._fail("heartbeat", failures[0], first=False)
+
+    def _pop(self, count: int, *, sent: int) -> None:
+        """Remove ``count`` events from the FIFO's head, ``sent`` of them delivered."""
+        with self._queue_changed:
+            for _ in range(count):
+                self._queue.popleft()
+            self.sent += sent
+            self._queue_changed.notify_all()

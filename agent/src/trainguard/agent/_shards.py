@@ -1,17 +1,19 @@
 """Checkpoint shards on disk: durable atomic writes with a digest, verified safe loads.
 
 A shard is one rank's part of a training snapshot, serialized with ``torch.save``. Writing
-follows the usual crash-safe recipe: write to a temporary name in the target directory,
-``fsync`` the file, ``rename`` it into place, ``fsync`` the directory; the SHA-256 digest is
-computed from the bytes as they are written, so the shard is read once (at load) rather than
-twice. Loading checks the digest *before* deserializing and deserializes with
-``torch.load(weights_only=True)``, which refuses arbitrary pickled objects (PyTorch
-serialization docs, "weights_only").
+follows the usual crash-safe recipe (ARCHITECTURE.md section 5): write to a temporary name in
+the target folder, ``fsync`` the file, ``rename`` it into place, ``fsync`` the folder; the
+SHA-256 digest is computed from the bytes as they are written, so a shard is never read back to
+be hashed. Loading reads the file once into memory, checks the digest of those bytes, and only
+then deserializes *the same bytes* with ``torch.load(weights_only=True)``, which refuses
+arbitrary pickled objects (PyTorch serialization docs, "weights_only"); a file swapped between
+the check and the load cannot slip through.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import random
 import tempfile
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 from urllib.parse import unquote, urlsplit
 
-from trainguard.agent._errors import ShardCorrupt, ShardMissing
+from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
 
 __all__ = [
     "WrittenShard",
@@ -34,17 +36,15 @@ __all__ = [
     "write_shard",
 ]
 
-_CHUNK = 1 << 20
-
 
 @dataclass(frozen=True, slots=True)
 class WrittenShard:
     """A shard that is durably on disk.
 
     Attributes:
-        uri: ``file://`` URI of the shard.
+        uri: ``file://`` URI of the shard (absolute).
         size_bytes: its size in bytes.
-        digest: ``sha256:<64 hex>`` of its bytes.
+        digest: ``sha256:<64 lowercase hex>`` of its bytes.
     """
 
     uri: str
@@ -55,7 +55,7 @@ class WrittenShard:
 class _HashingWriter:
     """File-like sink for ``torch.save`` that hashes and counts what passes through."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: IO[bytes]) -> None:
         self._raw = raw
         self.sha = hashlib.sha256()
         self.size = 0
@@ -63,17 +63,17 @@ class _HashingWriter:
     def write(self, data: bytes) -> int:
         self.sha.update(data)
         self.size += len(data)
-        written: int = self._raw.write(data)
-        return written
+        return self._raw.write(data)
 
     def flush(self) -> None:
         self._raw.flush()
 
 
 def shard_path(root: Path, job_id: str, generation: int, step: int, rank: int) -> Path:
-    """Where rank ``rank``'s shard of ``step`` written in ``generation`` lives under ``root``.
+    """Where rank ``rank``'s shard of ``step`` written in ``generation`` lives under ``root``:
+    ``<root>/<job_id>/g<generation:06>/s<step:010>/rank<rank:05>.pt``.
 
-    Generations get their own folders so a step re-written after a restore never overwrites
+    Generations get their own folders, so a step written again after a restore never replaces
     the committed shard of an earlier generation.
     """
     return root / job_id / f"g{generation:06d}" / f"s{step:010d}" / f"rank{rank:05d}.pt"
@@ -82,8 +82,14 @@ def shard_path(root: Path, job_id: str, generation: int, step: int, rank: int) -
 def write_shard(path: Path, state: Mapping[str, Any]) -> WrittenShard:
     """Serialize ``state`` to ``path`` atomically and durably; return its URI, size and digest.
 
-    Raises ``OSError`` when the file cannot be written; a failed write leaves no file at
-    ``path`` (only the temporary file is removed).
+    ``path``'s folder is created when missing; an existing file at ``path`` is replaced.
+
+    Raises:
+        OSError: the file cannot be written (disk full, permissions); then nothing is left
+            behind: ``path`` keeps its previous content (or stays absent) and the temporary
+            file is removed.
+        pickle.PicklingError, TypeError, RuntimeError: ``torch.save`` cannot serialize
+            ``state``; same clean-up.
     """
     import torch
 
@@ -114,60 +120,79 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def uri_to_path(uri: str) -> Path:
-    """Local path of a ``file://`` shard URI. Raises ``ValueError`` for other schemes."""
+    """Local path of a ``file://`` shard URI.
+
+    Raises:
+        ShardError: the URI has another scheme (only local and shared file systems are
+            supported).
+    """
     parts = urlsplit(uri)
     if parts.scheme != "file":
-        raise ValueError(f"shard URI {uri!r}: only file:// URIs are supported")
+        raise ShardError(f"shard URI {uri!r}: only file:// URIs are supported")
     return Path(unquote(parts.path))
 
 
 def load_shard(uri: str, digest: str) -> dict[str, Any]:
     """Verify the shard at ``uri`` against ``digest``, then deserialize it safely.
 
-    The whole file is hashed before ``torch.load(weights_only=True)`` sees a byte of it.
+    The file is read into memory once (so loading needs the shard's size in free memory, on
+    top of the tensors it holds); the digest is checked before ``torch.load`` sees a byte.
+
+    Args:
+        uri: ``file://`` URI of the shard.
+        digest: the expected ``sha256:<64 hex>``.
 
     Raises:
         ShardMissing: no file at ``uri``.
-        ShardCorrupt: the bytes do not hash to ``digest`` (tampered or damaged shard).
+        ShardCorrupt: the bytes do not hash to ``digest`` (damaged or tampered shard).
+        ShardError: ``uri`` is not a ``file://`` URI, the file cannot be read, or the verified
+            bytes do not deserialize (e.g. they hold objects ``weights_only`` refuses).
     """
     import torch
 
     path = uri_to_path(uri)
-    sha = hashlib.sha256()
     try:
-        with path.open("rb") as f:
-            while chunk := f.read(_CHUNK):
-                sha.update(chunk)
+        data = path.read_bytes()
     except FileNotFoundError as exc:
         raise ShardMissing(f"shard {uri} does not exist") from exc
-    actual = f"sha256:{sha.hexdigest()}"
+    except OSError as exc:
+        raise ShardError(f"shard {uri} cannot be read: {exc}") from exc
+    actual = f"sha256:{hashlib.sha256(data).hexdigest()}"
     if actual != digest:
         raise ShardCorrupt(f"shard {uri} has digest {actual}, expected {digest}")
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ShardError(f"shard {uri} verified but cannot be loaded: {exc}") from exc
+    if not isinstance(state, dict):
+        raise ShardError(f"shard {uri} holds a {type(state).__name__}, not a dict")
     return state
 
 
 def to_host(state: Any) -> Any:
-    """Copy every tensor in a nested dict/list/tuple to fresh CPU memory (the async-save copy).
+    """Copy every tensor in nested dicts/lists/tuples to fresh CPU memory (the async-save copy).
 
-    After this returns the training thread may change its tensors freely; the copy is what a
-    background write serializes.
+    Containers are rebuilt (mappings as ``dict``), other leaves are kept as they are. Once this
+    returns, the training thread may change its tensors and containers freely; the copy is what
+    a background write serializes.
     """
     import torch
-    from torch.utils._pytree import tree_map
 
-    def _copy(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.detach().to("cpu", copy=True)
-        return x
-
-    return tree_map(_copy, state)
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, Mapping):
+        return {key: to_host(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(to_host(value) for value in state)
+    return state
 
 
 def capture_rng() -> dict[str, Any]:
     """The RNG states a bitwise-exact resume needs: torch (CPU), Python ``random``, NumPy.
 
-    Stored in forms ``torch.load(weights_only=True)`` accepts (tensors, tuples, ints).
+    Stored in forms ``torch.load(weights_only=True)`` accepts (tensors, tuples, ints, floats,
+    strings). NumPy's is left out when NumPy is not installed. CUDA generators are not
+    captured.
     """
     import torch
 

@@ -1,0 +1,83 @@
+"""AgentConfig: precedence of arguments, TRAINGUARD_* variables, launcher variables, defaults;
+validation of every setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainguard.agent import DEFAULT_BUS_URL, Agent, AgentConfig, ConfigError
+from trainguard.agent.bus import parse_bus_url
+
+
+def test_defaults_apply_when_nothing_is_set():
+    config = AgentConfig.resolve(env={}, job_id="j")
+    assert (config.rank, config.world_size, config.generation) == (0, 1, 0)
+    assert config.bus_url == DEFAULT_BUS_URL
+    assert config.checkpoint_dir == Path("checkpoints")
+    assert config.host
+
+
+def test_default_bus_is_a_file_in_the_working_directory():
+    assert parse_bus_url(DEFAULT_BUS_URL) == ("sqlite", "trainguard-bus.db")
+
+
+def test_arguments_beat_trainguard_variables_which_beat_launcher_variables():
+    env = {
+        "TRAINGUARD_JOB": "from-env",
+        "TRAINGUARD_RANK": "2",
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "TRAINGUARD_GENERATION": "3",
+        "TRAINGUARD_CHECKPOINT_DIR": "/ck",
+        "TRAINGUARD_HEARTBEAT_INTERVAL": "0.5",
+    }
+    from_env = AgentConfig.resolve(env=env)
+    assert (from_env.job_id, from_env.rank, from_env.world_size) == ("from-env", 2, 4)
+    assert from_env.generation == 3
+    assert from_env.checkpoint_dir == Path("/ck")
+    assert from_env.heartbeat_interval_s == 0.5
+    assert AgentConfig.resolve(env={"RANK": "1", "WORLD_SIZE": "4"}, job_id="j").rank == 1
+    argued = AgentConfig.resolve(env=env, job_id="arg", rank=3, checkpoint_dir="/other")
+    assert (argued.job_id, argued.rank, argued.checkpoint_dir) == ("arg", 3, Path("/other"))
+
+
+def test_none_arguments_and_empty_variables_count_as_unset():
+    config = AgentConfig.resolve(env={"TRAINGUARD_JOB": "j", "RANK": ""}, job_id=None, rank=None)
+    assert (config.job_id, config.rank) == ("j", 0)
+
+
+@pytest.mark.parametrize(
+    ("env", "settings", "match"),
+    [
+        ({}, {}, "job id missing"),
+        ({"TRAINGUARD_RANK": "one"}, {"job_id": "j"}, "TRAINGUARD_RANK='one'"),
+        ({"WORLD_SIZE": "2.5"}, {"job_id": "j"}, "WORLD_SIZE='2.5'"),
+        ({}, {"job_id": "j", "colour": "red"}, "unknown agent setting.*colour"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, {"job_id": "j"}, "rank 2 is outside world size 2"),
+        ({}, {"job_id": "no spaces"}, "job_id"),
+        ({}, {"job_id": "j", "host": ""}, "host"),
+        ({}, {"job_id": "j", "generation": -1}, "generation"),
+        ({}, {"job_id": "j", "heartbeat_interval_s": 0}, "heartbeat_interval_s"),
+        ({"TRAINGUARD_RESUME_TIMEOUT": "nan"}, {"job_id": "j"}, "resume_timeout_s"),
+        ({}, {"job_id": "j", "heartbeat_queue": 0}, "heartbeat_queue"),
+        ({"TRAINGUARD_BUS": "redis://x"}, {"job_id": "j"}, "scheme must be sqlite or kafka"),
+        ({"TRAINGUARD_FAULTS": "kill@step=1"}, {"job_id": "j"}, "missing rank"),
+        ({}, {"job_id": "j", "hyperparameters": {"f": object()}}, "hyperparameters"),
+    ],
+)
+def test_invalid_settings_are_refused_by_name(env, settings, match):
+    with pytest.raises(ConfigError, match=match):
+        AgentConfig.resolve(env=env, **settings)
+
+
+def test_direct_construction_is_validated_too():
+    with pytest.raises(ConfigError, match="outside world size"):
+        AgentConfig(job_id="j", rank=1)
+
+
+def test_agent_takes_a_config_or_settings_not_both():
+    config = AgentConfig(job_id="j")
+    with pytest.raises(ConfigError, match="not both"):
+        Agent(config, job_id="k")
