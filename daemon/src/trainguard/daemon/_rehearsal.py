@@ -3,28 +3,32 @@
 Used by ``trainguard demo``, the scenario tests and the recovery benchmark. Everything runs as
 separate OS processes, exactly as in production: a ``trainguard daemon``, a ``trainguard run``
 supervisor, and the workers it starts; faults are injected inside the workers through
-``TRAINGUARD_FAULTS`` (see :mod:`trainguard.agent._faults`).
+``TRAINGUARD_FAULTS`` (see :mod:`trainguard.agent._faults`). The job is usually the repository's
+``examples/charlm`` (:func:`charlm_command`, :func:`charlm_env`), judged against an
+uninterrupted :func:`reference_run`; :func:`follow_job` watches a job live, and
+:func:`read_job_record` reads back everything the bus holds about it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, Record, open_bus
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, Record, TopicPartition, open_bus
+from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import (
     Abort,
-    Command,
-    Event,
     Heartbeat,
     Lifecycle,
     Restore,
@@ -34,14 +38,22 @@ from trainguard.schemas import (
 )
 
 __all__ = [
+    "JOB_TOPICS",
     "JobRecord",
     "Stamped",
+    "charlm_command",
+    "charlm_env",
+    "follow_job",
     "read_job_record",
+    "reference_run",
     "start_daemon",
     "stop_process",
     "supervise",
     "wait_all",
 ]
+
+#: The job's topics :func:`follow_job` and :func:`read_job_record` read, all keyed by job id.
+JOB_TOPICS = ("events", "commands", "manifests", "audit")
 
 _CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 
@@ -117,9 +129,103 @@ def stop_process(
     return proc.wait()
 
 
+def charlm_command(out: Path, *, steps: int, checkpoint_every: int, seed: int) -> list[str]:
+    """The worker command of the ``examples/charlm`` job writing to ``out``; run it from the
+    repository root or with :func:`charlm_env`'s ``PYTHONPATH``."""
+    return [
+        sys.executable,
+        "-m",
+        "examples.charlm.train",
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        str(checkpoint_every),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+    ]
+
+
+def charlm_env(
+    out: Path, repo: Path, *, faults: str = "", heartbeat_interval_s: float = 0.5
+) -> dict[str, str]:
+    """Worker environment for :func:`charlm_command`: shards under ``out/checkpoints`` (the
+    fault markers too, so a fault fires once per job), heartbeats every
+    ``heartbeat_interval_s`` seconds, ``faults`` as ``TRAINGUARD_FAULTS``, ``repo`` (the
+    folder holding ``examples/``) on ``PYTHONPATH``."""
+    return {
+        "TRAINGUARD_CHECKPOINT_DIR": str(out / "checkpoints"),
+        "TRAINGUARD_HEARTBEAT_INTERVAL": str(heartbeat_interval_s),
+        "TRAINGUARD_FAULTS": faults,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(repo),
+    }
+
+
+def _reference_key(repo: Path, steps: int, checkpoint_every: int, seed: int) -> str:
+    """Cache key of a reference run: everything that decides its bytes."""
+    import torch
+
+    h = hashlib.sha256()
+    for path in sorted((repo / "examples" / "charlm").glob("*.py")):
+        h.update(path.read_bytes())
+    h.update(f"{steps}:{checkpoint_every}:{seed}:{torch.__version__}".encode())
+    return h.hexdigest()[:16]
+
+
+def reference_run(
+    repo: Path,
+    cache: Path,
+    *,
+    steps: int,
+    checkpoint_every: int,
+    seed: int,
+    world_size: int = 2,
+    timeout_s: float = 600,
+) -> Path:
+    """Run the ``examples/charlm`` job without faults (and without a daemon: the agents only
+    publish) under ``cache``, or reuse such a run; return its output folder.
+
+    A finished run (one with ``final.sha256``) is reused when the example's sources, the
+    arguments and the torch version are the same. The folder holds ``final.sha256`` and
+    ``ledger-rank-*.jsonl`` to compare an interrupted run with, and ``supervisor.log``.
+
+    Raises:
+        RuntimeError: the run failed (see its ``supervisor.log``).
+        TimeoutError: it took longer than ``timeout_s`` seconds.
+    """
+    out = cache / f"reference-{_reference_key(repo, steps, checkpoint_every, seed)}"
+    if (out / "final.sha256").is_file():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    sup = supervise(
+        "reference",
+        charlm_command(out, steps=steps, checkpoint_every=checkpoint_every, seed=seed),
+        bus_url=f"sqlite:///{out / 'bus.db'}",
+        prefix="ref.",
+        nproc_per_node=world_size,
+        log_path=out / "supervisor.log",
+        env=charlm_env(out, repo),
+    )
+    try:
+        code = sup.wait(timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        stop_process(sup, signal.SIGKILL)
+        raise TimeoutError(f"the reference run took over {timeout_s} s; see {out}") from exc
+    if code != 0:
+        raise RuntimeError(f"the reference run failed ({code}); see {out / 'supervisor.log'}")
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Stamped:
-    """A decoded message with the bus append time of its record (ms since the Unix epoch)."""
+    """A record of one of the job's topics with its bus append time (ms since the Unix epoch).
+
+    ``message`` is the decoded message (event, command, or :class:`~trainguard.schemas.Manifest`), or for
+    ``audit`` the entry as a dict (``{"offset": ..., "decisions": [...]}``).
+    """
 
     at_ms: int
     message: Any
@@ -132,12 +238,14 @@ class JobRecord:
     Attributes:
         events: the job's events (``ClockTick`` records included), decoded.
         commands: the daemon's commands for the job.
+        manifests: the snapshots the daemon committed (a re-derived commit can repeat one).
         audit: the daemon's decisions (``{"offset": ..., "decisions": [...]}`` dicts).
-        rejected: ``events`` records that did not decode.
+        rejected: records of the job that did not decode.
     """
 
     events: list[Stamped] = field(default_factory=list)
     commands: list[Stamped] = field(default_factory=list)
+    manifests: list[Stamped] = field(default_factory=list)
     audit: list[dict[str, Any]] = field(default_factory=list)
     rejected: int = 0
 
@@ -186,29 +294,66 @@ class JobRecord:
         return [d for entry in self.audit for d in entry["decisions"]]
 
 
+def _decoded(rec: Record) -> Any:
+    """The value of one of a job's records: an audit entry as a dict, else the decoded
+    message; ``None`` for a tombstone or a value that does not decode."""
+    if rec.value is None:
+        return None
+    if rec.topic == "audit":
+        return orjson.loads(rec.value)
+    try:
+        return decode(rec.value)
+    except SchemaError:
+        return None
+
+
 async def read_job_record(bus_url: str, prefix: str, job_id: str) -> JobRecord:
-    """Read the job's events, commands and audit entries from the bus (from offset 0)."""
+    """Read the job's events, commands, manifests and audit entries from the bus (from
+    offset 0 to the end offsets at the time of the call)."""
     record = JobRecord()
     config = BusConfig(url=bus_url, prefix=prefix, topics=DEFAULT_TOPICS, client_id="rehearsal")
     async with open_bus(config) as bus:
-        for topic in ("events", "commands", "audit"):
+        for topic in JOB_TOPICS:
             for rec in await _read_topic(bus, topic):
                 if rec.key != job_id or rec.value is None:
                     continue
-                if topic == "audit":
-                    record.audit.append(orjson.loads(rec.value))
-                    continue
-                try:
-                    message: Event | Command = decode(rec.value)  # type: ignore[assignment]
-                except SchemaError:
+                value = _decoded(rec)
+                if value is None:
                     record.rejected += 1
-                    continue
-                target = record.events if topic == "events" else record.commands
-                target.append(Stamped(rec.timestamp_ms, message))
+                elif topic == "audit":
+                    record.audit.append(value)
+                else:
+                    getattr(record, topic).append(Stamped(rec.timestamp_ms, value))
     return record
 
 
-async def _read_topic(bus: Any, topic: str) -> list[Record]:
+async def follow_job(
+    bus_url: str, prefix: str, job_id: str, *, poll_s: float = 0.2
+) -> AsyncGenerator[list[Stamped], None]:
+    """Follow a job's records on ``events``, ``commands``, ``manifests`` and ``audit`` live,
+    from offset 0: yield one batch per poll of at most ``poll_s`` seconds, ordered by append
+    time (one poll mixes topics), possibly empty so that the caller can look at other things
+    (a process that ended) between polls. Records of other jobs and undecodable ones are
+    skipped. Runs until the caller stops iterating; close it (``contextlib.aclosing``) to
+    release the bus at once.
+    """
+    config = BusConfig(url=bus_url, prefix=prefix, topics=DEFAULT_TOPICS, client_id="follow")
+    async with open_bus(config) as bus:
+        # The job's topics are co-partitioned: one partition number holds all its records.
+        partition = partition_for(job_id, await bus.partitions("events"))
+        tps = {TopicPartition(topic, partition): 0 for topic in JOB_TOPICS}
+        async with await bus.assign(tps) as consumer:
+            while True:
+                batch: list[Stamped] = []
+                records = await consumer.getmany(timeout_s=poll_s)
+                for rec in sorted(records, key=lambda r: r.timestamp_ms):
+                    value = _decoded(rec) if rec.key == job_id else None
+                    if value is not None:
+                        batch.append(Stamped(rec.timestamp_ms, value))
+                yield batch
+
+
+async def _read_topic(bus: Bus, topic: str) -> list[Record]:
     ends = await bus.end_offsets(topic)
     pending = {tp: end for tp, end in ends.items() if end > 0}
     out: list[Record] = []
