@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from dataclasses import replace
 from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Annotated
@@ -126,8 +127,6 @@ def daemon(
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     if topic_prefix is not None:
-        from dataclasses import replace
-
         settings = replace(settings, bus=replace(settings.bus, prefix=topic_prefix))
     try:
         asyncio.run(_until_signalled(DaemonService(settings).run))
@@ -206,6 +205,10 @@ def demo(
     workdir: Annotated[
         Path | None, typer.Option(help="Work folder; default: a fresh temporary folder.")
     ] = None,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where reference runs are cached; default: ~/.cache/trainguard/demo."),
+    ] = None,
 ) -> None:
     """Train a real 2-rank job, SIGKILL rank 1 at a random step, and watch trainguard recover.
 
@@ -215,7 +218,10 @@ def demo(
     from trainguard.daemon._demo import DemoOptions, run_demo
 
     try:
-        ok = run_demo(DemoOptions(bus=bus, seed=seed, steps=steps, workdir=workdir))
+        options = DemoOptions(bus=bus, seed=seed, steps=steps, workdir=workdir)
+        if cache_dir is not None:
+            options = replace(options, cache=cache_dir)
+        ok = run_demo(options)
     except (FileNotFoundError, RuntimeError, BusError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

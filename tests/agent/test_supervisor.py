@@ -1,0 +1,172 @@
+"""The supervisor (``trainguard run``) with real worker processes on the embedded bus: exit
+reports, restarts into a new generation on a restore order, SIGTERM-then-SIGKILL, abort."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainguard.agent._supervisor import EXIT_ABORTED, Supervisor, SupervisorConfig
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, open_bus
+from trainguard.schemas import Abort, Lifecycle, Restore, decode, encode
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+JOB = "sup-job"
+
+# Writes its environment to out/<generation>-<rank>.json, then behaves as MODE says.
+WORKER = """
+import json, os, signal, sys, time
+out, mode = sys.argv[1], sys.argv[2]
+gen, rank = os.environ["TRAINGUARD_GENERATION"], os.environ.get("RANK", "-")
+with open(os.path.join(out, f"{gen}-{rank}.json"), "w") as f:
+    json.dump({k: v for k, v in os.environ.items() if k.startswith(("TRAINGUARD_", "RANK",
+        "WORLD_SIZE", "LOCAL_", "MASTER_", "GROUP_RANK"))}, f)
+if mode == "fail-gen0" and gen == "0":
+    sys.exit(3)
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+if mode == "sleep":
+    time.sleep(600)
+"""
+
+
+def config(tmp_path: Path, mode: str, **overrides: Any) -> SupervisorConfig:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    base: dict[str, Any] = {
+        "job_id": JOB,
+        "bus": bus_config(tmp_path),
+        "command": [sys.executable, str(script), str(out), mode],
+        "grace_s": 1.0,
+        "host": "node-a",
+    }
+    return SupervisorConfig(**{**base, **overrides})
+
+
+def bus_config(tmp_path: Path) -> BusConfig:
+    return BusConfig(url=f"sqlite://{tmp_path / 'bus.db'}", topics=DEFAULT_TOPICS)
+
+
+async def lifecycles(bus: Bus) -> list[Lifecycle]:
+    ends = await bus.end_offsets("events")
+    pending = {tp: end for tp, end in ends.items() if end}
+    found: list[Lifecycle] = []
+    if not pending:
+        return found
+    async with await bus.assign(dict.fromkeys(pending, 0)) as consumer:
+        read = 0
+        while read < sum(pending.values()):
+            for record in await consumer.getmany(timeout_s=1.0):
+                read += 1
+                assert record.value is not None
+                found.append(decode(record.value, expect=Lifecycle))
+    return found
+
+
+async def wait_for(bus: Bus, predicate: Any, timeout_s: float = 30.0) -> list[Lifecycle]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events = await lifecycles(bus)
+        if predicate(events):
+            return events
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not seen in {timeout_s} s: {await lifecycles(bus)}")
+
+
+def restore(generation: int) -> bytes:
+    return encode(
+        Restore(
+            job_id=JOB,
+            generation=generation,
+            ts=time.time_ns(),
+            seq=generation,
+            daemon_id="test",
+            incident_id=f"{JOB}/i1",
+            reason="test restore",
+            target=None,
+        )
+    )
+
+
+async def test_plain_mode_reports_the_exit_and_restarts_into_the_new_generation(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "fail-gen0", ranks=(0, 1))
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        events = await wait_for(bus, lambda es: any(e.kind == "exited" for e in es))
+        [exited] = [e for e in events if e.kind == "exited"]
+        assert (exited.rank, exited.ranks, exited.exit_code, exited.signal) == (
+            None,
+            (0, 1),
+            3,
+            None,
+        )
+        assert exited.generation == 0
+        await bus.publish("commands", JOB, restore(1))
+        # Generation 1 runs the command again and it exits 0: the supervisor is done.
+        assert await asyncio.wait_for(task, 30) == 0
+        env = json.loads((tmp_path / "out" / "1--.json").read_text())
+        assert env["TRAINGUARD_GENERATION"] == "1"
+        assert env["TRAINGUARD_JOB"] == JOB
+        started = [e for e in await lifecycles(bus) if e.kind == "started"]
+        assert [e.generation for e in started] == [0, 1]
+
+
+async def test_launcher_mode_gives_each_rank_torchrun_variables(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "exit", nproc_per_node=2, nnodes=2, node_rank=1)
+    async with open_bus(bus_config(tmp_path)):
+        assert await asyncio.wait_for(Supervisor(cfg).run(), 30) == 0
+    envs = [json.loads((tmp_path / "out" / f"0-{r}.json").read_text()) for r in (2, 3)]
+    assert [e["RANK"] for e in envs] == ["2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert {e["GROUP_RANK"] for e in envs} == {"1"}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+
+
+async def test_a_restore_stops_workers_that_ignore_sigterm(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "stubborn", nproc_per_node=1)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        await asyncio.sleep(0.5)  # let the worker install its SIGTERM handler
+        began = time.monotonic()
+        await bus.publish("commands", JOB, restore(1))
+        await wait_for(bus, lambda es: any(e.kind == "started" and e.generation == 1 for e in es))
+        # Stopped by SIGKILL after the 1 s grace period, not left running.
+        assert 1.0 <= time.monotonic() - began < 10
+        await bus.publish("commands", JOB, abort_at(1))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+async def test_an_older_generation_restore_is_ignored(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "sleep", nproc_per_node=1)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        await bus.publish("commands", JOB, restore(2))  # the job is already in generation 2
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        await bus.publish("commands", JOB, restore(1))
+        await asyncio.sleep(1.0)
+        started = [e for e in await lifecycles(bus) if e.kind == "started"]
+        assert [e.generation for e in started] == [2]
+        await bus.publish("commands", JOB, abort_at(2))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+def abort_at(generation: int) -> bytes:
+    return encode(
+        Abort(
+            job_id=JOB, generation=generation, ts=time.time_ns(), seq=99, daemon_id="t", reason="x"
+        )
+    )

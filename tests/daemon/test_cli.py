@@ -1,0 +1,94 @@
+"""The ``trainguard`` command line as users run it: separate processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_help_lists_the_commands() -> None:
+    out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("daemon", "run", "demo", "bus", "version"):
+        assert command in out
+
+
+def test_daemon_logs_json_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*CLI, "daemon", "--bus", f"sqlite://{tmp_path / 'bus.db'}"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    lines = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(json.loads(line))  # every line is one JSON object
+        if lines[-1]["event"] == "daemon ready":
+            break
+    else:
+        proc.kill()
+        pytest.fail(f"no 'daemon ready' in {lines}")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    tail = [json.loads(line) for line in proc.stderr.read().splitlines()]
+    assert tail[-1]["event"] == "daemon stopped"
+
+
+def test_an_unreachable_kafka_is_a_clear_error_not_a_hang() -> None:
+    began = time.monotonic()
+    done = subprocess.run(
+        [*CLI, "bus", "check", "--bus", "kafka://127.0.0.1:9", "--timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "Kafka at 127.0.0.1:9" in done.stderr
+    assert time.monotonic() - began < 30
+
+
+def test_a_bad_bus_url_is_a_clear_error() -> None:
+    done = subprocess.run(
+        [*CLI, "bus", "check", "--bus", "redis://x"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "scheme must be sqlite or kafka" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_demo_recovers_exactly(tmp_path: Path) -> None:
+    """The README's first command: one restore, bitwise-equal parameters, exact ledger."""
+    done = subprocess.run(
+        [
+            *CLI,
+            "demo",
+            "--seed",
+            "3",
+            "--steps",
+            "120",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "bitwise equal" in done.stdout
+    assert "exact: nothing skipped, nothing repeated" in done.stdout
