@@ -16,6 +16,7 @@ import pytest
 
 from tests.buses import BusFactory
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
+from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon._settings import DaemonConfig
 from trainguard.schemas import (
@@ -118,9 +119,7 @@ def shard(rank: int, seq: int, step: int) -> Checkpoint:
 
 
 def killed(rank: int) -> Lifecycle:
-    return Lifecycle(
-        **_sender(None, 0), rank=None, pid=900, kind="exited", ranks=(rank,), signal=9
-    )
+    return Lifecycle(**_sender(None, 0), rank=None, pid=900, kind="exited", ranks=(rank,), signal=9)
 
 
 async def commands(bus: Bus) -> list[Any]:
@@ -171,6 +170,48 @@ async def test_decisions_acted_on_but_not_committed_are_not_sent_twice(
         assert len(await _restores(bus)) == 1
 
 
+async def test_a_standby_taking_a_job_over_does_not_resend_the_owners_restore(
+    bus_factory: BusFactory,
+) -> None:
+    """Failover between two instances of one group: the standby started before the owner
+    published a restore, so it did not see the restore at its own start; the owner's position
+    does not cover the decision (its commits fail) when it leaves. The standby folds the input
+    live again and must recognise the restore as sent (invariant 2)."""
+
+    class CommitsCanFail(DaemonService):
+        fail_commits = False
+
+        async def _commit(self, consumer: Any, *, force: bool = False) -> None:
+            if not self.fail_commits:
+                await super()._commit(consumer, force=force)
+
+    config = daemon_config(bus_factory)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        partition = partition_for(JOB, await bus.partitions("events"))
+        daemons = (CommitsCanFail(config), CommitsCanFail(config))
+        stops = (asyncio.Event(), asyncio.Event())
+        tasks = [asyncio.ensure_future(d.run(s)) for d, s in zip(daemons, stops, strict=True)]
+        try:
+
+            async def split() -> bool:
+                owned = [set(d._partitions) for d in daemons if d.ready.is_set()]
+                return len(owned) == 2 and all(owned) and not owned[0] & owned[1]
+
+            await eventually(split, 60)
+            owner = 0 if partition in daemons[0]._partitions else 1
+            daemons[owner].fail_commits = True
+            await publish(bus, started(0), started(1), shard(0, 1, 5), shard(1, 1, 5), killed(0))
+            await eventually(lambda: _restores(bus))
+            stops[owner].set()
+            await asyncio.wait_for(tasks[owner], 60)
+            await eventually(lambda: _phase(daemons[1 - owner], "restoring"), 60)
+        finally:
+            for stop in stops:
+                stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        assert len(await _restores(bus)) == 1
+
+
 async def test_silence_is_detected_through_ticks_written_into_the_log(
     bus_factory: BusFactory,
 ) -> None:
@@ -215,3 +256,7 @@ async def _restores(bus: Bus) -> list[Restore]:
 
 async def _folded(service: DaemonService, n: int = 1) -> bool:
     return service.counters["folded"] >= n
+
+
+async def _phase(service: DaemonService, phase: str) -> bool:
+    return service.ready.is_set() and JOB in service.jobs and service.jobs[JOB].phase == phase

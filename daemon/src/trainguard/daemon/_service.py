@@ -119,13 +119,12 @@ class DaemonService:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume, fold and act until ``stop`` is set."""
         async with open_bus(self._c.bus) as bus:
-            await self._load_sent_commands(bus)
             consumer = await bus.subscribe(["events"], self._c.group_id)
             log.info("daemon started", group=self._c.group_id, bus=self._c.bus.url)
             try:
                 while not stop.is_set():
                     records = await consumer.getmany(timeout_s=self._c.poll_s, max_records=2000)
-                    fresh = await self._sync_assignment(consumer)
+                    fresh = await self._sync_assignment(bus, consumer)
                     for record in records:
                         if record.partition not in fresh:
                             await self._process(bus, record)
@@ -138,11 +137,14 @@ class DaemonService:
 
     # -- partitions --------------------------------------------------------------------------
 
-    async def _sync_assignment(self, consumer: Consumer) -> set[int]:
+    async def _sync_assignment(self, bus: Bus, consumer: Consumer) -> set[int]:
         """Start rebuilding newly assigned partitions and forget revoked ones.
 
         Returns the newly assigned partitions: records already fetched for them are dropped,
-        because they are read again from offset 0.
+        because they are read again from offset 0. The jobs' latest commands are read again
+        from the bus first: the previous owner of a partition may have sent commands after
+        this instance started (and died, or failed to commit, before its position covered
+        them), and re-deriving one of them must not send it twice.
         """
         assigned = {tp.partition for tp in consumer.assignment() if tp.topic == "events"}
         for p in self._partitions.keys() - assigned:
@@ -151,6 +153,8 @@ class DaemonService:
                 self._job_partition.pop(job, None)
             log.info("partition revoked", partition=p)
         fresh = assigned - self._partitions.keys()
+        if fresh:
+            await self._load_sent_commands(bus)
         for p in fresh:
             tp = TopicPartition("events", p)
             committed = await consumer.committed(tp) or 0

@@ -1,0 +1,299 @@
+"""Scenario harness: the ``examples/charlm`` job under a real daemon and supervisor on one bus,
+watched live on the bus, and judged against an uninterrupted reference run.
+
+Built on :mod:`trainguard.daemon._rehearsal` (processes, live following, the job's record); this
+module adds what the scenario tests need on top: one object per run that owns its processes
+(and kills whatever is left at teardown), waiting for a message on the bus with a deadline, and
+the checks of issue 3's invariants (exactly one restore per incident attempt, restore targets
+that are the newest good committed snapshot at the moment of the restore, final parameters and
+sample ledger equal to the reference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
+from tests.buses import BusFactory
+from trainguard.daemon._rehearsal import (
+    JobRecord,
+    Stamped,
+    charlm_command,
+    charlm_env,
+    follow_job,
+    read_job_record,
+    start_daemon,
+    stop_process,
+    supervise,
+)
+from trainguard.schemas import Lifecycle, Restore
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD_SIZE = 2
+JOB = "charlm-scenario"
+
+#: Seconds a daemon's consumer-group membership outlives the daemon (``session_timeout_s``):
+#: a daemon started after a SIGKILLed one owns the job's partition only once the dead member's
+#: session has expired. 6 s is Kafka's default lower bound (``group.min.session.timeout.ms``).
+DAEMON_SESSION_TIMEOUT_S = 6.0
+
+#: Seconds the supervisor waits between SIGTERM and SIGKILL when it stops workers.
+GRACE_S = 5.0
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The training run every scenario shares (one reference run per shape).
+
+    Attributes:
+        steps: training steps.
+        checkpoint_every: steps between checkpoints.
+        seed: the training seed.
+    """
+
+    steps: int = 120
+    checkpoint_every: int = 20
+    seed: int = 3
+
+
+class JobRun:
+    """One scenario: daemons and a supervisor running the charlm job on one bus.
+
+    Args:
+        bus: the bus (URL and a topic prefix of its own).
+        workdir: folder for the job's outputs (``run/``), logs and the daemon's config.
+        shape: the job's steps, checkpoint interval and seed.
+        reference: output folder of the uninterrupted reference run of ``shape``.
+        context: what the test randomised or chose (a seed, a fault spec), quoted in every
+            failure message so that a failure can be reproduced.
+
+    Call :meth:`close` at the end (the ``job_run`` fixture does): it stops every process the
+    run started, workers included, also after a failed assertion.
+    """
+
+    def __init__(
+        self, bus: BusFactory, workdir: Path, shape: Shape, reference: Path, context: str = ""
+    ) -> None:
+        self.bus = bus
+        self.workdir = workdir
+        self.shape = shape
+        self.reference = reference
+        self.context = context
+        self.out = workdir / "run"
+        self.daemons: list[subprocess.Popen[bytes]] = []
+        self.supervisor: subprocess.Popen[bytes] | None = None
+        self._config = workdir / "daemon.toml"
+        # A consumer group of its own, so that runs sharing a Kafka broker never share daemons.
+        self._config.write_text(
+            f"[bus]\nsession_timeout_s = {DAEMON_SESSION_TIMEOUT_S}\n\n"
+            f'[service]\ngroup_id = "{bus.prefix}daemon"\n'
+        )
+
+    def describe(self) -> str:
+        """The run's context, bus and log folder, for failure messages."""
+        return f"[{self.context}; bus {self.bus.kind} {self.bus.prefix}; logs in {self.workdir}]"
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def start_daemon(self) -> subprocess.Popen[bytes]:
+        """Start another ``trainguard daemon`` (log ``daemon-<n>.log``)."""
+        proc = start_daemon(
+            self.bus.url,
+            prefix=self.bus.prefix,
+            log_path=self.workdir / f"daemon-{len(self.daemons) + 1}.log",
+            args=["--config", str(self._config)],
+        )
+        self.daemons.append(proc)
+        return proc
+
+    def kill_daemon(self) -> int:
+        """SIGKILL the newest daemon's process group (a crash); return the time, ms since the
+        epoch, after which the daemon can no longer have written anything."""
+        stop_process(self.daemons[-1], signal.SIGKILL)
+        return time.time_ns() // 1_000_000
+
+    def start_job(self, faults: str = "") -> None:
+        """Start the supervisor (``trainguard run --nproc-per-node 2``) with ``faults`` as
+        ``TRAINGUARD_FAULTS`` in its workers."""
+        s = self.shape
+        self.supervisor = supervise(
+            JOB,
+            charlm_command(
+                self.out, steps=s.steps, checkpoint_every=s.checkpoint_every, seed=s.seed
+            ),
+            bus_url=self.bus.url,
+            prefix=self.bus.prefix,
+            nproc_per_node=WORLD_SIZE,
+            log_path=self.workdir / "supervisor.log",
+            env=charlm_env(self.out, REPO, faults=faults),
+            grace_s=GRACE_S,
+        )
+
+    def finish(self, timeout_s: float = 150.0) -> int:
+        """Wait for the supervisor to exit; then stop the daemons (SIGTERM); return its code.
+
+        Raises:
+            AssertionError: it ran longer than ``timeout_s`` seconds.
+        """
+        assert self.supervisor is not None, "start_job() first"
+        try:
+            code = self.supervisor.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the job did not end within {timeout_s:g} s {self.describe()}"
+            ) from None
+        for daemon in self.daemons:
+            stop_process(daemon)
+        return code
+
+    def close(self) -> None:
+        """Stop everything this run started that still runs: the supervisor with SIGINT (it
+        stops its workers), the daemons, and any worker a supervisor that had to be killed
+        left behind (by pid, from the supervisor's ``started`` reports)."""
+        running = self.supervisor is not None and self.supervisor.poll() is None
+        if self.supervisor is not None and running:
+            stop_process(self.supervisor, signal.SIGINT, timeout_s=GRACE_S + 10)
+        for daemon in self.daemons:
+            stop_process(daemon, signal.SIGKILL)
+        if not running:
+            return
+        with contextlib.suppress(Exception):  # teardown of a run whose bus may be unreadable
+            for stamped in self.record().events:
+                msg = stamped.message
+                if isinstance(msg, Lifecycle) and msg.rank is None and msg.kind == "started":
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(msg.pid, signal.SIGKILL)
+
+    # -- the bus -------------------------------------------------------------------------------
+
+    def wait_for(self, what: str, match: Callable[[Any], bool], timeout_s: float = 90.0) -> Stamped:
+        """Follow the job's records from the start until ``match(message)`` holds for one
+        (events and commands decoded, :class:`~trainguard.schemas.Manifest` for manifests, a
+        dict for audit entries); return it.
+
+        Raises:
+            AssertionError: none within ``timeout_s`` seconds, or the supervisor exited before
+                one appeared; names ``what``.
+        """
+        return asyncio.run(self._wait_for(what, match, timeout_s))
+
+    async def _wait_for(self, what: str, match: Callable[[Any], bool], timeout_s: float) -> Stamped:
+        deadline = time.monotonic() + timeout_s
+        follow = follow_job(self.bus.url, self.bus.prefix, JOB)
+        async with contextlib.aclosing(follow):
+            async for batch in follow:
+                for stamped in batch:
+                    if match(stamped.message):
+                        return stamped
+                ended = self.supervisor is not None and self.supervisor.poll() is not None
+                if (not batch and ended) or time.monotonic() > deadline:
+                    why = "the job ended" if ended else f"{timeout_s:g} s passed"
+                    raise AssertionError(f"{why} before {what} {self.describe()}")
+        raise AssertionError("follow_job() ended")  # it yields for ever
+
+    def record(self) -> JobRecord:
+        """Everything the bus holds about the job now."""
+        return asyncio.run(read_job_record(self.bus.url, self.bus.prefix, JOB))
+
+
+# -- checks --------------------------------------------------------------------------------------
+
+
+def restore_decisions(record: JobRecord) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Each restore the audit trail shows the daemon deciding, once per generation, with the
+    snapshots committed before it (oldest first), both as the audit's dicts.
+
+    A daemon that crashed between acting and committing its position decides again what it
+    decided last (the command is not sent twice, but the audit entry is written again): only
+    the first decision of a generation counts.
+    """
+    committed: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    out: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    for decision in record.decisions():
+        if decision["decision"] == "committed":
+            committed.append(decision["manifest"])
+        elif decision["decision"] == "issue" and decision["command"]["schema"].startswith(
+            "restore/"
+        ):
+            command = decision["command"]
+            if command["generation"] not in seen:
+                seen.add(command["generation"])
+                out.append((command, list(committed)))
+    return out
+
+
+def assert_targets_newest_good(run: JobRun, record: JobRecord) -> None:
+    """Every restore on the commands topic targets the newest snapshot committed before the
+    daemon decided it (audit trail) and not reported corrupt before it: a rank's lifecycle
+    ``error`` naming a snapshot in generation g rules it out for restores of generation > g."""
+    reported: dict[str, int] = {}
+    for stamped in record.events:
+        msg = stamped.message
+        if isinstance(msg, Lifecycle) and msg.kind == "error" and msg.snapshot_id is not None:
+            reported.setdefault(msg.snapshot_id, msg.generation)
+    decided = {cmd["generation"]: committed for cmd, committed in restore_decisions(record)}
+    for restore in record.restores():
+        assert restore.generation in decided, (
+            f"restore of generation {restore.generation} is not in the audit trail {run.describe()}"
+        )
+        good = [
+            m
+            for m in decided[restore.generation]
+            if reported.get(m["snapshot_id"], restore.generation) >= restore.generation
+        ]
+        expected = good[-1]["snapshot_id"] if good else None
+        actual = restore.target.snapshot_id if restore.target else None
+        assert actual == expected, (
+            f"restore of generation {restore.generation} targets {actual}, but the newest good "
+            f"committed snapshot then was {expected} {run.describe()}"
+        )
+
+
+def assert_exact(run: JobRun, code: int, record: JobRecord) -> None:
+    """The job finished (supervisor exit 0, the daemon saw every rank finish) with final
+    parameters bitwise equal to the reference run's, and its sample ledger is exact: for every
+    step, the samples of the latest generation that completed it equal the reference's
+    ``(step, rank, sample id)`` multiset."""
+    assert code == 0, f"supervisor exit status {code} {run.describe()}"
+    finished = [
+        d for d in record.decisions() if d["decision"] == "transition" and d["new"] == "finished"
+    ]
+    assert finished, f"the daemon never saw the job finish {run.describe()}"
+    final, reference = run.out / "final.sha256", run.reference / "final.sha256"
+    assert final.is_file(), f"no {final} {run.describe()}"
+    assert final.read_text() == reference.read_text(), (
+        f"final parameters differ from the uninterrupted run {run.describe()}"
+    )
+    ledgers = [
+        read_ledger(ledger_path(d, r) for r in range(WORLD_SIZE)) for d in (run.out, run.reference)
+    ]
+    comparison = compare_ledgers(ledgers[0], ledgers[1], WORLD_SIZE)
+    assert comparison.exact, (
+        f"ledger not exact: {sum(comparison.missing.values())} samples skipped "
+        f"(e.g. {sorted(comparison.missing)[:3]}), {sum(comparison.extra.values())} repeated "
+        f"or foreign (e.g. {sorted(comparison.extra)[:3]}) {run.describe()}"
+    )
+
+
+def only(items: Sequence[_T], what: str, run: JobRun) -> _T:
+    """The one element of ``items``; ``AssertionError`` naming ``what`` and listing them if
+    there are more or none."""
+    assert len(items) == 1, f"expected exactly one {what}, got {list(items)} {run.describe()}"
+    return items[0]
+
+
+def is_restore(generation: int) -> Callable[[Any], bool]:
+    """Matches the restore command of ``generation``."""
+    return lambda m: isinstance(m, Restore) and m.generation == generation

@@ -1,0 +1,163 @@
+"""End-to-end recovery of a real 2-rank charlm job (DDP, gloo, CPU) under ``trainguard daemon``
+and ``trainguard run``, on the embedded bus and on Kafka (issue 3, "Done when").
+
+Every scenario ends with the same verdict (:func:`assert_exact`): the supervisor exits 0, the
+final parameters are bitwise equal to an uninterrupted run's, and the sample ledger is exact.
+On the way, the bus's record shows exactly the restores the failures call for, each targeting
+the newest good snapshot committed when the daemon decided it (architecture invariants 2-5).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.scenarios.harness import (
+    JobRun,
+    assert_exact,
+    assert_targets_newest_good,
+    only,
+)
+from trainguard.agent._shards import uri_to_path
+from trainguard.schemas import Lifecycle, Manifest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _kill_step(job_run: JobRun) -> tuple[int, int]:
+    """A kill step drawn from a seed (``$TRAINGUARD_SCENARIO_SEED`` to replay one), anywhere
+    from before the first commit to near the end; returns ``(seed, step)``."""
+    seed = int(os.environ.get("TRAINGUARD_SCENARIO_SEED") or random.SystemRandom().randrange(10**6))
+    shape = job_run.shape
+    margin = shape.checkpoint_every // 2
+    return seed, random.Random(seed).randrange(margin, shape.steps - margin)
+
+
+def test_a_rank_killed_at_a_random_step_is_restored_once_from_the_latest_commit(
+    job_run: JobRun,
+) -> None:
+    seed, step = _kill_step(job_run)
+    job_run.context = f"TRAINGUARD_SCENARIO_SEED={seed}: kill@step={step},rank=1"
+    job_run.start_daemon()
+    job_run.start_job(f"kill@step={step},rank=1")
+    code = job_run.finish()
+    record = job_run.record()
+
+    killed = only(record.kills(), "worker killed", job_run)
+    assert (killed.ranks, killed.signal) == ((1,), signal.SIGKILL), job_run.describe()
+    restore = only(record.restores(), "restore", job_run)
+    assert (restore.generation, restore.attempt) == (1, 1), job_run.describe()
+    assert_targets_newest_good(job_run, record)
+    assert restore.target is None or (
+        restore.target.generation == 0 and restore.target.step <= step
+    ), f"target {restore.target} {job_run.describe()}"
+    assert [r.generation for r in record.resumes()] == [1], job_run.describe()
+    assert_exact(job_run, code, record)
+
+
+def test_two_kills_in_a_row_make_two_incidents_and_two_restores(job_run: JobRun) -> None:
+    faults = "kill@step=40,rank=1;kill@step=70,rank=0"
+    job_run.context = faults
+    job_run.start_daemon()
+    job_run.start_job(faults)
+    code = job_run.finish()
+    record = job_run.record()
+
+    assert [(k.generation, k.ranks) for k in record.kills()] == [(0, (1,)), (1, (0,))], (
+        job_run.describe()
+    )
+    restores = record.restores()
+    assert [(r.generation, r.attempt, r.incident_id) for r in restores] == [
+        (1, 1, "charlm-scenario/i1"),
+        (2, 1, "charlm-scenario/i2"),
+    ], job_run.describe()
+    assert_targets_newest_good(job_run, record)
+    assert [r.generation for r in record.resumes()] == [1, 2], job_run.describe()
+    assert_exact(job_run, code, record)
+
+
+def test_a_rank_killed_during_the_restore_is_retried_in_a_new_generation(
+    job_run: JobRun,
+) -> None:
+    job_run.context = "kill@step=50,rank=1, then SIGKILL of rank 1's generation-1 process"
+    job_run.start_daemon()
+    job_run.start_job("kill@step=50,rank=1")
+    # The supervisor reports the pid of each worker it starts for the restore of generation 1;
+    # rank 1 is then still importing, rendezvousing or loading: it dies before it acknowledges.
+    started = job_run.wait_for(
+        "generation 1's rank 1 started",
+        lambda m: (
+            isinstance(m, Lifecycle)
+            and m.kind == "started"
+            and m.rank is None
+            and m.generation == 1
+            and m.ranks == (1,)
+        ),
+    )
+    os.kill(started.message.pid, signal.SIGKILL)
+    code = job_run.finish()
+    record = job_run.record()
+
+    assert [(k.generation, k.ranks) for k in record.kills()] == [(0, (1,)), (1, (1,))], (
+        job_run.describe()
+    )
+    assert not any(
+        isinstance(e.message, Lifecycle)
+        and e.message.kind == "restored"
+        and e.message.generation == 1
+        and e.message.rank == 1
+        for e in record.events
+    ), f"rank 1 acknowledged generation 1 before it was killed {job_run.describe()}"
+    restores = record.restores()
+    assert [(r.generation, r.attempt, r.incident_id) for r in restores] == [
+        (1, 1, "charlm-scenario/i1"),
+        (2, 2, "charlm-scenario/i1"),
+    ], job_run.describe()
+    assert restores[0].target == restores[1].target, job_run.describe()
+    assert_targets_newest_good(job_run, record)
+    assert [r.generation for r in record.resumes()] == [2], job_run.describe()
+    assert_exact(job_run, code, record)
+
+
+def test_a_shard_corrupted_after_its_commit_is_caught_and_the_previous_snapshot_used(
+    job_run: JobRun,
+) -> None:
+    job_run.context = "rank 0's shard of step 60 corrupted once committed, kill@step=70,rank=1"
+    job_run.start_daemon()
+    job_run.start_job("kill@step=70,rank=1")
+    committed = job_run.wait_for(
+        "the commit of step 60",
+        lambda m: isinstance(m, Manifest) and m.generation == 0 and m.step == 60,
+    ).message
+    [shard] = [s for s in committed.shards if s.rank == 0]
+    _flip_bytes(uri_to_path(shard.uri))
+    code = job_run.finish()
+    record = job_run.record()
+
+    # Rank 0 of generation 0 reports its own error too (its collective lost rank 1).
+    verification = [
+        (e.message.rank, e.message.generation, e.message.snapshot_id, e.message.message)
+        for e in record.events
+        if isinstance(e.message, Lifecycle) and e.message.kind == "error" and e.message.snapshot_id
+    ]
+    assert [v[:3] for v in verification] == [(0, 1, committed.snapshot_id)], job_run.describe()
+    assert verification[0][3].startswith("ShardCorrupt: "), job_run.describe()
+    restores = record.restores()
+    assert [(r.generation, r.attempt) for r in restores] == [(1, 1), (2, 2)], job_run.describe()
+    targets = [r.target.snapshot_id if r.target else None for r in restores]
+    fallback = f"{committed.job_id}/g0/s40"
+    assert targets == [committed.snapshot_id, fallback], job_run.describe()
+    assert_targets_newest_good(job_run, record)
+    assert_exact(job_run, code, record)
+
+
+def _flip_bytes(path: Path) -> None:
+    """Invert 16 bytes in the middle of ``path`` (same size, so only the digest can tell)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    path.write_bytes(data)
