@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -12,7 +14,12 @@ from typing import Any
 
 import pytest
 
-from trainguard.agent._supervisor import EXIT_ABORTED, Supervisor, SupervisorConfig
+from trainguard.agent._supervisor import (
+    EXIT_ABORTED,
+    EXIT_STOPPED,
+    Supervisor,
+    SupervisorConfig,
+)
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, open_bus
 from trainguard.schemas import Abort, Lifecycle, Restore, decode, encode
 
@@ -170,3 +177,20 @@ def abort_at(generation: int) -> bytes:
             job_id=JOB, generation=generation, ts=time.time_ns(), seq=99, daemon_id="t", reason="x"
         )
     )
+
+
+async def test_a_stop_signal_stops_the_workers_and_reports_their_exits(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "sleep", nproc_per_node=2)
+    stop = asyncio.Event()
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run(stop))
+        events = await wait_for(bus, lambda es: sum(e.kind == "started" for e in es) == 2)
+        pids = [e.pid for e in events if e.kind == "started"]
+        stop.set()
+        assert await asyncio.wait_for(task, 30) == EXIT_STOPPED
+        exits = [e for e in await lifecycles(bus) if e.kind == "exited"]
+        assert sorted(e.ranks for e in exits) == [(0,), (1,)]
+        assert {e.signal for e in exits} == {signal.SIGTERM}
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

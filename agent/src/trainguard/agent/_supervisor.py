@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from trainguard.agent.bus import Bus, BusConfig, Consumer, TopicPartition, open_bus
+from trainguard.agent.bus import Bus, BusConfig, BusError, Consumer, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import Abort, Lifecycle, Restore, Resume, SchemaError, decode, encode
 
@@ -42,6 +42,9 @@ log = structlog.get_logger("trainguard.supervisor")
 
 EXIT_ABORTED = 3
 """Exit status of ``trainguard run`` when the daemon aborted the job."""
+
+EXIT_STOPPED = 128 + signal.SIGTERM
+"""Exit status of ``trainguard run`` stopped by a signal (the shell's convention for SIGTERM)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,19 +112,24 @@ class Supervisor:
         self._all_exited = asyncio.Event()
         self._failed = False
 
-    async def run(self) -> int:
-        """Start the workers, follow the job's commands, restart on restore orders."""
+    async def run(self, stop: asyncio.Event | None = None) -> int:
+        """Start the workers, follow the job's commands, restart on restore orders.
+
+        Setting ``stop`` (``trainguard run`` sets it on SIGTERM/SIGINT) stops the workers
+        (SIGTERM, SIGKILL after the grace period), reports their exits, so that the daemon
+        knows these ranks are gone, and returns :data:`EXIT_STOPPED`.
+        """
         async with open_bus(self._c.bus) as bus:
             commands = await self._follow_commands(bus)
             listener = asyncio.ensure_future(self._listen(commands))
             try:
-                return await self._supervise(bus)
+                return await self._supervise(bus, stop or asyncio.Event())
             finally:
                 listener.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await listener
                 await commands.close()
-                await self._stop_workers()
+                await self._stop_workers(None)
 
     async def _follow_commands(self, bus: Bus) -> Consumer:
         tp = TopicPartition(
@@ -148,13 +156,21 @@ class Supervisor:
                 if isinstance(command, Restore | Abort) and command.job_id == self._c.job_id:
                     await self._orders.put(command)
 
-    async def _supervise(self, bus: Bus) -> int:
+    async def _supervise(self, bus: Bus, stop: asyncio.Event) -> int:
         await self._start_workers(bus)
+        stop_task = asyncio.ensure_future(stop.wait())
         while True:
             order_task = asyncio.ensure_future(self._orders.get())
             done_task = asyncio.ensure_future(self._all_exited.wait())
-            await asyncio.wait({order_task, done_task}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {order_task, done_task, stop_task}, return_when=asyncio.FIRST_COMPLETED
+            )
             done_task.cancel()
+            if stop_task.done():
+                order_task.cancel()
+                log.warning("stopping: signalled", generation=self._generation)
+                await self._stop_workers(bus)
+                return EXIT_STOPPED
             if order_task.done():
                 order = order_task.result()
             else:
@@ -174,7 +190,7 @@ class Supervisor:
                 target=order.target.snapshot_id if order.target else None,
                 reason=order.reason,
             )
-            await self._stop_workers()
+            await self._stop_workers(None)
             self._generation = order.generation
             await self._start_workers(bus)
 
@@ -272,8 +288,11 @@ class Supervisor:
             signal=signal.Signals(signal_no).name if signal_no else None,
         )
 
-    async def _stop_workers(self) -> None:
-        """SIGTERM every worker's process group, SIGKILL after the grace period, reap them."""
+    async def _stop_workers(self, bus: Bus | None) -> None:
+        """SIGTERM every worker's process group, SIGKILL after the grace period, reap them.
+
+        With ``bus``, report each worker's exit (a restore order does not: the daemon already
+        moved on to a new generation)."""
         workers, self._workers = self._workers, []
         for w in workers:
             if w.watcher is not None:
@@ -286,7 +305,10 @@ class Supervisor:
         for w in workers:
             # The group may hold grandchildren (torchrun's workers) even after the leader died.
             _signal_group(w.proc.pid, signal.SIGKILL)
-            await w.proc.wait()
+            code = await w.proc.wait()
+            if bus is not None:
+                with contextlib.suppress(BusError):
+                    await self._report(bus, "exited", w, code=code)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -10,10 +10,8 @@ and whether the final parameters and the sample ledger equal an uninterrupted re
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
+import contextlib
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,16 +25,18 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, TopicPartition, open_bus
-from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon._rehearsal import (
     JobRecord,
+    charlm_command,
+    charlm_env,
+    follow_job,
     read_job_record,
+    reference_run,
     start_daemon,
     stop_process,
     supervise,
 )
-from trainguard.schemas import Heartbeat, Lifecycle, Restore, Resume, SchemaError, decode
+from trainguard.schemas import Heartbeat, Lifecycle, Restore, Resume
 
 __all__ = ["DemoOptions", "find_example", "run_demo"]
 
@@ -81,67 +81,6 @@ def find_example() -> Path:
     )
 
 
-def _train_command(out: Path, options: DemoOptions, seed: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "examples.charlm.train",
-        "--steps",
-        str(options.steps),
-        "--checkpoint-every",
-        str(options.checkpoint_every),
-        "--seed",
-        str(seed),
-        "--out",
-        str(out),
-    ]
-
-
-def _env(out: Path, faults: str = "") -> dict[str, str]:
-    return {
-        "TRAINGUARD_CHECKPOINT_DIR": str(out / "checkpoints"),
-        "TRAINGUARD_HEARTBEAT_INTERVAL": "0.5",
-        "TRAINGUARD_FAULTS": faults,
-        "PYTHONUNBUFFERED": "1",
-    }
-
-
-def _reference_key(repo: Path, options: DemoOptions, seed: int) -> str:
-    """Cache key: everything that decides the reference run's bytes."""
-    import torch
-
-    h = hashlib.sha256()
-    for path in sorted((repo / "examples" / "charlm").glob("*.py")):
-        h.update(path.read_bytes())
-    h.update(f"{options.steps}:{options.checkpoint_every}:{seed}:{torch.__version__}".encode())
-    return h.hexdigest()[:16]
-
-
-def _reference(repo: Path, options: DemoOptions, seed: int, console: Console) -> Path:
-    """Run (or reuse) the uninterrupted reference job; return its output folder."""
-    out = options.cache / f"reference-{_reference_key(repo, options, seed)}"
-    if (out / "final.sha256").is_file():
-        console.print(f"[dim]reference run: cached in {out}[/dim]")
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    console.print("[dim]reference run: training the same job without faults (cached after)…[/dim]")
-    started = time.monotonic()
-    sup = supervise(
-        JOB,
-        _train_command(out, options, seed),
-        bus_url=f"sqlite:///{out / 'bus.db'}",
-        prefix="ref.",
-        nproc_per_node=WORLD_SIZE,
-        log_path=out / "supervisor.log",
-        env={**_env(out), "PYTHONPATH": str(repo)},
-    )
-    if sup.wait() != 0:
-        raise RuntimeError(f"the reference run failed; see {out / 'supervisor.log'}")
-    console.print(f"[dim]reference run: done in {time.monotonic() - started:.0f} s[/dim]")
-    return out
-
-
 def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
     """Run the demo; return whether the recovery was exact (params and ledger equal)."""
     console = console or Console()
@@ -156,7 +95,18 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
         f"seed {seed}: a 2-rank charlm job (DDP, gloo, CPU) for {options.steps} steps, "
         f"checkpoint every {options.checkpoint_every}; rank 1 will be SIGKILLed at step {kill_step}"
     )
-    reference = _reference(repo, options, seed, console)
+    console.print(
+        "[dim]reference run: the same job without faults (cached after the first run)…[/dim]"
+    )
+    began = time.monotonic()
+    reference = reference_run(
+        repo,
+        options.cache,
+        steps=options.steps,
+        checkpoint_every=options.checkpoint_every,
+        seed=seed,
+    )
+    console.print(f"[dim]reference run: {reference} ({time.monotonic() - began:.0f} s)[/dim]")
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="trainguard-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "run"
@@ -167,12 +117,14 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
     try:
         sup = supervise(
             JOB,
-            _train_command(out, options, seed),
+            charlm_command(
+                out, steps=options.steps, checkpoint_every=options.checkpoint_every, seed=seed
+            ),
             bus_url=bus_url,
             prefix=prefix,
             nproc_per_node=WORLD_SIZE,
             log_path=workdir / "supervisor.log",
-            env={**_env(out, f"kill@step={kill_step},rank=1"), "PYTHONPATH": str(repo)},
+            env=charlm_env(out, repo, faults=f"kill@step={kill_step},rank=1"),
         )
         asyncio.run(_watch(bus_url, prefix, options.steps, sup, console))
         code = sup.wait()
@@ -188,41 +140,22 @@ async def _watch(
     bus_url: str, prefix: str, steps: int, sup: subprocess.Popen[bytes], console: Console
 ) -> None:
     """Print the job's story from the bus while the supervisor runs."""
-    config = BusConfig(url=bus_url, prefix=prefix, topics=DEFAULT_TOPICS, client_id="demo")
-    async with open_bus(config) as bus:
-        partition = partition_for(JOB, await bus.partitions("events"))
-        tps = {TopicPartition(t, partition): 0 for t in ("events", "commands", "audit")}
-        progress = Progress(
-            TextColumn("[bold]step {task.completed:>4}/{task.total}"),
-            BarColumn(),
-            TextColumn("{task.description}"),
-            TimeElapsedColumn(),
-            console=console,
-        )
-        task = progress.add_task("generation 0", total=steps)
-        kill_at: float | None = None
-        async with await bus.assign(tps) as consumer:
-            with progress:
-                while True:
-                    records = await consumer.getmany(timeout_s=0.2)
-                    # One batch mixes topics; tell the story in bus-time order.
-                    for rec in sorted(records, key=lambda r: r.timestamp_ms):
-                        if rec.key != JOB or rec.value is None:
-                            continue
-                        if rec.topic == "audit":
-                            for d in json.loads(rec.value)["decisions"]:
-                                if d["decision"] == "incident_opened":
-                                    progress.console.print(
-                                        f"[yellow]⚑ incident {d['incident_id']}: {d['reason']}"
-                                    )
-                            continue
-                        try:
-                            msg = decode(rec.value)
-                        except SchemaError:
-                            continue
-                        kill_at = _story(msg, rec.timestamp_ms / 1000, kill_at, progress, task)
-                    if not records and sup.poll() is not None:
-                        return
+    progress = Progress(
+        TextColumn("[bold]step {task.completed:>4}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    task = progress.add_task("generation 0", total=steps)
+    kill_at: float | None = None
+    with progress:
+        async with contextlib.aclosing(follow_job(bus_url, prefix, JOB)) as batches:
+            async for batch in batches:
+                for item in batch:
+                    kill_at = _story(item.message, item.at_ms / 1000, kill_at, progress, task)
+                if not batch and sup.poll() is not None:
+                    return
 
 
 def _story(
@@ -231,6 +164,10 @@ def _story(
     say = progress.console.print
     since = f" (+{(at - kill_at) * 1000:.0f} ms after the kill)" if kill_at is not None else ""
     match msg:
+        case {"decisions": decisions}:
+            for d in decisions:
+                if d["decision"] == "incident_opened":
+                    say(f"[yellow]⚑ incident {d['incident_id']}: {d['reason']}")
         case Heartbeat(step=step, generation=g):
             progress.update(task, completed=step, description=f"generation {g}")
         case Lifecycle(kind="exited", signal=sig, ranks=ranks) if sig is not None:

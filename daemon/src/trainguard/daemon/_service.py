@@ -119,8 +119,8 @@ class DaemonService:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume, fold and act until ``stop`` is set."""
         async with open_bus(self._c.bus) as bus:
-            consumer = await bus.subscribe(["events"], self._c.group_id)
-            log.info("daemon started", group=self._c.group_id, bus=self._c.bus.url)
+            consumer = await bus.subscribe(["events"], self._c.group)
+            log.info("daemon started", group=self._c.group, bus=self._c.bus.url)
             try:
                 while not stop.is_set():
                     records = await consumer.getmany(timeout_s=self._c.poll_s, max_records=2000)

@@ -37,7 +37,9 @@ class DaemonConfig:
         bus: how to reach the bus.
         machine: thresholds of the state machine (and ``daemon_id``).
         group_id: consumer group of the daemon instances on ``events``; every partition
-            (hence every job) has exactly one owner in the group.
+            (hence every job) has exactly one owner in the group. ``None``: the bus's topic
+            prefix followed by ``daemon`` (``trainguard.daemon``), so deployments that share
+            a broker under different prefixes never share a group.
         poll_s: longest wait for new events before checking the clock for due ticks, seconds.
         tick_interval_s: least time between two ticks the daemon writes for one job, seconds.
         commit_interval_s: longest time between commits of consumed positions, seconds.
@@ -46,10 +48,16 @@ class DaemonConfig:
 
     bus: BusConfig
     machine: MachineConfig
-    group_id: str = "trainguard-daemon"
+    group_id: str | None = None
     poll_s: float = 0.05
     tick_interval_s: float = 0.25
     commit_interval_s: float = 1.0
+
+
+    @property
+    def group(self) -> str:
+        """The consumer group id in effect (``group_id`` or the prefix-derived default)."""
+        return self.group_id or f"{self.bus.prefix}daemon"
 
 
 def _default_daemon_id() -> str:

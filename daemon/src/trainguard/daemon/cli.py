@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from importlib.metadata import version as _dist_version
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
 from trainguard.agent.bus import BusError
 
 __all__ = ["app", "main"]
+
+_T = TypeVar("_T")
 
 app = typer.Typer(
     name="trainguard",
@@ -78,13 +81,13 @@ def _parse_ranks(spec: str) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-async def _until_signalled(main: object) -> None:
-    """Run coroutine function ``main(stop)`` until it returns or SIGTERM/SIGINT set ``stop``."""
+async def _until_signalled(main: Callable[[asyncio.Event], Awaitable[_T]]) -> _T:
+    """Run ``main(stop)``; SIGTERM and SIGINT set ``stop`` (``main`` then winds down)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await main(stop)  # type: ignore[operator]
+    return await main(stop)
 
 
 @app.command()
@@ -185,7 +188,7 @@ def run(
         grace_s=grace,
     )
     try:
-        code = asyncio.run(Supervisor(config).run())
+        code = asyncio.run(_until_signalled(Supervisor(config).run))
     except BusError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
