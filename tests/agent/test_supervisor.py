@@ -14,14 +14,16 @@ from typing import Any
 
 import pytest
 
+from trainguard.agent import ConfigError
 from trainguard.agent._supervisor import (
     EXIT_ABORTED,
     EXIT_STOPPED,
+    JobNotJoinable,
     Supervisor,
     SupervisorConfig,
 )
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, open_bus
-from trainguard.schemas import Abort, Lifecycle, Restore, decode, encode
+from trainguard.schemas import Abort, Lifecycle, Restore, Resume, decode, encode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -131,7 +133,7 @@ async def test_plain_mode_reports_the_exit_and_restarts_into_the_new_generation(
 
 
 async def test_launcher_mode_gives_each_rank_torchrun_variables(tmp_path: Path) -> None:
-    cfg = config(tmp_path, "exit", nproc_per_node=2, nnodes=2, node_rank=1)
+    cfg = config(tmp_path, "exit", nproc_per_node=2, nnodes=2, node_rank=1, master_port=29511)
     async with open_bus(bus_config(tmp_path)):
         assert await asyncio.wait_for(Supervisor(cfg).run(), 30) == 0
     envs = [json.loads((tmp_path / "out" / f"0-{r}.json").read_text()) for r in (2, 3)]
@@ -139,7 +141,7 @@ async def test_launcher_mode_gives_each_rank_torchrun_variables(tmp_path: Path) 
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"}
     assert {e["GROUP_RANK"] for e in envs} == {"1"}
-    assert len({e["MASTER_PORT"] for e in envs}) == 1
+    assert {e["MASTER_PORT"] for e in envs} == {"29511"}  # generation 0: no offset
 
 
 async def test_a_restore_stops_workers_that_ignore_sigterm(tmp_path: Path) -> None:
@@ -194,3 +196,47 @@ async def test_a_stop_signal_stops_the_workers_and_reports_their_exits(tmp_path:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_after_a_failure_the_supervisor_waits_idle_for_the_daemon(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "fail-gen0", ranks=(0,))
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        await wait_for(bus, lambda es: any(e.kind == "exited" for e in es))
+        cpu = time.process_time()
+        await asyncio.sleep(1.0)
+        assert time.process_time() - cpu < 0.3  # no busy loop while nobody answers
+        assert not task.done()
+        await bus.publish("commands", JOB, abort_at(0))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+@pytest.mark.parametrize("latest", ["resume", "abort"])
+async def test_a_job_that_ran_on_or_ended_cannot_be_joined(tmp_path: Path, latest: str) -> None:
+    async with open_bus(bus_config(tmp_path)) as bus:
+        if latest == "resume":
+            value = encode(
+                Resume(job_id=JOB, generation=1, ts=time.time_ns(), seq=2, daemon_id="t", step=5)
+            )
+        else:
+            value = abort_at(1)
+        await bus.publish("commands", JOB, value)
+        with pytest.raises(JobNotJoinable, match="new job id"):
+            await Supervisor(config(tmp_path, "exit")).run()
+    assert not list((tmp_path / "out").iterdir())  # no worker was started
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"job_id": "my job"}, "job_id"),
+        ({"command": ["no-such-program-xyz"]}, "not found"),
+        ({"nproc_per_node": 0}, "nproc_per_node"),
+        ({"nnodes": 2}, "master-port"),
+    ],
+)
+def test_bad_settings_fail_before_anything_starts(
+    tmp_path: Path, overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config(tmp_path, "exit", **overrides)

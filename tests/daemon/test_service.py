@@ -237,12 +237,20 @@ async def test_bad_input_is_parked_with_its_reason_and_changes_nothing(
         await bus.publish("events", JOB, forged)  # key says one job, body another
         await publish(bus, *good[2:])
         await publish(bus, beat(0, 1, 4))  # duplicate seq
+        await bus.publish("events", JOB, b"x" * 200_000)  # oversized: kept cut, with its digest
         async with running(DaemonService(reference_config)) as service:
-            await eventually(lambda: _folded(service, n=len(good) + 1))
+
+            async def all_parked() -> list[Any]:
+                return [orjson.loads(v) for v in await read_all(bus, "dead-letter")][3:]
+
+            await eventually(all_parked)
             state = service.jobs[JOB]
         parked = [orjson.loads(v) for v in await read_all(bus, "dead-letter")]
     reasons = [p["reason"] for p in parked]
-    assert len(parked) == 3, reasons
+    assert len(parked) == 4, reasons
+    [big] = [p for p in parked if p["value_bytes"] == 200_000]
+    assert big["truncated"]
+    assert "too large" in big["reason"] or "exceed" in big["reason"]
     assert any("UTF-8" in r or "JSON" in r for r in reasons)
     assert any("does not match record key" in r for r in reasons)
     assert any("duplicate" in r for r in reasons)

@@ -445,7 +445,7 @@ class Agent:
         The shard holds ``state`` (tensors and nested dicts/lists/tuples of tensors, numbers
         and strings) and, under the key :data:`RESERVED_KEY`, the RNG states, ``cursor`` and
         ``step``. It is written atomically (temporary file, fsync, rename, fsync of the folder)
-        under ``<checkpoint_dir>/<job>/g<generation>/s<step>/rank<rank>.pt`` with its SHA-256
+        under ``<checkpoint_dir>/<job>/g<generation:06>/s<step:010>/rank<rank:05>.pt`` with its SHA-256
         computed while writing; then a ``checkpoint`` event carries URI, size, digest, cursor
         and metadata. The daemon commits ``step`` once every rank's shard is in.
 

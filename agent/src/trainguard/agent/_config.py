@@ -17,12 +17,11 @@ from typing import Any
 
 from trainguard.agent._errors import ConfigError
 from trainguard.agent._faults import parse_faults
-from trainguard.agent.bus import BusURLError, parse_bus_url
+from trainguard.agent.bus import DEFAULT_BUS_URL, BusURLError, parse_bus_url
 from trainguard.schemas import Checkpoint, CheckpointMeta, DataCursor, SchemaError, encode
 
 __all__ = ["DEFAULT_BUS_URL", "AgentConfig"]
 
-DEFAULT_BUS_URL = "sqlite:trainguard-bus.db"
 """The embedded bus in ``trainguard-bus.db`` of the working directory."""
 
 _ENVIRONMENT: Mapping[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {

@@ -22,23 +22,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import itertools
 import os
+import shutil
 import signal
 import socket
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
+from trainguard.agent._errors import AgentError, ConfigError
 from trainguard.agent.bus import Bus, BusConfig, BusError, Consumer, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import Abort, Lifecycle, Restore, Resume, SchemaError, decode, encode
 
-__all__ = ["Supervisor", "SupervisorConfig"]
+__all__ = ["EXIT_ABORTED", "EXIT_STOPPED", "JobNotJoinable", "Supervisor", "SupervisorConfig"]
 
 log = structlog.get_logger("trainguard.supervisor")
+
+
+class JobNotJoinable(AgentError):
+    """The job's latest command says it runs on, finished or was aborted without this node."""
+
 
 EXIT_ABORTED = 3
 """Exit status of ``trainguard run`` when the daemon aborted the job."""
@@ -80,6 +89,29 @@ class SupervisorConfig:
     grace_s: float = 10.0
     env: Mapping[str, str] = field(default_factory=dict)
     host: str = field(default_factory=socket.gethostname)
+
+    def __post_init__(self) -> None:
+        """Raises :class:`ConfigError` for settings that could only fail later, less clearly."""
+        if not self.command:
+            raise ConfigError("no worker command given (trainguard run ... -- CMD)")
+        if shutil.which(self.command[0]) is None:
+            raise ConfigError(f"worker command {self.command[0]!r} not found")
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise ConfigError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank {self.node_rank} outside 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError("several nodes need one agreed --master-port (and --master-addr)")
+        if self.grace_s < 0:
+            raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+        probe = Lifecycle(
+            job_id=self.job_id, generation=0, ts=0, seq=0, rank=None, host=self.host, pid=1,
+            kind="started", ranks=self.local_ranks(),
+        )  # fmt: skip
+        try:
+            encode(probe)  # the wire schema is the rulebook for ids, hosts and ranks
+        except SchemaError as exc:
+            raise ConfigError(f"invalid setting: {exc}") from exc
 
     def local_ranks(self) -> tuple[int, ...]:
         """Global ranks this node hosts."""
@@ -139,9 +171,22 @@ class Supervisor:
         latest = (await bus.latest_per_key("commands")).get(self._c.job_id)
         if latest is not None and latest.value is not None:
             with contextlib.suppress(SchemaError):
-                # Joining a job that already runs: start in its current generation.
-                self._generation = decode(latest.value).generation
+                command = decode(latest.value, expect=(Restore, Resume, Abort))
+                assert isinstance(command, Restore | Resume | Abort)
+                self._join(command)
         return await bus.assign({tp: end})
+
+    def _join(self, latest: Restore | Resume | Abort) -> None:
+        """Start in the generation of a restore the daemon has ordered; refuse a job that
+        already runs on without us, finished, or was aborted (a new run needs a new job id)."""
+        if isinstance(latest, Restore):
+            self._generation = latest.generation
+            return
+        what = "was aborted" if isinstance(latest, Abort) else "already runs or has finished"
+        raise JobNotJoinable(
+            f"job {self._c.job_id!r} {what} in generation {latest.generation}: a new run needs "
+            "a new job id (a supervisor can only join a job at its start or at a restore)"
+        )
 
     async def _listen(self, consumer: Consumer) -> None:
         while True:
@@ -161,24 +206,27 @@ class Supervisor:
         stop_task = asyncio.ensure_future(stop.wait())
         while True:
             order_task = asyncio.ensure_future(self._orders.get())
-            done_task = asyncio.ensure_future(self._all_exited.wait())
-            await asyncio.wait(
-                {order_task, done_task, stop_task}, return_when=asyncio.FIRST_COMPLETED
-            )
-            done_task.cancel()
+            waiting = {order_task, stop_task}
+            # Once a worker failed, only the daemon's order (or a signal) moves us on.
+            done_task = None if self._failed else asyncio.ensure_future(self._all_exited.wait())
+            if done_task is not None:
+                waiting.add(done_task)
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if done_task is not None:
+                done_task.cancel()
             if stop_task.done():
                 order_task.cancel()
                 log.warning("stopping: signalled", generation=self._generation)
                 await self._stop_workers(bus)
                 return EXIT_STOPPED
-            if order_task.done():
-                order = order_task.result()
-            else:
+            if not order_task.done():
                 order_task.cancel()
                 if not self._failed:
                     log.info("workers finished", generation=self._generation)
                     return 0
-                continue  # a worker failed: wait for the daemon's decision
+                log.warning("a worker failed: waiting for the daemon", generation=self._generation)
+                continue
+            order = order_task.result()
             if order.generation <= self._generation and isinstance(order, Restore):
                 continue  # the restore this generation was started for, or an older one
             if isinstance(order, Abort):
@@ -243,7 +291,7 @@ class Supervisor:
         port = self._port()
         for ranks, env in self._worker_env(port):
             proc = await asyncio.create_subprocess_exec(
-                *self._c.command, env=env, start_new_session=True
+                *self._c.command, env=env, start_new_session=True, preexec_fn=_die_with_parent
             )
             worker = _Worker(ranks, proc)
             self._workers.append(worker)
@@ -294,6 +342,7 @@ class Supervisor:
         With ``bus``, report each worker's exit (a restore order does not: the daemon already
         moved on to a new generation)."""
         workers, self._workers = self._workers, []
+        reported = [w for w in workers if w.proc.returncode is not None]  # their watchers did
         for w in workers:
             if w.watcher is not None:
                 w.watcher.cancel()
@@ -306,9 +355,22 @@ class Supervisor:
             # The group may hold grandchildren (torchrun's workers) even after the leader died.
             _signal_group(w.proc.pid, signal.SIGKILL)
             code = await w.proc.wait()
-            if bus is not None:
+            if bus is not None and w not in reported:
                 with contextlib.suppress(BusError):
                     await self._report(bus, "exited", w, code=code)
+
+
+def _die_with_parent() -> None:
+    """In the forked worker, before exec: have Linux SIGKILL it when the supervisor dies
+    (``prctl(PR_SET_PDEATHSIG)``), so that a killed supervisor leaves no orphan training on
+    unsupervised. Elsewhere a no-op."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

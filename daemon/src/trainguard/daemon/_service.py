@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 import structlog
@@ -67,6 +69,9 @@ from trainguard.schemas import (
 __all__ = ["DaemonService"]
 
 log = structlog.get_logger("trainguard.daemon")
+
+_DEAD_LETTER_VALUE_BYTES = 32 * 1024
+"""Most bytes of a rejected value kept in its dead-letter entry (base64 grows it by 4/3)."""
 
 _INPUT_TYPES = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick)
 # A command supersedes another of the same generation in this order (restore, then resume,
@@ -199,6 +204,15 @@ class DaemonService:
             state = new_job(job)
             part.jobs.add(job)
             self._job_partition[job] = record.partition
+        if state.phase in TERMINAL_PHASES and isinstance(item, Observed) and not silent:
+            # The machine ignores input for an ended job; say so, since the usual cause is a
+            # new run started under an old job id.
+            await self._dead_letter(
+                bus,
+                record,
+                f"job {job!r} has {state.phase} (generation {state.generation}): input for it is "
+                "ignored; a new run needs a new job id",
+            )
         new_state, decisions = decide(state, item, self._c.machine)
         self.jobs[job] = new_state
         self.counters["folded"] += 1
@@ -237,9 +251,9 @@ class DaemonService:
                     log.info(
                         "committed", job_id=job, snapshot=manifest.snapshot_id, step=manifest.step
                     )
-                case Rejected(code=code, reason=reason):
+                case Rejected(reason=reason):
                     self.counters["rejected"] += 1
-                    await self._dead_letter(bus, record, f"{code}: {reason}")
+                    await self._dead_letter(bus, record, reason)
                 case JobFailed(reason=reason):
                     log.error("job failed", job_id=job, reason=reason)
                 case IncidentOpened() | IncidentClosed() | Transition() | Anomaly():
@@ -269,16 +283,30 @@ class DaemonService:
         )
 
     async def _dead_letter(self, bus: Bus, record: Record, reason: str) -> None:
+        """Park ``record`` on ``dead-letter`` with ``reason``; values over
+        :data:`_DEAD_LETTER_VALUE_BYTES` are cut (their size and sha256 are kept), so that an
+        oversized input cannot make its own dead-letter entry undeliverable."""
+        value = record.value or b""
         entry = {
             "reason": reason,
             "topic": record.topic,
             "partition": record.partition,
             "offset": record.offset,
             "key": record.key,
-            "value_b64": base64.b64encode(record.value or b"").decode(),
+            "value_bytes": len(value),
+            "value_sha256": hashlib.sha256(value).hexdigest(),
+            "value_b64": base64.b64encode(value[:_DEAD_LETTER_VALUE_BYTES]).decode(),
+            "truncated": len(value) > _DEAD_LETTER_VALUE_BYTES,
         }
-        log.info("input rejected", reason=reason, partition=record.partition, offset=record.offset)
-        await bus.send("dead-letter", record.key or "", orjson.dumps(entry))
+        log.info(
+            "input rejected",
+            reason=reason,
+            key=record.key,
+            partition=record.partition,
+            offset=record.offset,
+        )
+        delivery = await bus.send("dead-letter", record.key or "", orjson.dumps(entry))
+        delivery.add_done_callback(_log_failed_delivery)
 
     # -- time --------------------------------------------------------------------------------
 
@@ -329,6 +357,11 @@ class DaemonService:
             return
         for tp, position in positions.items():
             self._partitions[tp.partition].committed = position
+
+
+def _log_failed_delivery(delivery: asyncio.Future[Any]) -> None:
+    if not delivery.cancelled() and (exc := delivery.exception()) is not None:
+        log.error("dead-letter entry lost", error=str(exc))
 
 
 def _log_fields(decision: Decision) -> dict[str, object]:

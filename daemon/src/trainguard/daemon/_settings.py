@@ -1,16 +1,10 @@
 """The daemon's configuration: built once at the edge from a TOML file and overrides.
 
 Precedence, highest first: explicit overrides (command-line options), the TOML file
-(``trainguard daemon --config daemon.toml``), defaults. The file has two tables::
-
-    [bus]
-    url = "kafka://broker:9092"     # or sqlite:///path/bus.db
-    prefix = "trainguard."
-
-    [machine]                       # MachineConfig fields, seconds as floats
-    heartbeat_timeout_s = 10.0
-    restore_timeout_s = 120.0
-    max_restore_attempts = 3
+(``trainguard daemon --config daemon.toml``), defaults. The file has up to three tables,
+``[bus]`` (``BusConfig`` fields, with ``[bus.security]`` for Kafka TLS/SASL), ``[machine]``
+(``MachineConfig`` fields, seconds as floats) and ``[service]`` (``DaemonConfig`` loop
+settings); ``deploy/daemon.example.toml`` lists every key with its default.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from trainguard.agent.bus import BusConfig
+from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, KafkaSecurity
 from trainguard.daemon._config import MachineConfig
 
 __all__ = ["DaemonConfig", "load_daemon_config"]
@@ -52,7 +46,6 @@ class DaemonConfig:
     poll_s: float = 0.05
     tick_interval_s: float = 0.25
     commit_interval_s: float = 1.0
-
 
     @property
     def group(self) -> str:
@@ -94,7 +87,9 @@ def load_daemon_config(
     bus_table = dict(data.get("bus", {}))
     if bus_url is not None:
         bus_table["url"] = bus_url
-    bus_table.setdefault("url", "sqlite:///trainguard-bus.db")
+    bus_table.setdefault("url", DEFAULT_BUS_URL)
+    if isinstance(bus_table.get("security"), Mapping):
+        bus_table["security"] = KafkaSecurity(**bus_table["security"])
     machine_table = {
         "daemon_id": _default_daemon_id(),
         **data.get("machine", {}),

@@ -16,7 +16,7 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from trainguard.agent.bus import BusError
+from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
 
 __all__ = ["app", "main"]
 
@@ -50,7 +50,7 @@ def version() -> None:
 
 @bus_app.command("check")
 def bus_check(
-    bus: BusURL = "sqlite:///trainguard-bus.db",
+    bus: BusURL = DEFAULT_BUS_URL,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the bus.")] = 15.0,
 ) -> None:
     """Connect to the bus, create missing topics, and print each topic's end offsets."""
@@ -73,11 +73,14 @@ def bus_check(
 
 
 def _parse_ranks(spec: str) -> tuple[int, ...]:
-    """``"0-3,6"`` -> ``(0, 1, 2, 3, 6)``."""
+    """``"0-3,6"`` -> ``(0, 1, 2, 3, 6)``; raises ``typer.BadParameter``."""
     ranks: list[int] = []
     for part in filter(None, spec.split(",")):
         first, _, last = part.partition("-")
-        ranks.extend(range(int(first), int(last or first) + 1))
+        try:
+            ranks.extend(range(int(first), int(last or first) + 1))
+        except ValueError as exc:
+            raise typer.BadParameter(f"{part!r} is not N or N-M", param_hint="--ranks") from exc
     return tuple(ranks)
 
 
@@ -92,9 +95,20 @@ async def _until_signalled(main: Callable[[asyncio.Event], Awaitable[_T]]) -> _T
 
 @app.command()
 def daemon(
-    bus: BusURL = "sqlite:///trainguard-bus.db",
+    bus: Annotated[
+        str | None,
+        typer.Option(
+            "--bus",
+            envvar="TRAINGUARD_BUS",
+            help=f"Bus URL; default: the config file's, else {DEFAULT_BUS_URL}.",
+        ),
+    ] = None,
     config: Annotated[
-        Path | None, typer.Option(help="TOML file with [bus], [machine], [service] tables.")
+        Path | None,
+        typer.Option(
+            help="TOML file with \\[bus], \\[machine] and \\[service] tables; every key: "
+            "deploy/daemon.example.toml."
+        ),
     ] = None,
     heartbeat_timeout: Annotated[
         float | None, typer.Option(help="Seconds of silence after which a rank is dead.")
@@ -103,7 +117,11 @@ def daemon(
         float | None, typer.Option(help="Seconds for all ranks to acknowledge a restore.")
     ] = None,
     topic_prefix: Annotated[
-        str | None, typer.Option(envvar="TRAINGUARD_TOPIC_PREFIX", help="Bus topic prefix.")
+        str | None,
+        typer.Option(
+            envvar="TRAINGUARD_TOPIC_PREFIX",
+            help="Bus topic prefix; default: the config file's, else trainguard.",
+        ),
     ] = None,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
@@ -142,7 +160,7 @@ def daemon(
 def run(
     command: Annotated[list[str], typer.Argument(help="The worker command, after --.")],
     job: Annotated[str, typer.Option(envvar="TRAINGUARD_JOB", help="The job's name.")],
-    bus: BusURL = "sqlite:///trainguard-bus.db",
+    bus: BusURL = DEFAULT_BUS_URL,
     nproc_per_node: Annotated[
         int | None,
         typer.Option(
@@ -170,26 +188,27 @@ def run(
 
     Example: trainguard run --job j1 --nproc-per-node 2 -- python train.py
     """
+    from trainguard.agent import AgentError
     from trainguard.agent._supervisor import Supervisor, SupervisorConfig
     from trainguard.agent.bus import BusConfig
     from trainguard.daemon._logging import configure_logging
 
     configure_logging(json=not console)
-    config = SupervisorConfig(
-        job_id=job,
-        bus=BusConfig(url=bus, prefix=topic_prefix, client_id=f"supervisor-{node_rank}"),
-        command=command,
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        ranks=_parse_ranks(ranks),
-        grace_s=grace,
-    )
     try:
+        config = SupervisorConfig(
+            job_id=job,
+            bus=BusConfig(url=bus, prefix=topic_prefix, client_id=f"supervisor-{node_rank}"),
+            command=command,
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            ranks=_parse_ranks(ranks),
+            grace_s=grace,
+        )
         code = asyncio.run(_until_signalled(Supervisor(config).run))
-    except BusError as exc:
+    except (AgentError, BusError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     raise typer.Exit(code)

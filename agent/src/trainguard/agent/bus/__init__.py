@@ -6,7 +6,13 @@
 
 from __future__ import annotations
 
-from trainguard.agent.bus._config import DEFAULT_TOPICS, BusConfig, KafkaSecurity, parse_bus_url
+from trainguard.agent.bus._config import (
+    DEFAULT_BUS_URL,
+    DEFAULT_TOPICS,
+    BusConfig,
+    KafkaSecurity,
+    parse_bus_url,
+)
 from trainguard.agent.bus._errors import (
     BusClosed,
     BusError,
@@ -17,6 +23,7 @@ from trainguard.agent.bus._errors import (
 from trainguard.agent.bus._port import Bus, Consumer, Delivery, Record, TopicPartition, TopicSpec
 
 __all__ = [
+    "DEFAULT_BUS_URL",
     "DEFAULT_TOPICS",
     "Bus",
     "BusClosed",

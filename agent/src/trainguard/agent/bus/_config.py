@@ -11,7 +11,10 @@ from urllib.parse import unquote, urlsplit
 from trainguard.agent.bus._errors import BusURLError
 from trainguard.agent.bus._port import TopicSpec
 
-__all__ = ["DEFAULT_TOPICS", "BusConfig", "KafkaSecurity", "parse_bus_url"]
+__all__ = ["DEFAULT_BUS_URL", "DEFAULT_TOPICS", "BusConfig", "KafkaSecurity", "parse_bus_url"]
+
+DEFAULT_BUS_URL = "sqlite:trainguard-bus.db"
+"""The bus every party uses when none is configured: an embedded bus in the working folder."""
 
 DEFAULT_TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec("events", partitions=6),
