@@ -16,7 +16,7 @@ from tests.agent._jobbus import JOB, of_type, read_events, wait_for_events
 from trainguard.agent import RESERVED_KEY, AgentError
 from trainguard.agent import _agent as agent_module
 from trainguard.agent._shards import WrittenShard, uri_to_path, write_shard
-from trainguard.schemas import Checkpoint, DataCursor, Heartbeat, SchemaViolation
+from trainguard.schemas import Checkpoint, DataCursor, Heartbeat, Lifecycle, SchemaViolation
 
 CURSOR = DataCursor(data_version="sha256:abc", seed=3, epoch=1, offset=128, world_size=2)
 
@@ -132,7 +132,12 @@ def test_a_failed_write_is_counted_not_raised(
             future.result(timeout=10.0)
         agent.step(6)  # training goes on
     assert agent.stats.checkpoint_failures == 1
-    assert not of_type(read_events(bus_url, JOB), Checkpoint)
+    events = read_events(bus_url, JOB)
+    assert not of_type(events, Checkpoint)
+    [report] = [e for e in of_type(events, Lifecycle) if e.kind == "error"]
+    assert report.step == 5
+    assert "checkpoint write failed at step 5" in report.message
+    assert "No space left on device" in report.message
 
 
 def test_caller_mistakes_raise_at_once(make_agent):

@@ -503,6 +503,13 @@ class Agent:
         except Exception as exc:
             self._write_failures += 1
             self._log.warning("checkpoint_failed", step=template.step, error=_describe(exc))
+            # Tell the daemon too: otherwise a full or read-only disk only shows as restores
+            # that silently reach back further than expected.
+            self._lifecycle(
+                "error",
+                step=template.step,
+                message=f"checkpoint write failed at step {template.step}: {_describe(exc)}"[:4096],
+            )
             raise
         self._written += 1
         shard = dataclasses.replace(
