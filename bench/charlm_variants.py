@@ -312,7 +312,10 @@ class TimedAgent(Agent):
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse ``VARIANT [options] -- CHARLM_ARGS``, install the variant's agent, run charlm."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0] if __doc__ else None,
+        epilog="charlm's own arguments follow after --",
+    )
     parser.add_argument("variant", choices=VARIANTS)
     parser.add_argument("--report", type=Path, help="timed: folder of the per-rank reports")
     parser.add_argument(

@@ -67,6 +67,9 @@ class BusConfig:
             ``None`` takes ``min(3, brokers in the cluster)``.
         session_timeout_s: a consumer-group member silent for this long loses its partitions
             (Kafka's ``session.timeout.ms``; the embedded bus applies the same rule).
+        idle_poll_s: embedded bus only: longest sleep, in seconds, of an idle consumer between
+            looks at the file (it starts at 2 ms after each delivery and doubles up to this).
+            The worst-case delivery latency of an idle consumer; Kafka long-polls instead.
         security: Kafka TLS/SASL settings; ignored by the embedded bus.
         kafka_options: extra keyword arguments for aiokafka producers/consumers (expert use).
     """
@@ -80,6 +83,7 @@ class BusConfig:
     client_id: str = "trainguard"
     replication_factor: int | None = None
     session_timeout_s: float = 10.0
+    idle_poll_s: float = 0.02
     security: KafkaSecurity = KafkaSecurity()
     kafka_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 

@@ -313,6 +313,7 @@ class SQLiteBus(Bus):
             forget=self._consumers.discard,
             write_timeout_s=self._config.send_timeout_s,
             session_timeout_s=self._config.session_timeout_s,
+            idle_poll_s=self._config.idle_poll_s,
         )
 
     async def _wait_for_append(self, timeout_s: float) -> None:

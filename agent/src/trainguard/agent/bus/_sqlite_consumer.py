@@ -2,9 +2,10 @@
 
 Idle consumers poll: each poll first reads ``PRAGMA data_version``, which changes whenever
 another connection (any process, or this bus's own writer) committed to the file, and skips
-the queries when nothing changed; between polls it sleeps from 2 ms, doubling to 20 ms while
-idle, and wakes at once when its own bus appended records. So a record from another process
-arrives within about 20 ms, one from the same bus without delay.
+the queries when nothing changed; between polls it sleeps from 2 ms, doubling up to
+``BusConfig.idle_poll_s`` (default 20 ms) while idle, and wakes at once when its own bus
+appended records. So a record from another process arrives within about ``idle_poll_s``, one
+from the same bus without delay.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from trainguard.agent.bus._sqlite_db import (
 __all__ = ["ConsumerContext", "Membership", "SQLiteConsumer"]
 
 _POLL_MIN_S = 0.002
-_POLL_MAX_S = 0.02
 
 _TP = tuple[int, int]
 
@@ -48,6 +48,7 @@ class ConsumerContext:
         forget: called with the consumer when it closes.
         write_timeout_s: how long group writes may wait for the file's lock, seconds.
         session_timeout_s: group lease length, seconds.
+        idle_poll_s: longest sleep between polls of an idle consumer, seconds.
     """
 
     reader: ConnectionThread
@@ -59,6 +60,7 @@ class ConsumerContext:
     forget: Callable[[SQLiteConsumer], None]
     write_timeout_s: float
     session_timeout_s: float
+    idle_poll_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +177,7 @@ class SQLiteConsumer(Consumer):
             if remaining <= 0:
                 return []
             await self._ctx.wait_for_append(min(delay, remaining))
-            delay = min(2 * delay, _POLL_MAX_S)
+            delay = min(2 * delay, self._ctx.idle_poll_s)
             self._check_open()
 
     async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
