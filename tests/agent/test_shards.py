@@ -13,11 +13,11 @@ import torch
 
 from trainguard.agent import ShardCorrupt, ShardError, ShardMissing
 from trainguard.agent._shards import (
+    HostStager,
     capture_rng,
     load_shard,
     restore_rng,
     shard_path,
-    to_host,
     uri_to_path,
     write_shard,
 )
@@ -125,10 +125,22 @@ def test_rng_states_survive_a_shard_round_trip_exactly(tmp_path: Path):
 def test_host_copy_is_independent_of_the_training_state():
     weights = torch.zeros(3)
     groups = [{"lr": 0.1, "params": (0, 1)}]
-    copy = to_host({"w": weights, "groups": groups, "n": 5})
+    copy = HostStager().stage({"w": weights, "groups": groups, "n": 5})
     weights.add_(1.0)
     groups[0]["lr"] = 0.2
     assert torch.equal(copy["w"], torch.zeros(3))
     assert copy["groups"] == [{"lr": 0.1, "params": (0, 1)}]
     assert isinstance(copy["groups"][0]["params"], tuple)
     assert copy["n"] == 5
+
+
+def test_the_stager_reuses_its_buffers_while_the_shapes_stay():
+    stager = HostStager()
+    first = stager.stage({"w": torch.ones(4), "b": [torch.zeros(2, dtype=torch.int64)]})
+    second = stager.stage({"w": torch.full((4,), 2.0), "b": [torch.ones(2, dtype=torch.int64)]})
+    assert second["w"].data_ptr() == first["w"].data_ptr()  # no new allocation
+    assert torch.equal(second["w"], torch.full((4,), 2.0))
+    assert torch.equal(second["b"][0], torch.ones(2, dtype=torch.int64))
+    third = stager.stage({"w": torch.ones(5)})  # new shapes: new buffers
+    assert third["w"].shape == (5,)
+    assert torch.equal(second["w"], torch.full((4,), 2.0))  # the old copy is not touched

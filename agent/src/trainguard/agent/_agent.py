@@ -26,11 +26,11 @@ from trainguard.agent._errors import (
 from trainguard.agent._faults import FaultInjector, parse_faults
 from trainguard.agent._link import Commands, Link
 from trainguard.agent._shards import (
+    HostStager,
     capture_rng,
     load_shard,
     restore_rng,
     shard_path,
-    to_host,
     write_shard,
 )
 from trainguard.agent.bus import BusConfig
@@ -164,6 +164,7 @@ class Agent:
         self._pending: Future[Checkpoint] | None = None
         self._written = 0
         self._write_failures = 0
+        self._stager = HostStager()
         self._restore: Restore | None = None
         self._reported: BaseException | None = None
         self._state = "new"
@@ -480,11 +481,13 @@ class Agent:
         template = self.config.checkpoint_template(step=step, cursor=cursor, pid=self._pid)
         encode(template)  # a bad step or cursor fails here, not in the background
         self.wait_checkpoints()
+        # Freshly made objects: only the caller's state needs a copy for a background write.
         own = {"rng": capture_rng(), "cursor": dataclasses.asdict(cursor), "step": step}
-        full = {**state, RESERVED_KEY: own}
         if not blocking:
-            self._pending = self._writer.submit(self._write_and_announce, template, to_host(full))
+            staged = {**self._stager.stage(state), RESERVED_KEY: own}
+            self._pending = self._writer.submit(self._write_and_announce, template, staged)
             return self._pending
+        full = {**state, RESERVED_KEY: own}
         done: Future[Checkpoint] = Future()
         previous = self._phase
         self.phase("checkpoint")
