@@ -7,7 +7,8 @@ Times are nanoseconds; ``T0`` is an arbitrary epoch instant and ``S`` one second
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -116,15 +117,19 @@ class Sim:
         phase: Phase = "train",
         generation: int | None = None,
         world_size: int | None = None,
+        loss: float | None = 2.5,
+        step_time_s: float | None = 1.0,
+        checksum: str | None = None,
     ) -> Observed:
         event = Heartbeat(
             **self._head(rank, generation),
             world_size=world_size or self.world_size,
             step=step,
             phase=phase,
-            step_time_s=1.0,
-            loss=2.5,
+            step_time_s=step_time_s,
+            loss=loss,
             samples=step * 8,
+            param_checksum=checksum,
         )
         return Observed(at, None, event)
 
@@ -151,9 +156,19 @@ class Sim:
         )
         return Observed(at, None, event)
 
-    def cursor(self, rank: int, step: int, at: int, *, generation: int | None = None) -> Observed:
+    def cursor(
+        self,
+        rank: int,
+        step: int,
+        at: int,
+        *,
+        generation: int | None = None,
+        data_version: str = "v1",
+    ) -> Observed:
         event = DataCursorEvent(
-            **self._head(rank, generation), step=step, cursor=cursor_at(step, self.world_size)
+            **self._head(rank, generation),
+            step=step,
+            cursor=cursor_at(step, self.world_size, data_version),
         )
         return Observed(at, None, event)
 
@@ -194,6 +209,26 @@ class Sim:
         """``rank`` found a shard of ``snapshot_id`` failing its digest check while loading."""
         return self.lifecycle(rank, "error", at, snapshot_id=snapshot_id, message="digest mismatch")
 
+    def nan(self, rank: int, step: int, at: int) -> Observed:
+        """``rank``'s loss at ``step`` is NaN."""
+        return self.heartbeat(rank, step, at, loss=math.nan)
+
+    def checksum(self, rank: int, step: int, at: int, *, odd: bool = False) -> Observed:
+        """``rank``'s parameter checksum at ``step``; ``odd``: differing from its replicas'."""
+        digest = hashlib.sha256(f"{step}{'odd' if odd else ''}".encode()).hexdigest()[:16]
+        return self.heartbeat(rank, step, at, checksum=digest)
+
+    def missed(self, rank: int, at_step: int, step: int, at: int) -> Observed:
+        """``rank`` was at ``step``, past the in-process restore's ``at_step``, when it came."""
+        return self.lifecycle(
+            rank,
+            "error",
+            at,
+            step=step,
+            missed_at_step=at_step,
+            message=f"in-process restore at step {at_step} missed: already at step {step}",
+        )
+
     # -- healthy behaviour -------------------------------------------------------------------
 
     def start(self, at: int) -> list[Input]:
@@ -211,14 +246,20 @@ class Sim:
         step_ns: int = S,
         checkpoint_every: int = 10,
         ticks: bool = True,
+        loss: Callable[[int], float] = lambda step: 2.5,
     ) -> list[Input]:
-        """Every rank heartbeats each step (ranks 1 ms apart) and writes a shard every
-        ``checkpoint_every`` steps; a tick follows each step when ``ticks``."""
+        """Every rank heartbeats each step (ranks 1 ms apart, loss ``loss(step)``, step time
+        ``step_ns``) and writes a shard every ``checkpoint_every`` steps; a tick follows each
+        step when ``ticks``."""
         out: list[Input] = []
         for i, step in enumerate(steps):
             at = start + i * step_ns
             for r in range(self.world_size):
-                out.append(self.heartbeat(r, step, at + r * 1_000_000))
+                out.append(
+                    self.heartbeat(
+                        r, step, at + r * 1_000_000, loss=loss(step), step_time_s=step_ns / S
+                    )
+                )
             if checkpoint_every and step > 0 and step % checkpoint_every == 0:
                 for r in range(self.world_size):
                     out.append(self.checkpoint(r, step, at + 500_000_000 + r))

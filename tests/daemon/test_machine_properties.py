@@ -29,6 +29,7 @@ from tests.daemon.machine_scenarios import (
 from trainguard.daemon._decisions import (
     Anomaly,
     Committed,
+    IncidentClosed,
     IncidentOpened,
     JobFailed,
     Rejected,
@@ -129,7 +130,8 @@ def test_generation_fencing(
 def test_at_most_one_restore_per_incident(steps: list[tuple[str, int, int]]) -> None:
     """For any interleaving of exits, heartbeats, acknowledgements, corrupt-shard reports and
     ticks during a restore, each incident has one restore per attempt, numbered 1, 2, ... up to
-    ``max_restore_attempts``; a job that runs out of attempts is aborted exactly once."""
+    ``max_restore_attempts``; a job that runs out of attempts is aborted exactly once. The only
+    incident without a restore is one the crash-loop guard stops, which fails the job."""
     sim, state, first = killed_job()
     state, trace = play(sim, state, steps)
     everything = [d for _, ds in trace for d in ds]
@@ -137,7 +139,12 @@ def test_at_most_one_restore_per_incident(steps: list[tuple[str, int, int]]) -> 
         assert len(issued(ds, Restore)) <= 1
     groups = restores_by_incident([first, *issued(everything, Restore)])
     opened = [o.incident_id for o in of_type(everything, IncidentOpened)]
-    assert list(groups) == ["job/i1", *opened]
+    stopped = [c.incident_id for c in of_type(everything, IncidentClosed) if c.attempts == 0]
+    assert stopped in ([], opened[-1:])
+    if stopped:
+        assert state.phase == "failed"
+        assert "crash loop" in (state.failure or "")
+    assert list(groups) == ["job/i1", *(i for i in opened if i not in stopped)]
     for restores in groups.values():
         assert [r.attempt for r in restores] == list(range(1, len(restores) + 1))
         assert len(restores) <= MAX_ATTEMPTS

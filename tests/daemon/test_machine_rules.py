@@ -80,15 +80,11 @@ def test_step_commits_when_every_rank_reported_its_shard() -> None:
     assert state.pending.get(10) is None
 
 
-@pytest.mark.parametrize("disagreement", ["cursor", "data_version"])
-def test_shards_that_disagree_do_not_commit(disagreement: str) -> None:
+def test_shards_that_disagree_on_the_cursor_do_not_commit() -> None:
     sim = Sim()
     state, _ = run(sim.start(T0))
     shards = [sim.checkpoint(r, 10, T0 + S + r) for r in range(3)]
-    if disagreement == "cursor":
-        shards.append(sim.checkpoint(3, 10, T0 + S + 3, offset=7))
-    else:
-        shards.append(sim.checkpoint(3, 10, T0 + S + 3, data_version="v2"))
+    shards.append(sim.checkpoint(3, 10, T0 + S + 3, offset=7))
     state, decisions = run(shards, state)
     [anomaly] = decisions
     assert isinstance(anomaly, Anomaly)
@@ -251,7 +247,9 @@ def test_corrupt_shard_restores_the_previous_committed_snapshot() -> None:
     assert retry.target is not None
     assert retry.target.snapshot_id == "job/g0/s20"
     assert retry.attempt == 2
-    assert state.bad_snapshots == {"job/g0/s30"}
+    # Restoring s20 abandons the timeline after it: s30 is no restore target any more.
+    assert [m.snapshot_id for m in state.committed] == ["job/g0/s10", "job/g0/s20"]
+    assert state.bad_snapshots == frozenset()
 
 
 def test_acknowledging_another_snapshot_is_rejected() -> None:
@@ -512,7 +510,7 @@ def test_decisions_serialise_to_stable_json() -> None:
     assert restore_dict["decision"] == "issue"
     command = restore_dict["command"]
     assert isinstance(command, dict)
-    assert command["schema"] == "restore/1.0"
+    assert command["schema"] == "restore/1.1"
     target = command["target"]
     assert isinstance(target, dict)
     assert target["snapshot_id"] == "job/g0/s30"
@@ -546,11 +544,15 @@ PURE = (
     "_commit",
     "_config",
     "_decisions",
+    "_divergence",
     "_evidence",
     "_inputs",
     "_machine",
     "_recovery",
+    "_stall",
     "_state",
+    "_trend",
+    "_window",
 )
 FORBIDDEN = {
     "asyncio",

@@ -21,6 +21,10 @@ PURE_MODULES = [
     "daemon/src/trainguard/daemon/_commit.py",
     "daemon/src/trainguard/daemon/_evidence.py",
     "daemon/src/trainguard/daemon/_recovery.py",
+    "daemon/src/trainguard/daemon/_stall.py",
+    "daemon/src/trainguard/daemon/_divergence.py",
+    "daemon/src/trainguard/daemon/_trend.py",
+    "daemon/src/trainguard/daemon/_window.py",
     "agent/src/trainguard/agent/_cursor.py",
     "agent/src/trainguard/agent/_errors.py",
 ]

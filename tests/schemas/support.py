@@ -36,6 +36,7 @@ from trainguard.schemas import (
     SchemaError,
     SchemaViolation,
     Shard,
+    StepRange,
     UnknownSchema,
     _schema_files,
     load_schema,
@@ -174,18 +175,31 @@ def lifecycles(draw: st.DrawFn) -> Lifecycle:
         world_size=draw(st.none() | world_sizes),
         snapshot_id=draw(st.none() | snapshot_ids),
         message=draw(text(1 if kind == "error" else 0, 60)),
+        missed_at_step=draw(st.none() | counts),
     )
 
 
-restores = st.builds(
-    Restore,
-    **_command,
-    incident_id=text(1, 60),
-    reason=text(1, 60),
-    target=st.none() | manifests,
-    mode=st.sampled_from(typing.get_args(RestoreMode)),
-    attempt=st.integers(1, INT64_MAX),
+step_ranges = st.builds(
+    lambda a, b: StepRange(from_step=min(a, b), to_step=max(a, b)), counts, counts
 )
+
+
+@st.composite
+def restores(draw: st.DrawFn) -> Restore:
+    """Restore commands; ``in_process`` ones name their ``at_step`` (a schema condition)."""
+    mode = draw(st.sampled_from(typing.get_args(RestoreMode)))
+    return Restore(
+        **{name: draw(strategy) for name, strategy in _command.items()},
+        incident_id=draw(text(1, 60)),
+        reason=draw(text(1, 60)),
+        target=draw(st.none() | manifests),
+        mode=mode,
+        attempt=draw(st.integers(1, INT64_MAX)),
+        at_step=draw(counts if mode == "in_process" else st.none() | counts),
+        skip=draw(st.none() | step_ranges),
+    )
+
+
 resumes = st.builds(Resume, **_command, step=counts)
 aborts = st.builds(Abort, **_command, reason=text(1, 60))
 ticks = st.builds(ClockTick, **_command)
@@ -195,7 +209,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
     Checkpoint: checkpoints,
     DataCursorEvent: data_cursor_events,
     Lifecycle: lifecycles(),
-    Restore: restores,
+    Restore: restores(),
     Resume: resumes,
     Abort: aborts,
     Manifest: manifests,
@@ -384,6 +398,25 @@ BAD_CASES = [
         "target.shards[0].x",
     ),
     BadCase("unknown mode", RES, put("mode", value="reboot"), "mode"),
+    BadCase("in_process without at_step", RES, put("mode", value="in_process"), "at_step"),
+    BadCase(
+        "in_process with null at_step",
+        RES,
+        several(put("mode", value="in_process"), put("at_step", value=None)),
+        "at_step",
+    ),
+    BadCase("skip without to_step", RES, put("skip", value={"from_step": 3}), "skip.to_step"),
+    BadCase(
+        "missed_at_step negative",
+        EXITED,
+        several(
+            put("kind", value="error"),
+            put("signal", value=None),
+            put("message", value="m"),
+            put("missed_at_step", value=-1),
+        ),
+        "missed_at_step",
+    ),
     BadCase("attempt zero", RES, put("attempt", value=0), "attempt"),
     BadCase("empty reason", RES, put("reason", value=""), "reason"),
 ]

@@ -21,6 +21,7 @@ from trainguard.schemas import (
     CheckpointMeta,
     DataCursor,
     Shard,
+    StepRange,
     UnknownSchema,
     load_schema,
     schema_path,
@@ -37,7 +38,12 @@ ALLOWED_KEYWORDS = {
     "maxLength", "pattern", "anyOf", "allOf", "not", "if", "then", "else",
 }  # fmt: skip
 ANNOTATIONS = {"$ref", "$comment", "title", "description", "default"}
-NESTED_CLASSES = {"cursor": DataCursor, "metadata": CheckpointMeta, "shard": Shard}
+NESTED_CLASSES = {
+    "cursor": DataCursor,
+    "metadata": CheckpointMeta,
+    "shard": Shard,
+    "step_range": StepRange,
+}
 
 
 def subschemas(node: Any, path: str = "#") -> Iterator[tuple[str, dict[str, Any]]]:

@@ -25,6 +25,7 @@ from trainguard.daemon._decisions import (
     Rejected,
     Transition,
 )
+from trainguard.daemon._evidence import Measures
 from trainguard.daemon._inputs import Input, Observed, Tick
 from trainguard.daemon._machine import decide, fold, next_deadline
 from trainguard.daemon._service import DaemonService
@@ -59,6 +60,7 @@ __all__ = [
     "JobPhase",
     "JobState",
     "MachineConfig",
+    "Measures",
     "Observed",
     "RankState",
     "RankStatus",

@@ -14,6 +14,7 @@ from typing import ClassVar, Literal, TypeAlias
 
 from trainguard.schemas import Command, JSONValue, Manifest
 
+from ._evidence import NO_MEASURES, Measures
 from ._state import IncidentCause, JobPhase
 
 RejectCode: TypeAlias = Literal[
@@ -33,6 +34,11 @@ AnomalyKind: TypeAlias = Literal[
     "unknown_snapshot",
     "rank_error",
     "exit_without_ranks",
+    "straggler",
+    "loss_blip",
+    "suspect_host",
+    "data_version_changed",
+    "checkpoint_ignored",
 ]
 """Something reported and recorded but not by itself acted on."""
 
@@ -114,6 +120,11 @@ class IncidentOpened(_Decision):
         ranks: the ranks named by the evidence, ascending.
         hosts: their hosts, sorted, without repeats (may be empty when unknown).
         reason: the evidence.
+        onset_after_step: the last step known good: the incident began after it, and its
+            restore targets a committed step ``<=`` it. ``None`` when the onset is the incident
+            time (dead or stalled ranks).
+        measures: the numbers the detector compared (observed values, thresholds, window
+            sizes), named with their units.
     """
 
     KIND: ClassVar[str] = "incident_opened"
@@ -123,6 +134,8 @@ class IncidentOpened(_Decision):
     ranks: tuple[int, ...]
     hosts: tuple[str, ...]
     reason: str
+    onset_after_step: int | None = None
+    measures: Measures = NO_MEASURES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,11 +170,15 @@ class Rejected(_Decision):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Anomaly(_Decision):
-    """Reported evidence that is recorded but not by itself acted on."""
+    """Reported evidence that is recorded but not by itself acted on (a straggler, a loss blip,
+    a suspect host, ...): ``ranks`` and ``hosts`` it names, ``measures`` its numbers."""
 
     KIND: ClassVar[str] = "anomaly"
     kind: AnomalyKind
     reason: str
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    measures: Measures = NO_MEASURES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Wording of the evidence in decision reasons.
+"""Wording of the evidence in decision reasons, and its numbers as data (:class:`Measures`).
 
 Pure and platform independent: a replay on another machine must produce the same strings, so
 signal names come from a fixed table rather than the running platform's ``signal`` module.
@@ -6,7 +6,9 @@ signal names come from a fixed table rather than the running platform's ``signal
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TypeAlias
 
 # Numbers that are the same on Linux, macOS and the BSDs (those marked XSI in POSIX's `kill`
 # utility are fixed by the standard); others are reported by number only.
@@ -75,3 +77,57 @@ def steps_text(steps: Iterable[int | None]) -> str:
 def seconds_text(ns: int) -> str:
     """A duration in nanoseconds as seconds, ``"12.5 s"`` (shortest exact-enough form)."""
     return f"{ns / 1_000_000_000:g} s"
+
+
+def number_text(value: float) -> str:
+    """A measured number for a reason: four significant digits, ``nan``/``inf`` as such."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.4g}"
+
+
+Measure: TypeAlias = int | float | str
+"""One number (or label) of the evidence: counts, seconds, losses, checksums."""
+
+
+class Measures(Mapping[str, Measure]):
+    """The numbers a detector compared, by name, in the order given: immutable and hashable.
+
+    A decision holds its evidence as data besides the reason's words (``{"stalled_s": 7.2,
+    "timeout_s": 5.0, ...}``); names carry their unit as a suffix (``_s``: seconds, ``_step``:
+    a training step). ``to_dict`` forms of decisions render it as a JSON object.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, **named: Measure) -> None:
+        self._items: tuple[tuple[str, Measure], ...] = tuple(named.items())
+
+    def __getitem__(self, key: str) -> Measure:
+        for name, value in self._items:
+            if name == key:
+                return value
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Measures):
+            return self._items == other._items
+        return super().__eq__(other)
+
+    def __repr__(self) -> str:
+        return f"Measures({dict(self._items)!r})"
+
+
+NO_MEASURES = Measures()
+"""The empty evidence (a shared immutable default)."""

@@ -10,16 +10,19 @@ Order of work for an observed event:
 2. screen it (wrong job, stale or future generation, duplicate ``seq``, world-size conflict,
    rank out of range, restore acknowledgement for the wrong snapshot): a rejected event leaves
    the state untouched and yields one :class:`Rejected`;
-3. fold it (one handler per event type), then settle phase changes it completes (all ranks
-   heard, all restores acknowledged, all ranks finished);
-4. check the deadlines (heartbeat silence, startup, restore) at the new clock.
+3. fold it (one handler per event type, running the detectors that event feeds), then settle
+   phase changes it completes (all ranks heard, all restores acknowledged, all ranks finished);
+4. check the deadlines (heartbeat silence, stalls, startup, restore) at the new clock.
 
 A :class:`Tick` runs steps 1 and 4 only. Recovery (incidents, restore retries, abort) lives in
-:mod:`trainguard.daemon._recovery`.
+:mod:`trainguard.daemon._recovery`; the detectors in :mod:`trainguard.daemon._stall` and
+:mod:`trainguard.daemon._divergence` (``docs/detection.md`` tabulates them).
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import assert_never
@@ -32,17 +35,19 @@ from trainguard.schemas import (
     Event,
     Heartbeat,
     Lifecycle,
-    Phase,
     Resume,
 )
 
 from ._commit import commit
 from ._config import MachineConfig
 from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Issue, Rejected, Transition
-from ._evidence import exit_status, hosts_text, ranks_text, seconds_text, steps_text
+from ._divergence import judge_checksum, judge_lag, judge_loss, nan_loss, note_data_version
+from ._evidence import Measures, exit_status, hosts_text, ranks_text, seconds_text, steps_text
 from ._inputs import Input, Observed, Tick
-from ._recovery import Failure, fail_over, next_command_seq, target_text
-from ._state import TERMINAL_PHASES, JobState, RankState, RankStatus
+from ._recovery import Failure, fail_over, give_up, next_command_seq, target_text
+from ._stall import rank_changed, scan_stalls, straggler, warm
+from ._state import LONG_PHASES, TERMINAL_PHASES, JobState, RankState, RankStatus
+from ._trend import advance
 
 Decisions = tuple[Decision, ...]
 _NONE: Decisions = ()
@@ -63,7 +68,9 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
         an event of another job).
 
     Folding a heartbeat costs O(log32 n) in the number of ranks n (persistent maps), plus an
-    amortised O(1) share of the occasional scan for silent ranks (see ``JobState``).
+    amortised O(1) share of the occasional scans for silent, stalled or lagging ranks (see
+    ``JobState.silence_floor_ns`` and ``Watch``) and of the statistics recomputed once per
+    chunk of samples (:mod:`trainguard.daemon._window`).
     """
     if state.phase in TERMINAL_PHASES:
         return _at_rest(state, item)
@@ -72,8 +79,17 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
             rejected = _screen(state, event)
             if rejected is not None:
                 return state, (rejected,)
-            state = _accept(state, event, at_ns)
-            state, decisions = _handle(state, event, config)
+            if (
+                type(event) is Heartbeat
+                and event.world_size == state.world_size
+                and state.world_size_generation == state.generation
+            ):
+                # The hot path: the heartbeat handler records time and seq itself, sparing a
+                # copy of the state.
+                state, decisions = _on_heartbeat(state, event, at_ns, config)
+            else:
+                state = _accept(state, event, at_ns)
+                state, decisions = _handle(state, event, config)
             state, settled = _settle(state, config)
             return _expire(state, config, decisions + settled)
         case Tick(at_ns=at_ns):
@@ -111,6 +127,8 @@ def next_deadline(state: JobState, config: MachineConfig) -> int | None:
         due.append(state.generation_started_ns + config.startup_timeout_ns + 1)
     if state.phase == "restoring" and state.incident is not None:
         due.append(state.incident.issued_ns + config.restore_timeout_ns + 1)
+    if state.phase == "running" and state.watch.progress_due_ns is not None:
+        due.append(state.watch.progress_due_ns + 1)
     return min(due, default=None)
 
 
@@ -225,11 +243,18 @@ def _accept(state: JobState, event: Event, at_ns: int) -> JobState:
         return state._replace(clock_ns=clock, generation_started_ns=started, senders=senders)
     # First statement of the world size in this generation: it may differ from the one carried
     # over from the previous generation; ranks heard from beyond it no longer exist.
-    ranks, incident = state.ranks, state.incident
+    ranks, incident, watch = state.ranks, state.incident, state.watch
     if any(r >= stated for r in ranks):
         ranks = HashTrieMap((r, s) for r, s in ranks.items() if r < stated)
         if incident is not None:
             incident = replace(incident, acks=HashTrieSet(a for a in incident.acks if a < stated))
+        versions = Counter(s.data_version for s in ranks.values() if s.data_version is not None)
+        watch = watch._replace(
+            long_phases=sum(
+                1 for s in ranks.values() if s.status == "alive" and s.phase in LONG_PHASES
+            ),
+            versions=HashTrieMap(versions.items()),
+        )
     return state._replace(
         clock_ns=clock,
         generation_started_ns=started,
@@ -239,6 +264,7 @@ def _accept(state: JobState, event: Event, at_ns: int) -> JobState:
         ranks=ranks,
         finished_ranks=sum(1 for s in ranks.values() if s.status == "finished"),
         incident=incident,
+        watch=watch,
     )
 
 
@@ -246,17 +272,153 @@ def _handle(state: JobState, event: Event, config: MachineConfig) -> tuple[JobSt
     """Fold an accepted event by its type."""
     match event:
         case Heartbeat():
-            return _touch(
-                state, event.rank, event.host, event.pid, step=event.step, phase=event.phase
-            ), _NONE
+            return _on_heartbeat(state, event, state.clock_ns, config)
         case Checkpoint():
             return _on_checkpoint(state, event, config)
         case DataCursorEvent():
-            return _touch(state, event.rank, event.host, event.pid), _NONE
+            state = _touch(state, event.rank, event.host, event.pid, config)
+            return _on_cursor(state, event.rank, event.cursor.data_version, event.step, config)
         case Lifecycle():
             return _on_lifecycle(state, event, config)
         case _:
             assert_never(event)
+
+
+def _on_heartbeat(
+    state: JobState, beat: Heartbeat, at_ns: int, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Fold a heartbeat: the rank's record, and in a running job the detectors it feeds (the hot
+    path: O(log32 n) for the maps, O(1) amortised for the rest).
+
+    A heartbeat that raises the generation's highest step is a *lead sample*: its step time
+    (unless the rank is in its start-up steps or just left a declared phase) joins the job's
+    step times and its loss is judged for spikes; one sample per observed step, whatever the
+    number of ranks. Every heartbeat is checked for a non-finite loss, for stragglers and, with
+    a ``param_checksum``, against its replicas.
+
+    ``at_ns`` is the heartbeat's time; it is recorded here with its ``seq`` (as
+    :func:`_accept` does for other events), so that folding a heartbeat copies the state once.
+    """
+    clock = max(state.clock_ns, at_ns)
+    started = clock if state.generation_started_ns is None else state.generation_started_ns
+    step, rank, host, phase = beat.step, beat.rank, beat.host, beat.phase
+    watch, trend = state.watch, state.trend
+    running = state.phase == "running"
+    prev = state.ranks.get(rank)
+    decisions: Decisions = _NONE
+    sampled = advanced = False
+    if prev is None or prev.step is None:
+        rec = RankState(
+            rank=rank,
+            host=host,
+            pid=beat.pid,
+            status="alive" if prev is None else prev.status,
+            phase=phase,
+            last_heard_ns=clock,
+            step=step,
+            step_advanced_ns=clock,
+            phase_since_ns=clock,
+            first_step=step,
+            after_phase=phase in LONG_PHASES,
+            data_version=None if prev is None else prev.data_version,
+        )
+    else:
+        advanced = step > prev.step
+        first = step if prev.first_step is None else prev.first_step
+        average, samples, straggling = prev.step_time_s, prev.step_time_samples, prev.straggling
+        seconds = beat.step_time_s
+        # The step time spans everything since the rank's previous step: not a sample of the
+        # job's pace if that is one of its start-up steps or includes a declared phase of this
+        # rank or of another one.
+        if (
+            running
+            and advanced
+            and seconds is not None
+            and not prev.after_phase
+            and step - first > config.startup_steps
+            and not watch.long_phases
+            and watch.long_phase_ended_ns <= (prev.step_advanced_ns or 0)
+        ):
+            sampled = True
+            average, samples, straggling, report = straggler(
+                prev, seconds, trend, state.generation, config
+            )
+            if report is not None:
+                decisions = (report,)
+        # Positional: measurably cheaper than keywords on this path (fields as in RankState).
+        rec = RankState(
+            rank,
+            host,
+            beat.pid,
+            prev.status,
+            phase,
+            clock,
+            step,
+            clock if advanced else prev.step_advanced_ns,
+            prev.phase_since_ns if prev.phase == phase else clock,
+            first,
+            average,
+            samples,
+            straggling,
+            phase in LONG_PHASES or (prev.after_phase and not advanced),
+            prev.data_version,
+        )
+    if not advanced or prev is None or prev.phase != phase:
+        # A rank that advanced in the same phase only moved its own deadline later: the
+        # bound stays valid without looking.
+        watch = rank_changed(watch, prev, rec, clock, trend, config)
+    failure: Failure | None = None
+    lead = step > watch.lead_step
+    behind = step < watch.step_floor  # a rank went back (restarted behind the daemon's back?)
+    if behind:
+        watch = watch._replace(step_floor=step)
+    if lead:
+        spike, sound, normal = watch.spike, watch.sound_step, None
+        loss = beat.loss
+        if running and prev is not None and loss is not None and math.isfinite(loss):
+            if warm(rec, config):
+                spike, is_normal, blip, failure = judge_loss(
+                    watch, trend, step, loss, state.generation, config
+                )
+                if is_normal:
+                    sound, normal = step - 1, loss
+                if blip is not None:
+                    decisions = (*decisions, blip)
+            elif spike is None:
+                sound = step - 1
+        trend, shrunk = advance(trend, step, beat.step_time_s if sampled else None, normal, config)
+        due = watch.progress_due_ns
+        watch = watch._replace(
+            lead_step=step,
+            base_step=step if watch.base_step is None else watch.base_step,
+            sound_step=sound,
+            spike=spike,
+            progress_due_ns=due - shrunk if shrunk and due is not None else due,
+        )
+    state = state._replace(
+        clock_ns=clock,
+        generation_started_ns=started,
+        senders=state.senders.insert((rank, host, beat.pid), beat.seq),
+        ranks=state.ranks.insert(rank, rec),
+        silence_floor_ns=clock if state.silence_floor_ns is None else state.silence_floor_ns,
+        watch=watch,
+        trend=trend,
+    )
+    if not running:
+        return state, decisions
+    if beat.loss is not None and not math.isfinite(beat.loss):
+        failure = nan_loss(state, rec, beat.loss)
+    if failure is None and beat.param_checksum is not None:
+        watch, anomalies, failure = judge_checksum(state, rec, step, beat.param_checksum, config)
+        state = state._replace(watch=watch)
+        decisions = (*decisions, *anomalies)
+    if failure is None and (lead or behind):
+        watch, failure = judge_lag(state, config)
+        state = state._replace(watch=watch)
+    if failure is None:
+        return state, decisions
+    state, acted = fail_over(state, failure, config)
+    return state, decisions + acted
 
 
 def _touch(
@@ -264,12 +426,17 @@ def _touch(
     rank: int,
     host: str,
     pid: int,
+    config: MachineConfig,
     *,
     step: int | None = None,
-    phase: Phase | None = None,
     status: RankStatus | None = None,
+    restarted: bool = False,
 ) -> JobState:
-    """Record that ``rank`` spoke at the current clock (the hot path: O(log32 n))."""
+    """Record that ``rank`` spoke at the current clock (any event but a heartbeat).
+
+    ``restarted``: the rank (re)starts from ``step`` in this generation (its restore
+    acknowledgement): its start-up steps and progress timeout count from here.
+    """
     clock = state.clock_ns
     prev = state.ranks.get(rank)
     if prev is None:
@@ -278,37 +445,79 @@ def _touch(
             host=host,
             pid=pid,
             status=status or "alive",
-            phase=phase,
+            phase=None,
             last_heard_ns=clock,
             step=step,
             step_advanced_ns=None if step is None else clock,
+            phase_since_ns=clock,
+            first_step=step if restarted else None,
         )
         newly_finished = record.status == "finished"
     else:
-        advanced = step is not None and (prev.step is None or step > prev.step)
-        record = RankState(
-            rank=rank,
+        advanced = step is not None and (restarted or prev.step is None or step > prev.step)
+        record = prev._replace(
             host=host,
             pid=pid,
             status=status or prev.status,
-            phase=prev.phase if phase is None else phase,
             last_heard_ns=clock,
             step=prev.step if step is None else step,
             step_advanced_ns=clock if advanced else prev.step_advanced_ns,
+            first_step=step if restarted else prev.first_step,
         )
         newly_finished = record.status == "finished" and prev.status != "finished"
     return state._replace(
         ranks=state.ranks.insert(rank, record),
         finished_ranks=state.finished_ranks + newly_finished,
         silence_floor_ns=clock if state.silence_floor_ns is None else state.silence_floor_ns,
+        watch=rank_changed(state.watch, prev, record, clock, state.trend, config),
     )
+
+
+def _on_cursor(
+    state: JobState, rank: int, version: str, step: int, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Feed a rank's data version (from any data cursor it reported) to the detector."""
+    rec = state.ranks.get(rank)
+    if rec is None:
+        return state, _NONE
+    state, anomaly, failure, refusal = note_data_version(state, rec, version, step, config)
+    if refusal is not None:
+        return give_up(state, refusal, config)
+    if failure is not None:
+        return fail_over(state, failure, config)
+    return state, _NONE if anomaly is None else (anomaly,)
 
 
 def _on_checkpoint(
     state: JobState, event: Checkpoint, config: MachineConfig
 ) -> tuple[JobState, Decisions]:
-    """Add a shard to its step; commit the step once every rank's shard is in."""
-    state = _touch(state, event.rank, event.host, event.pid)
+    """Add a shard to its step; commit the step once every rank's shard is in. While restoring
+    (ranks of an in-process restore still short of its step), a shard may hold the state the
+    restore abandons: it is never committed."""
+    generation = state.generation
+    state = _touch(state, event.rank, event.host, event.pid, config)
+    state, noted = _on_cursor(state, event.rank, event.data_version, event.step, config)
+    if state.generation != generation or state.phase in TERMINAL_PHASES:
+        return state, noted  # the data version opened an incident or failed the job
+    state, decisions = _add_shard(state, event, config)
+    return state, noted + decisions
+
+
+def _add_shard(
+    state: JobState, event: Checkpoint, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Keep ``event`` among its step's shards; commit the step when it completes it."""
+    if state.phase == "restoring":
+        return state, (
+            Anomaly(
+                kind="checkpoint_ignored",
+                reason=f"rank {event.rank} on host {event.host} reported its shard of step "
+                f"{event.step} in generation {state.generation} before the restore completed; "
+                f"not committed",
+                ranks=(event.rank,),
+                hosts=(event.host,),
+            ),
+        )
     newest = state.committed[-1] if state.committed else None
     if newest is not None and newest.generation == state.generation and event.step <= newest.step:
         # A newer step of this generation is committed already: this one can never be the
@@ -349,10 +558,22 @@ def _on_lifecycle(
         # workers speak for their ranks.
         return state, _NONE
     status: RankStatus | None = "finished" if event.kind == "finished" else None
-    state = _touch(state, event.rank, event.host, event.pid, step=event.step, status=status)
+    restored = event.kind == "restored"
+    state = _touch(
+        state,
+        event.rank,
+        event.host,
+        event.pid,
+        config,
+        step=event.step,
+        status=status,
+        restarted=restored and event.step is not None,
+    )
     incident = state.incident
-    if event.kind == "restored" and state.phase == "restoring" and incident is not None:
+    if restored and state.phase == "restoring" and incident is not None:
         state = state._replace(incident=replace(incident, acks=incident.acks.insert(event.rank)))
+    # An acknowledgement's cursor is the snapshot's, not what the rank's data loader reads:
+    # only data-cursor events and shards feed the data-version detector.
     return state, _NONE
 
 
@@ -390,13 +611,38 @@ def _on_exited(
 def _on_error(
     state: JobState, event: Lifecycle, config: MachineConfig
 ) -> tuple[JobState, Decisions]:
-    """An error report; one naming a snapshot marks it bad (and retries a restore to it)."""
+    """An error report; one naming a snapshot marks it bad (and retries a restore to it); one
+    saying a rank missed the current in-process restore's step falls back to a restart."""
     if event.rank is not None:
-        state = _touch(state, event.rank, event.host, event.pid, step=event.step)
+        state = _touch(state, event.rank, event.host, event.pid, config, step=event.step)
         who = f"rank {event.rank} on host {event.host}"
     else:
         who = f"the supervisor on host {event.host} (pid {event.pid})"
     detail = f": {event.message}" if event.message else ""
+    incident = state.incident
+    if (
+        event.missed_at_step is not None
+        and state.phase == "restoring"
+        and incident is not None
+        and incident.mode == "in_process"
+        and incident.at_step == event.missed_at_step
+    ):
+        named = (event.rank,) if event.rank is not None else event.ranks
+        reason = (
+            f"{who} was already past step {event.missed_at_step}"
+            f"{'' if event.step is None else f' (at step {event.step})'} when the in-process "
+            f"restore of generation {state.generation} arrived; restarting instead"
+        )
+        failure = Failure(
+            "in_process_missed",
+            reason,
+            named,
+            (event.host,),
+            measures=Measures(
+                at_step=event.missed_at_step, step=-1 if event.step is None else event.step
+            ),
+        )
+        return fail_over(state, failure, config)
     sid = event.snapshot_id
     if sid is None:
         return state, (
@@ -461,6 +707,8 @@ def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions
     if state.phase == "restoring" and incident is not None and len(incident.acks) == world_size:
         step = 0 if incident.target is None else incident.target.step
         seq = next_command_seq(state)
+        # Ranks of an in-process restore reported steps up to its at_step before reloading.
+        watch = state.watch._replace(lead_step=step, step_floor=step)
         reason = (
             f"all {world_size} ranks acknowledged restore attempt {incident.attempt} of "
             f"{incident.incident_id} to {target_text(incident.target)} in generation {generation}"
@@ -473,7 +721,7 @@ def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions
             daemon_id=config.daemon_id,
             step=step,
         )
-        return state._replace(phase="running", incident=None, command_seq=seq), (
+        return state._replace(phase="running", incident=None, command_seq=seq, watch=watch), (
             Transition(old="restoring", new="running", generation=generation, reason=reason),
             Issue(command=resume, reason=reason),
             IncidentClosed(
@@ -497,6 +745,9 @@ def _expire(
     floor = state.silence_floor_ns
     if floor is not None and clock > floor + config.heartbeat_timeout_ns:
         state, failure = _scan_silence(state, config)
+    due = state.watch.progress_due_ns
+    if failure is None and state.phase == "running" and due is not None and clock > due:
+        state, failure = scan_stalls(state, config)
     started = state.generation_started_ns
     if (
         failure is None
@@ -545,6 +796,7 @@ def _scan_silence(state: JobState, config: MachineConfig) -> tuple[JobState, Fai
         return state._replace(silence_floor_ns=floor), None
     silent.sort(key=lambda rec: rec.rank)
     longest = max(clock - rec.last_heard_ns for rec in silent)
+    measures = Measures(silent_s=longest / 1e9, timeout_s=timeout / 1e9)
     reason = (
         f"no event from {ranks_text(rec.rank for rec in silent)} on "
         f"{hosts_text(rec.host for rec in silent)} for up to {seconds_text(longest)} "
@@ -556,6 +808,7 @@ def _scan_silence(state: JobState, config: MachineConfig) -> tuple[JobState, Fai
         reason,
         tuple(rec.rank for rec in silent),
         tuple(rec.host for rec in silent),
+        measures=measures,
     )
 
 

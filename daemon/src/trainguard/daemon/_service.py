@@ -265,7 +265,9 @@ class DaemonService:
             "at_ms": record.timestamp_ms,
             "decisions": [d.to_dict() for d in decisions],
         }
-        await bus.send("audit", job, orjson.dumps(audit))
+        # Durable before the position is committed: a crash must not lose the record of a
+        # decision that was acted on.
+        await bus.publish("audit", job, orjson.dumps(audit))
 
     async def _issue(self, bus: Bus, job: str, command: Command) -> None:
         sent = self._sent_commands.get(job)

@@ -19,7 +19,9 @@ from typing import Literal, NamedTuple, TypeAlias
 
 from rpds import HashTrieMap, HashTrieSet
 
-from trainguard.schemas import Checkpoint, Manifest, Phase
+from trainguard.schemas import Checkpoint, Manifest, Phase, RestoreMode, StepRange
+
+from ._window import Window
 
 JobPhase: TypeAlias = Literal["starting", "running", "restoring", "finished", "failed"]
 """``starting -> running <-> restoring -> ... -> finished | failed``."""
@@ -27,9 +29,24 @@ JobPhase: TypeAlias = Literal["starting", "running", "restoring", "finished", "f
 RankStatus: TypeAlias = Literal["alive", "dead", "finished"]
 
 IncidentCause: TypeAlias = Literal[
-    "exited", "heartbeat_timeout", "startup_timeout", "restore_timeout", "snapshot_corrupt"
+    "exited",
+    "heartbeat_timeout",
+    "startup_timeout",
+    "restore_timeout",
+    "snapshot_corrupt",
+    "progress_timeout",
+    "phase_timeout",
+    "nan_loss",
+    "loss_spike",
+    "checksum_mismatch",
+    "step_lag",
+    "data_version_mismatch",
+    "in_process_missed",
 ]
-"""What opened an incident or forced a restore to be retried."""
+"""What opened an incident or forced a restore to be retried (the detector's name)."""
+
+LONG_PHASES: frozenset[Phase] = frozenset({"init", "checkpoint", "eval", "data"})
+"""Declared phases with their own time limits (``MachineConfig.phase_*_s``)."""
 
 Sender: TypeAlias = tuple[int | None, str, int]
 """An event's sender: ``(rank, host, pid)``; ``rank`` is ``None`` for a supervisor."""
@@ -51,6 +68,17 @@ class RankState(NamedTuple):
             count from here.
         step: last step it reported (heartbeat or restore acknowledgement), or ``None``.
         step_advanced_ns: daemon clock (ns) when ``step`` last increased, or ``None``.
+        phase_since_ns: daemon clock (ns) when ``phase`` was first reported in its current run
+            (declared phases are limited from here), or of the rank's first event.
+        first_step: the step the rank (re)started from in this generation: its first
+            heartbeat's step, or the step of its restore acknowledgement; ``None`` before.
+        step_time_s: exponentially weighted average of its sampled step times (seconds), or
+            ``None`` before the first sample.
+        step_time_samples: step times folded into ``step_time_s``.
+        straggling: reported as a straggler and not back under the threshold since.
+        after_phase: a declared phase was reported since ``step`` last advanced, so the next
+            step time includes the phase and is not sampled.
+        data_version: the data version of its latest data cursor in this generation.
     """
 
     rank: int
@@ -61,6 +89,13 @@ class RankState(NamedTuple):
     last_heard_ns: int
     step: int | None
     step_advanced_ns: int | None
+    phase_since_ns: int = 0
+    first_step: int | None = None
+    step_time_s: float | None = None
+    step_time_samples: int = 0
+    straggling: bool = False
+    after_phase: bool = False
+    data_version: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +112,12 @@ class Incident:
         issued_ns: daemon clock (ns) when the current attempt's ``restore`` was issued; the
             restore times out ``restore_timeout_s`` later.
         acks: ranks that acknowledged the current attempt (``lifecycle restored``).
+        onset_after_step: the incident began after this step (the last one known good), so
+            every target is a committed step ``<=`` it; ``None`` when the onset is the incident
+            time (a dead or stalled rank: any committed snapshot so far will do).
+        mode: the current attempt's restore mode.
+        at_step: the current attempt's step boundary for an ``in_process`` restore.
+        skip: the steps whose batches the restored ranks skip, or ``None``.
     """
 
     incident_id: str
@@ -87,6 +128,115 @@ class Incident:
     target: Manifest | None
     issued_ns: int
     acks: HashTrieSet[int] = field(default_factory=HashTrieSet)
+    onset_after_step: int | None = None
+    mode: RestoreMode = "restart"
+    at_step: int | None = None
+    skip: StepRange | None = None
+
+
+class Trend(NamedTuple):
+    """The job's step-time and loss series, kept across generations (the job's pace and loss
+    level survive a restore), and what the detectors derive from them.
+
+    Attributes:
+        step_times: sampled step times, seconds (see ``docs/detection.md`` for which).
+        losses: sampled finite losses that opened no spike.
+        progress_timeout_ns: the adaptive progress timeout (ns), or ``None`` before
+            ``progress_min_samples`` step times.
+        step_time_quantile_s: the ``progress_quantile`` of ``step_times`` it derives from.
+        step_time_median_s: the median of ``step_times`` (stragglers, in-process margin).
+        loss_median: median of ``losses``, or ``None`` before ``loss_min_samples``.
+        loss_mad: median absolute deviation of ``losses`` (with ``loss_median``).
+        high_water_step: the highest step any rank ever reported (-1: none).
+    """
+
+    step_times: Window = Window()
+    losses: Window = Window()
+    progress_timeout_ns: int | None = None
+    step_time_quantile_s: float | None = None
+    step_time_median_s: float | None = None
+    loss_median: float | None = None
+    loss_mad: float | None = None
+    high_water_step: int = -1
+
+
+class Spike(NamedTuple):
+    """A loss spike seen but not yet confirmed (it may still return to the trend).
+
+    Attributes:
+        onset_after_step: the last step known sound when it opened (``Watch.sound_step``,
+            else the generation's base step).
+        first_step: step of the first spiking sample.
+        first_loss: its loss.
+        z: its robust z-score.
+        peak_loss: the highest loss since.
+        samples: spiking samples so far (the first included).
+        median: the loss median it was judged against (frozen while it lasts).
+        mad: the median absolute deviation it was judged against.
+    """
+
+    onset_after_step: int | None
+    first_step: int
+    first_loss: float
+    z: float
+    peak_loss: float
+    samples: int
+    median: float
+    mad: float
+
+
+class Watch(NamedTuple):
+    """Detector state of the current generation; a new generation starts a fresh one.
+
+    Attributes:
+        base_step: the step the generation started from (the restore target's, else the
+            first step reported), ``None`` before it is known. Taken as known good: the
+            default bound of step-bounded onsets.
+        lead_step: the highest step reported in the generation (-1: none); a heartbeat that
+            raises it is a *lead sample* of step time and loss.
+        step_floor: a lower bound of the lowest step of the ranks (step-lag detector: the
+            ranks are scanned only when ``lead_step - step_floor`` exceeds the lag).
+        progress_due_ns: a lower bound of the earliest stall deadline of any rank, or
+            ``None``; ranks are scanned only once the clock passes it (O(1) amortised).
+        long_phases: alive ranks in a declared phase now.
+        long_phase_ended_ns: daemon clock (ns) when ``long_phases`` last fell to 0.
+        sound_step: the latest step after which the parameters are known sound from the loss:
+            the step before the latest normal loss sample (the loss of step s is computed
+            from the parameters after step s - 1; the update of step s itself may already be
+            poisoned by another rank's gradient), or ``None`` before one.
+        spike: a loss spike being watched, or ``None``.
+        checksums: ``(step, replica group)`` -> rank -> parameter checksum, for groups not
+            complete yet.
+        agreed: replica group -> the latest step at which its checksums agreed.
+        versions: data version -> ranks whose latest cursor has it.
+    """
+
+    base_step: int | None = None
+    lead_step: int = -1
+    step_floor: int = -1
+    progress_due_ns: int | None = None
+    long_phases: int = 0
+    long_phase_ended_ns: int = 0
+    sound_step: int | None = None
+    spike: Spike | None = None
+    checksums: HashTrieMap[tuple[int, int], HashTrieMap[int, str]] = HashTrieMap()
+    agreed: HashTrieMap[int, int] = HashTrieMap()
+    versions: HashTrieMap[str, int] = HashTrieMap()
+
+
+class Loop(NamedTuple):
+    """Crash-loop guard: the current run of incidents without progress.
+
+    Attributes:
+        streak: incidents of the run after its first one (each opened without progress).
+        mark_step: ``Trend.high_water_step`` when the run's first incident opened (``None``
+            before any incident); progress means getting ``crash_loop_progress_steps`` past it.
+        incidents: ids and causes of the run's incidents, oldest first.
+    """
+
+    streak: int = 0
+    mark_step: int | None = None
+    incidents: tuple[tuple[str, IncidentCause], ...] = ()
 
 
 class JobState(NamedTuple):
@@ -124,6 +274,11 @@ class JobState(NamedTuple):
             passes this bound plus the timeout, which keeps folding a heartbeat O(1) in the
             number of ranks (amortised).
         failure: why the job failed, once ``phase`` is ``failed``.
+        trend: step-time and loss series of the job (all generations).
+        watch: detector state of the current generation.
+        data_version: the data version the job runs on (what its ranks last agreed on, in any
+            generation), or ``None`` before any data cursor.
+        loop: the crash-loop guard's count.
     """
 
     job_id: str
@@ -145,11 +300,23 @@ class JobState(NamedTuple):
     command_seq: int = 0
     silence_floor_ns: int | None = None
     failure: str | None = None
+    trend: Trend = Trend()
+    watch: Watch = Watch()
+    data_version: str | None = None
+    loop: Loop = Loop()
 
-    def latest_good_snapshot(self) -> Manifest | None:
-        """The newest committed snapshot not known bad: the restore target, or ``None``."""
+    def restore_target(self, onset_after_step: int | None = None) -> Manifest | None:
+        """The restore target: the newest committed snapshot not known bad whose step is
+        ``<= onset_after_step`` (any step when ``None``), or ``None`` (start from scratch).
+
+        Commit order is the order that matters: ``committed`` only holds the current
+        timeline's snapshots (a restore drops those committed after its target), so a step
+        re-committed in a later generation is found first.
+        """
         for manifest in reversed(self.committed):
-            if manifest.snapshot_id not in self.bad_snapshots:
+            if manifest.snapshot_id in self.bad_snapshots:
+                continue
+            if onset_after_step is None or manifest.step <= onset_after_step:
                 return manifest
         return None
 

@@ -50,6 +50,7 @@ from trainguard.schemas._messages import (
     RestoreMode,
     Resume,
     Shard,
+    StepRange,
 )
 from trainguard.schemas._schema_files import SCHEMA_BASE_URI, load_schema, schema_path
 from trainguard.schemas._wire_form import MAX_FREEFORM_DEPTH
@@ -86,6 +87,7 @@ __all__ = [
     "SchemaError",
     "SchemaViolation",
     "Shard",
+    "StepRange",
     "UnexpectedMessage",
     "UnknownSchema",
     "decode",

@@ -186,9 +186,13 @@ class Lifecycle:
         snapshot_id: for ``restored``, the snapshot loaded; for ``error``, a snapshot that
             failed verification (a shard's digest did not match) and must not be used again.
         message: human-readable detail (``error``), at most 4096 characters.
+        missed_at_step: for ``error`` (since 1.1): the rank received an ``in_process`` restore
+            of this ``generation`` whose ``at_step`` it had already completed (``step`` says
+            where it stands), so it cannot stop there; the daemon falls back to a ``restart``
+            restore. ``None`` otherwise.
     """
 
-    SCHEMA: ClassVar[str] = "lifecycle/1.0"
+    SCHEMA: ClassVar[str] = "lifecycle/1.1"
     job_id: str
     generation: int
     ts: int
@@ -205,6 +209,7 @@ class Lifecycle:
     world_size: int | None = None
     snapshot_id: str | None = None
     message: str = ""
+    missed_at_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -251,6 +256,25 @@ class Manifest:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepRange:
+    """Training steps ``from_step`` to ``to_step``, both included (``from_step <= to_step``).
+
+    In a :class:`Restore` it names the steps whose batches are skipped: after loading the
+    target (step T, cursor at global sample offset O), a rank trains steps T+1, T+2, ... as
+    usual until it is about to train ``from_step``; there it advances its data cursor past the
+    samples steps ``from_step..to_step`` consumed in the abandoned run,
+    ``(to_step - from_step + 1) * global_batch_size`` samples, and trains ``from_step`` on the
+    batch the old run used for ``to_step + 1``. Step numbers (and so learning-rate schedules)
+    are unchanged. Steps rather than sample offsets because the daemon knows steps exactly
+    (from heartbeats) and the agent knows its global batch size; the skip is exact when the
+    global batch size is constant over the range.
+    """
+
+    from_step: int
+    to_step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Restore:
     """Command: roll every rank back to a committed snapshot (``restore/1``).
 
@@ -262,9 +286,19 @@ class Restore:
         mode: ``restart`` (supervisors restart the processes) or ``in_process`` (agents reload
             at a step boundary without exiting).
         attempt: 1 for the first try of this incident's restore, 2 for the first retry, ...
+        at_step: for ``in_process`` (required then, since 1.1): the step boundary at which
+            every rank stops. A rank adopts ``generation`` for its events when the command
+            arrives, trains on until it completes step ``at_step``, then ``agent.step()``
+            raises ``RestoreRequested``; the rank loads ``target``, acknowledges with
+            ``lifecycle restored`` and waits for ``resume`` like a restarted one. A rank that
+            had already completed ``at_step`` when the command arrived reports ``lifecycle
+            error`` with ``missed_at_step`` instead, and the daemon falls back to a restart.
+            ``None`` for ``restart``.
+        skip: steps whose batches the restored ranks skip (see :class:`StepRange`), or
+            ``None`` to replay the data exactly (since 1.1).
     """
 
-    SCHEMA: ClassVar[str] = "restore/1.0"
+    SCHEMA: ClassVar[str] = "restore/1.1"
     job_id: str
     generation: int
     ts: int
@@ -275,6 +309,8 @@ class Restore:
     target: Manifest | None
     mode: RestoreMode = "restart"
     attempt: int = 1
+    at_step: int | None = None
+    skip: StepRange | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

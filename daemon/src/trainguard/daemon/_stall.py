@@ -1,0 +1,236 @@
+"""Stall detectors: a rank whose step does not advance, a declared phase over its limit, and
+stragglers (reported only).
+
+Each alive rank that has heartbeated has a *stall deadline*:
+
+* in a declared phase (``init``, ``checkpoint``, ``eval``, ``data``): the time it was first
+  seen in that phase plus the phase's limit;
+* training, while no rank is in a declared phase: the latest of the time its step last
+  advanced, the time it was first seen training, and the time the last declared phase of any
+  rank ended, plus its progress timeout: the start-up allowance during its first
+  ``startup_steps`` steps in the generation (or while the job has too few step-time samples),
+  else the job's adaptive timeout (:mod:`trainguard.daemon._trend`);
+* training while some rank is in a declared phase: none (the others may be waiting for it in
+  a collective; the phase's own limit bounds the wait);
+* training but silent since that time: none (a rank that stopped talking is the heartbeat
+  timeout's case; this detector is for ranks whose heartbeats go on without progress).
+
+``Watch.progress_due_ns`` is kept a lower bound of every deadline: each rank's new deadline is
+folded in with ``min`` when it changes, a shrinking adaptive timeout lowers the bound by as
+much, and the end of the last declared phase lowers it to the earliest deadline that can
+follow. The ranks are scanned (O(n)) only when the clock passes the bound; a scan that finds
+no stall sets the bound to the exact earliest deadline. Folding a heartbeat stays O(1).
+"""
+
+from __future__ import annotations
+
+from ._config import MachineConfig
+from ._decisions import Anomaly
+from ._evidence import Measures, hosts_text, number_text, ranks_text, seconds_text, steps_text
+from ._recovery import Failure
+from ._state import LONG_PHASES, JobState, RankState, Trend, Watch
+
+_NS_PER_S = 1_000_000_000
+
+
+def progress_timeout_ns(rec: RankState, trend: Trend, config: MachineConfig) -> int:
+    """The progress timeout (ns) of training rank ``rec``: the start-up allowance during its
+    start-up steps or before the job has enough step-time samples, else the adaptive one."""
+    timeout = trend.progress_timeout_ns
+    if timeout is None or not warm(rec, config):
+        return config.startup_allowance_ns
+    return timeout
+
+
+def warm(rec: RankState, config: MachineConfig) -> bool:
+    """Whether ``rec`` completed its start-up steps in this generation."""
+    return (
+        rec.step is not None
+        and rec.first_step is not None
+        and rec.step - rec.first_step >= config.startup_steps
+    )
+
+
+def stall_deadline(rec: RankState, watch: Watch, trend: Trend, config: MachineConfig) -> int | None:
+    """The daemon clock (ns) after which ``rec`` is stalled, or ``None`` when it cannot be
+    (not alive, no heartbeat yet, or training while another rank is in a declared phase)."""
+    phase = rec.phase
+    if rec.status != "alive" or phase is None:
+        return None
+    if phase in LONG_PHASES:
+        return rec.phase_since_ns + config.phase_limits_ns[phase]
+    if watch.long_phases:
+        return None
+    since = _training_since(rec, watch)
+    if rec.last_heard_ns <= since:
+        return None  # silent since: the heartbeat timeout decides, not this detector
+    return since + progress_timeout_ns(rec, trend, config)
+
+
+def _training_since(rec: RankState, watch: Watch) -> int:
+    """Daemon clock (ns) from which training rank ``rec``'s progress timeout counts."""
+    return max(rec.phase_since_ns, watch.long_phase_ended_ns, rec.step_advanced_ns or 0)
+
+
+def lower_due(watch: Watch, deadline: int | None) -> Watch:
+    """``watch`` with its deadline bound lowered to ``deadline`` if that is earlier."""
+    due = watch.progress_due_ns
+    if deadline is None or (due is not None and due <= deadline):
+        return watch
+    return watch._replace(progress_due_ns=deadline)
+
+
+def rank_changed(
+    watch: Watch,
+    prev: RankState | None,
+    rec: RankState,
+    clock: int,
+    trend: Trend,
+    config: MachineConfig,
+) -> Watch:
+    """Account for ``rec`` replacing ``prev``: the count of ranks in declared phases, the time
+    the last one ended, and the deadline bound."""
+    was_long = prev is not None and prev.status == "alive" and prev.phase in LONG_PHASES
+    is_long = rec.status == "alive" and rec.phase in LONG_PHASES
+    if was_long != is_long:
+        count = watch.long_phases + (1 if is_long else -1)
+        watch = watch._replace(long_phases=count)
+        if count == 0:
+            # Training deadlines resume from now; none can be earlier than the shortest
+            # timeout after now.
+            least = min(config.progress_floor_ns, config.startup_allowance_ns)
+            watch = lower_due(watch._replace(long_phase_ended_ns=clock), clock + least)
+    return lower_due(watch, stall_deadline(rec, watch, trend, config))
+
+
+def scan_stalls(state: JobState, config: MachineConfig) -> tuple[JobState, Failure | None]:
+    """Look at every rank (O(n), amortised over the heartbeats since the last scan): name the
+    stalled ones, else set the deadline bound to the earliest deadline."""
+    clock, watch, trend = state.clock_ns, state.watch, state.trend
+    in_phase: list[RankState] = []
+    training: list[RankState] = []
+    nearest: int | None = None
+    for rec in state.ranks.values():
+        deadline = stall_deadline(rec, watch, trend, config)
+        if deadline is None:
+            continue
+        if clock <= deadline:
+            nearest = deadline if nearest is None else min(nearest, deadline)
+        elif rec.phase in LONG_PHASES:
+            in_phase.append(rec)
+        else:
+            training.append(rec)
+    if in_phase:
+        return state, _phase_failure(state, sorted(in_phase, key=_rank_of), config)
+    if training:
+        return state, _progress_failure(state, sorted(training, key=_rank_of), config)
+    return state._replace(watch=watch._replace(progress_due_ns=nearest)), None
+
+
+def _rank_of(rec: RankState) -> int:
+    return rec.rank
+
+
+def _phase_failure(state: JobState, ranks: list[RankState], config: MachineConfig) -> Failure:
+    clock = state.clock_ns
+    worst = max(ranks, key=lambda rec: clock - rec.phase_since_ns)
+    phase = worst.phase or "init"
+    limit = config.phase_limits_ns[phase]
+    spent = clock - worst.phase_since_ns
+    phases = ", ".join(sorted({str(rec.phase) for rec in ranks}))
+    reason = (
+        f"{ranks_text(rec.rank for rec in ranks)} on {hosts_text(rec.host for rec in ranks)} "
+        f"stayed in declared phase {phases} for up to {seconds_text(spent)} (limit of "
+        f"{phase}: {seconds_text(limit)}) in generation {state.generation}"
+        f"{steps_text(rec.step for rec in ranks)}"
+    )
+    measures = Measures(phase=phase, in_phase_s=spent / _NS_PER_S, limit_s=limit / _NS_PER_S)
+    return Failure(
+        "phase_timeout",
+        reason,
+        tuple(rec.rank for rec in ranks),
+        tuple(rec.host for rec in ranks),
+        measures=measures,
+    )
+
+
+def _progress_failure(state: JobState, ranks: list[RankState], config: MachineConfig) -> Failure:
+    clock, watch, trend = state.clock_ns, state.watch, state.trend
+    worst = min(ranks, key=lambda rec: _training_since(rec, watch))
+    stalled = clock - _training_since(worst, watch)
+    timeout = progress_timeout_ns(worst, trend, config)
+    quantile_s = trend.step_time_quantile_s
+    if timeout == trend.progress_timeout_ns and quantile_s is not None:
+        how = (
+            f"adaptive: {config.progress_factor:g} x p{config.progress_quantile * 100:g} step "
+            f"time {number_text(quantile_s)} s over {trend.step_times.filled} samples, within "
+            f"[{seconds_text(config.progress_floor_ns)}, {seconds_text(config.progress_ceiling_ns)}]"
+        )
+    else:
+        how = f"start-up allowance during the first {config.startup_steps} steps"
+    reason = (
+        f"{ranks_text(rec.rank for rec in ranks)} on {hosts_text(rec.host for rec in ranks)} "
+        f"kept heartbeating without completing a step for up to {seconds_text(stalled)} "
+        f"(progress timeout {seconds_text(timeout)}, {how}) in generation {state.generation}"
+        f"{steps_text(rec.step for rec in ranks)}"
+    )
+    measures = Measures(
+        stalled_s=stalled / _NS_PER_S,
+        timeout_s=timeout / _NS_PER_S,
+        step_time_quantile_s=quantile_s if quantile_s is not None else "none",
+        quantile=config.progress_quantile,
+        factor=config.progress_factor,
+        samples=trend.step_times.filled,
+    )
+    return Failure(
+        "progress_timeout",
+        reason,
+        tuple(rec.rank for rec in ranks),
+        tuple(rec.host for rec in ranks),
+        measures=measures,
+    )
+
+
+def straggler(
+    prev: RankState, seconds: float, trend: Trend, generation: int, config: MachineConfig
+) -> tuple[float, int, bool, Anomaly | None]:
+    """Fold a sampled step time (seconds) of rank ``prev`` into its average and compare it with
+    the job's median step time.
+
+    Returns:
+        The new average (s), sample count and straggling flag, and an :class:`Anomaly` when
+        the rank just became a straggler: its average exceeds ``straggler_factor`` times the
+        job's median after at least ``straggler_min_reports`` samples. It is reported once
+        until the average falls back under the threshold.
+    """
+    alpha = config.straggler_alpha
+    average = (
+        seconds
+        if prev.step_time_s is None
+        else prev.step_time_s + alpha * (seconds - prev.step_time_s)
+    )
+    samples = prev.step_time_samples + 1
+    typical = trend.step_time_median_s
+    if typical is None or samples < config.straggler_min_reports:
+        return average, samples, False, None
+    slow = average > config.straggler_factor * typical
+    if not slow or prev.straggling:
+        return average, samples, slow, None
+    reason = (
+        f"rank {prev.rank} on host {prev.host} is a straggler: its average step time "
+        f"{number_text(average)} s exceeds {config.straggler_factor:g} x the job's median "
+        f"{number_text(typical)} s in generation {generation} at step {prev.step}"
+    )
+    anomaly = Anomaly(
+        kind="straggler",
+        reason=reason,
+        ranks=(prev.rank,),
+        hosts=(prev.host,),
+        measures=Measures(
+            step_time_s=average,
+            median_step_time_s=typical,
+            factor=config.straggler_factor,
+            samples=samples,
+        ),
+    )
+    return average, samples, True, anomaly
