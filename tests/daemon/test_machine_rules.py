@@ -117,7 +117,7 @@ def test_kill_restores_the_latest_committed_snapshot_once() -> None:
     state, _ = running_job(sim, 38)
     state, decisions = run([sim.kill(1, T0 + 39 * S)], state)
     evidence = (
-        "rank 1 on host h0 exited with signal 9 (SIGKILL) in generation 0 at step 37 "
+        "rank 1 on host h0 exited with signal 9 (SIGKILL) in generation 0 after its last reported step 37 "
         "(reported by the supervisor, pid 50001)"
     )
     transition, opened, issue = decisions
@@ -345,7 +345,7 @@ def test_heartbeat_timeout_fires_on_a_tick() -> None:
     assert (opened.ranks, opened.hosts) == ((2,), ("h1",))
     assert opened.reason == (
         "no event from rank 2 on host h1 for up to 10 s (heartbeat timeout 10 s) "
-        "in generation 0 at step 11"
+        "in generation 0 after its last reported step 11"
     )
 
 

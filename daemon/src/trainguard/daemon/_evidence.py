@@ -65,13 +65,17 @@ def hosts_text(hosts: Iterable[str]) -> str:
     return f"hosts {text}"
 
 
-def steps_text(steps: Iterable[int | None]) -> str:
-    """``" at step 37"``, ``" at steps 36-37"``, or ``""`` when no step is known."""
+def steps_text(steps: Iterable[int | None], *, reported: bool = False) -> str:
+    """``" at step 37"``, ``" at steps 36-37"``, or ``""`` when no step is known.
+
+    ``reported=True`` says the step is the last one the rank reported (``" after its last
+    reported step 37"``): a rank that died was usually past it."""
     known = [s for s in steps if s is not None]
     if not known:
         return ""
     low, high = min(known), max(known)
-    return f" at step {low}" if low == high else f" at steps {low}-{high}"
+    where = f"step {low}" if low == high else f"steps {low}-{high}"
+    return f" after its last reported {where}" if reported else f" at {where}"
 
 
 def seconds_text(ns: int) -> str:

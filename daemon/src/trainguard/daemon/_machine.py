@@ -596,7 +596,9 @@ def _on_exited(
     dead = sorted(r for r, rec in records.items() if rec is None or rec.status != "finished")
     if not dead:
         return state, _NONE
-    steps = steps_text(rec.step for r, rec in records.items() if rec is not None and r in dead)
+    steps = steps_text(
+        (rec.step for r, rec in records.items() if rec is not None and r in dead), reported=True
+    )
     who = f"{ranks_text(dead)} on host {event.host}"
     if event.rank is not None:
         reason = f"{who} (pid {event.pid}) exited {status} in generation {generation}{steps}"
@@ -801,7 +803,7 @@ def _scan_silence(state: JobState, config: MachineConfig) -> tuple[JobState, Fai
         f"no event from {ranks_text(rec.rank for rec in silent)} on "
         f"{hosts_text(rec.host for rec in silent)} for up to {seconds_text(longest)} "
         f"(heartbeat timeout {seconds_text(timeout)}) in generation {state.generation}"
-        f"{steps_text(rec.step for rec in silent)}"
+        f"{steps_text((rec.step for rec in silent), reported=True)}"
     )
     return state, Failure(
         "heartbeat_timeout",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, KafkaSecurity
+from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, KafkaSecurity, TopicSpec
 from trainguard.daemon._config import MachineConfig
 
 __all__ = ["DaemonConfig", "load_daemon_config"]
@@ -90,6 +90,8 @@ def load_daemon_config(
     bus_table.setdefault("url", DEFAULT_BUS_URL)
     if isinstance(bus_table.get("security"), Mapping):
         bus_table["security"] = KafkaSecurity(**bus_table["security"])
+    if isinstance(bus_table.get("topics"), list):
+        bus_table["topics"] = tuple(TopicSpec(**t) for t in bus_table["topics"])
     machine_table = {
         "daemon_id": _default_daemon_id(),
         **data.get("machine", {}),
