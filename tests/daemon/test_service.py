@@ -215,7 +215,7 @@ async def test_a_standby_taking_a_job_over_does_not_resend_the_owners_restore(
 async def test_silence_is_detected_through_ticks_written_into_the_log(
     bus_factory: BusFactory,
 ) -> None:
-    config = daemon_config(bus_factory, heartbeat_timeout_s=1.0)
+    config = daemon_config(bus_factory, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.25)
     async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
         await publish(bus, started(0), started(1), beat(0, 1, 3), beat(1, 1, 3))
         async with running(DaemonService(config)):

@@ -477,10 +477,11 @@ def every(folded: Folded) -> list[Decision]:
 def progress_bound_ns(job: Job, cfg: MachineConfig) -> int:
     """Worst-case time from a hang (the last step completing) to its incident, once the
     adaptive timeout applies: the heartbeat that shows the last step (interval, jitter, bus
-    delay) plus the timeout, at most ``progress_factor`` times the longest step."""
+    delay) plus the timeout, at most ``progress_factor`` times the longest step, plus the
+    heartbeat interval the daemon allows for a step's end to be reported."""
     longest = max(job.pace.longest_s, job.pace.base_s)
     timeout = min(max(cfg.progress_factor * longest, cfg.progress_floor_s), cfg.progress_ceiling_s)
-    return _ns(job.heartbeat_s + job.jitter_s + job.delay_s + timeout) + 1
+    return _ns(job.heartbeat_s + job.jitter_s + job.delay_s + timeout + cfg.heartbeat_interval_s) + 1
 
 
 # -- strategies -----------------------------------------------------------------------------

@@ -65,6 +65,10 @@ class MachineConfig:
         heartbeat_timeout_s: seconds without any event from a rank of the current generation
             after which the rank counts as dead. Agents heartbeat well inside this interval,
             also while they wait for ``resume`` after a restore.
+        heartbeat_interval_s: the agents' heartbeat interval, seconds
+            (``TRAINGUARD_HEARTBEAT_INTERVAL``). The daemon sees a step's end only when the
+            next heartbeat reports it, up to one interval late, so every progress deadline
+            allows one interval more than the progress timeout.
         progress_quantile: the quantile ``q`` of the job's recent step times the progress
             timeout derives from, ``0 < q <= 1``.
         progress_factor: safety factor applied to that quantile, > 0.
@@ -114,11 +118,13 @@ class MachineConfig:
     Raises:
         ValueError: an empty ``daemon_id``, a duration that is not finite and > 0, a count
             below its minimum, a probability or factor out of range, a window that is not a
-            multiple of 8, or a progress floor above its ceiling.
+            multiple of 8, a progress floor above its ceiling, or a heartbeat interval not below
+            the heartbeat timeout.
     """
 
     daemon_id: str
     heartbeat_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 1.0
     startup_timeout_s: float = 120.0
     restore_timeout_s: float = 120.0
     max_restore_attempts: int = 3
@@ -153,6 +159,7 @@ class MachineConfig:
     max_step_lag: int = 100
     allow_data_version_change: bool = False
     heartbeat_timeout_ns: int = field(init=False, repr=False, compare=False)
+    heartbeat_interval_ns: int = field(init=False, repr=False, compare=False)
     startup_timeout_ns: int = field(init=False, repr=False, compare=False)
     restore_timeout_ns: int = field(init=False, repr=False, compare=False)
     progress_floor_ns: int = field(init=False, repr=False, compare=False)
@@ -190,6 +197,7 @@ class MachineConfig:
         # Frozen dataclass: derived fields are set once here, the documented way around frozen.
         for name in (
             "heartbeat_timeout",
+            "heartbeat_interval",
             "startup_timeout",
             "restore_timeout",
             "progress_floor",
@@ -198,6 +206,8 @@ class MachineConfig:
         ):
             seconds = f"{name}_s"
             object.__setattr__(self, f"{name}_ns", _to_ns(seconds, getattr(self, seconds)))
+        if self.heartbeat_interval_ns >= self.heartbeat_timeout_ns:
+            raise ValueError("heartbeat_interval_s must be below heartbeat_timeout_s")
         if self.progress_floor_ns > self.progress_ceiling_ns:
             raise ValueError("progress_floor_s must not exceed progress_ceiling_s")
         limits: dict[Phase, int] = {

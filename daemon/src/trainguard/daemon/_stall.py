@@ -9,7 +9,8 @@ Each alive rank that has heartbeated has a *stall deadline*:
   advanced, the time it was first seen training, and the time the last declared phase of any
   rank ended, plus its progress timeout: the start-up allowance during its first
   ``startup_steps`` steps in the generation (or while the job has too few step-time samples),
-  else the job's adaptive timeout (:mod:`trainguard.daemon._trend`);
+  else the job's adaptive timeout (:mod:`trainguard.daemon._trend`), plus one heartbeat
+  interval (a step's end is seen only when the next heartbeat reports it);
 * training while some rank is in a declared phase: none (the others may be waiting for it in
   a collective; the phase's own limit bounds the wait);
 * training but silent since that time: none (a rank that stopped talking is the heartbeat
@@ -64,7 +65,7 @@ def stall_deadline(rec: RankState, watch: Watch, trend: Trend, config: MachineCo
     since = _training_since(rec, watch)
     if rec.last_heard_ns <= since:
         return None  # silent since: the heartbeat timeout decides, not this detector
-    return since + progress_timeout_ns(rec, trend, config)
+    return since + progress_timeout_ns(rec, trend, config) + config.heartbeat_interval_ns
 
 
 def _training_since(rec: RankState, watch: Watch) -> int:
@@ -171,7 +172,8 @@ def _progress_failure(state: JobState, ranks: list[RankState], config: MachineCo
     reason = (
         f"{ranks_text(rec.rank for rec in ranks)} on {hosts_text(rec.host for rec in ranks)} "
         f"kept heartbeating without completing a step for up to {seconds_text(stalled)} "
-        f"(progress timeout {seconds_text(timeout)}, {how}) in generation {state.generation}"
+        f"(progress timeout {seconds_text(timeout)}, {how}, plus a heartbeat interval of "
+        f"{seconds_text(config.heartbeat_interval_ns)}) in generation {state.generation}"
         f"{steps_text(rec.step for rec in ranks)}"
     )
     measures = Measures(
