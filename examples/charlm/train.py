@@ -15,7 +15,9 @@ the agent just publishes to the bus. A process of generation g > 0 (``TRAINGUARD
 resumes from the target of the daemon's restore command of g.
 
 With one seed, two uninterrupted runs end with bitwise-equal parameters, and so does a run that is
-killed and restored from a committed checkpoint. Outputs under ``--out``: the bus, the shards,
+killed and restored from a committed checkpoint, or restored in process (the daemon's
+``in_process`` restores: :class:`trainguard.agent.RestoreRequested` is caught at a step boundary
+and the snapshot reloaded without exiting). Outputs under ``--out``: the bus, the shards,
 ``ledger-rank-*.jsonl`` (see :mod:`examples.charlm.ledger`), and from rank 0 ``final.pt`` (the
 model's state dict) and ``final.sha256`` (:func:`examples.charlm.model.parameter_digest` of it).
 Logs are JSON lines on stderr.
@@ -45,8 +47,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from trainguard.agent import Agent, AgentConfig, ResumableDistributedSampler
-from trainguard.schemas import Checkpoint, Manifest
+from trainguard.agent import Agent, AgentConfig, RestoreRequested, ResumableDistributedSampler
+from trainguard.schemas import Checkpoint, Manifest, StepRange
 
 from .data import ByteWindows
 from .ledger import LedgerWriter, ledger_path
@@ -73,6 +75,16 @@ class TrainConfig:
         lr: AdamW learning rate.
         threads: torch intra-op threads per process.
         model: the model shape.
+        step_sleep: seconds each step sleeps after its update, to pace the job like a bigger
+            one (rehearsals of detectors that learn the step time); the numbers are unchanged.
+        eval_every: evaluate every this many steps (0: never), declared as the phase ``eval``.
+        eval_seconds: an evaluation lasts at least this long (it sleeps the rest): simulates
+            a long one. Evaluating draws no random numbers, so the numbers are unchanged.
+        skip: train as if a restore had asked to skip the batches of these steps (an
+            uninterrupted reference for a run restored after a loss spike), or ``None``.
+        sync: average gradients over the ranks (DDP); ``False`` trains an independent replica
+            per rank on its share of the data, without a process group, so that ranks
+            progress at their own pace (straggler rehearsals).
     """
 
     steps: int
@@ -84,6 +96,11 @@ class TrainConfig:
     lr: float
     threads: int
     model: ModelConfig
+    step_sleep: float = 0.0
+    eval_every: int = 0
+    eval_seconds: float = 0.0
+    skip: StepRange | None = None
+    sync: bool = True
 
     def hyperparameters(self) -> dict[str, Any]:
         """The settings a restored run must share with its checkpoint to stay bitwise exact
@@ -93,6 +110,7 @@ class TrainConfig:
             "per_rank_batch": self.per_rank_batch,
             "lr": self.lr,
             "model": asdict(self.model),
+            "sync": self.sync,
         }
 
 
@@ -123,7 +141,8 @@ def agent_config(
 ) -> AgentConfig:
     """The agent's settings: ``env`` (``TRAINGUARD_*``, ``RANK``, ``WORLD_SIZE``) over this
     example's defaults (job :data:`DEFAULT_JOB`, bus ``<out>/bus.db``, shards under
-    ``<out>/checkpoints``); ``faults``, when given, over ``TRAINGUARD_FAULTS``.
+    ``<out>/checkpoints``, in-process restores on: :func:`train` catches
+    ``RestoreRequested``); ``faults``, when given, over ``TRAINGUARD_FAULTS``.
 
     Raises:
         ConfigError: as :meth:`AgentConfig.resolve`.
@@ -133,6 +152,7 @@ def agent_config(
         "TRAINGUARD_JOB": DEFAULT_JOB,
         "TRAINGUARD_BUS": f"sqlite://{out / 'bus.db'}",
         "TRAINGUARD_CHECKPOINT_DIR": str(out / "checkpoints"),
+        "TRAINGUARD_IN_PROCESS_RESTORE": "1",
     }
     return AgentConfig.resolve(
         env={**defaults, **env}, faults=faults, hyperparameters=config.hyperparameters()
@@ -221,53 +241,124 @@ def batches(
             yield steps, ids.tolist(), windows
 
 
-def train_step(run: Run, windows: torch.Tensor) -> float:
-    """Run forward, backward (DDP all-reduces gradients) and the update; return the loss in
-    nats per byte.
+def train_step(run: Run, windows: torch.Tensor, agent: Agent, step: int) -> float:
+    """Run forward, backward (DDP all-reduces gradients) and the update of ``step``; return the
+    loss in nats per byte.
 
-    ``windows`` is this rank's batch, int64 of shape ``(per_rank_batch, context + 1)``.
+    ``windows`` is this rank's batch, int64 of shape ``(per_rank_batch, context + 1)``. The loss
+    passes through ``agent.perturb_loss`` before it is differentiated, so that the ``nan`` and
+    ``spike`` faults change the gradients and parameters too.
     """
     run.optimizer.zero_grad(set_to_none=True)
-    loss = next_byte_loss(run.wrapped, windows)
+    loss = agent.perturb_loss(step, next_byte_loss(run.wrapped, windows))
     loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
     torch.nn.utils.clip_grad_norm_(run.model.parameters(), MAX_GRAD_NORM)
     run.optimizer.step()
     return loss.item()
 
 
+def skip_batches(run: Run, trained_in_pass: int, skip: StepRange) -> None:
+    """Move the sampler past the batches of steps ``skip.from_step .. skip.to_step``, seen
+    from the cursor after ``trained_in_pass`` batches of the live pass; the next pass over the
+    loader starts there (``docs/wire-contract.md``, restore, skipping batches)."""
+    sampler = run.sampler
+    cursor = sampler.order.advance(
+        sampler.cursor_after(trained_in_pass),
+        sampler.global_batch_size,
+        skip.to_step - skip.from_step + 1,
+    )
+    sampler.load_state_dict(cursor)
+
+
+def evaluate(agent: Agent, run: Run, config: TrainConfig) -> float:
+    """The model's loss on a fixed held-out batch (the dataset's last ``per_rank_batch``
+    windows), in the declared phase ``eval``, lasting at least ``config.eval_seconds``.
+
+    Dropout is off and no gradient is kept: no random number is drawn and nothing the training
+    depends on changes.
+    """
+    agent.phase("eval")
+    began = time.monotonic()
+    last = len(run.data)
+    windows = torch.stack([run.data[i][1] for i in range(last - config.per_rank_batch, last)])
+    run.model.eval()
+    with torch.no_grad():
+        loss = next_byte_loss(run.model, windows).item()
+    run.model.train()
+    time.sleep(max(0.0, config.eval_seconds - (time.monotonic() - began)))
+    agent.phase("train")
+    return loss
+
+
+def reload(agent: Agent, run: Run, config: TrainConfig, request: RestoreRequested) -> Run:
+    """Reload in process for ``request``: the target snapshot into ``run`` (or a fresh run,
+    initialized from the seed, when the restore starts from scratch); acknowledge and wait for
+    the daemon's ``resume``. Returns the run to go on with, standing at ``request.step``.
+
+    Raises:
+        ValueError, ShardError: as :func:`restore`.
+        RestoreTimeout, JobAborted, StaleGeneration: as :meth:`Agent.ready`.
+    """
+    if request.target is None:
+        run = build_run(config, agent.config.rank, agent.config.world_size)
+    else:
+        restore(agent, run, config, request.target)
+    agent.ready(request.step, cursor=run.sampler.cursor_after(0))
+    return run
+
+
 def train(config: TrainConfig, settings: AgentConfig) -> None:
-    """Train from scratch, or from the agent's restore target, up to ``config.steps``.
+    """Train from scratch, or from the agent's restore target, up to ``config.steps``;
+    reload in process whenever the daemon asks (:class:`RestoreRequested`).
 
     Raises:
         ValueError: as :func:`restore`.
         ShardError, RestoreTimeout, JobAborted, StaleGeneration: as the agent's restore calls.
     """
     with Agent(settings) as agent:
-        rank, world_size, generation = (
-            agent.config.rank,
-            agent.config.world_size,
-            agent.config.generation,
-        )
-        log = structlog.get_logger().bind(rank=rank, world_size=world_size, generation=generation)
+        rank, world_size = agent.config.rank, agent.config.world_size
+        log = structlog.get_logger().bind(rank=rank, world_size=world_size)
         run = build_run(config, rank, world_size)
-        start = 0
+        step = 0
         target = agent.restore_target()
         if target is not None:
-            start = restore(agent, run, config, target)
-            log.info("restored", step=start, snapshot_id=target.snapshot_id)
-        agent.ready(start, cursor=run.sampler.cursor_after(0))
-        log.info("started", step=start, dataset_version=run.data.version, samples=len(run.data))
+            step = restore(agent, run, config, target)
+            log.info("restored", step=step, snapshot_id=target.snapshot_id)
+        agent.ready(step, cursor=run.sampler.cursor_after(0))
+        skip = agent.skip if agent.skip is not None else config.skip
+        log.info("started", step=step, dataset_version=run.data.version, samples=len(run.data))
         durations: list[float] = []
         loss = float("nan")
+        generation = agent.config.generation
         with LedgerWriter(ledger_path(config.out, rank), generation, rank) as ledger:
-            data = batches(run.loader)
-            for step in range(start + 1, config.steps + 1):
+            data, in_pass = batches(run.loader), 0
+            if config.sync:  # replicas are bitwise equal only when gradients are averaged
+                agent.watch(run.model)
+            while step < config.steps:
+                step += 1
+                if skip is not None and step == skip.from_step:
+                    skip_batches(run, in_pass, skip)
+                    data, in_pass = batches(run.loader), 0
                 began = time.perf_counter()
                 in_pass, ids, windows = next(data)
-                loss = train_step(run, windows)
+                loss = train_step(run, windows, agent, step)
+                time.sleep(config.step_sleep)
                 ledger.record(step, ids)
-                agent.step(step, loss=loss, samples=len(ids))
+                try:
+                    agent.step(step, loss=loss, samples=len(ids))
+                except RestoreRequested as request:
+                    log.warning("restore_requested", step=step, detail=str(request))
+                    run = reload(agent, run, config, request)
+                    step, skip = request.step, request.skip
+                    ledger.generation = agent.config.generation
+                    data, in_pass = batches(run.loader), 0
+                    if config.sync:
+                        agent.watch(run.model)
+                    log.info("reloaded", step=step, generation=ledger.generation)
+                    continue
                 durations.append(time.perf_counter() - began)
+                if config.eval_every and step % config.eval_every == 0:
+                    log.info("eval", step=step, loss=evaluate(agent, run, config))
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     saved = agent.checkpoint(
                         step,
@@ -338,6 +429,29 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
     parser.add_argument(
         "--faults", help="fault injection, e.g. kill@step=20,rank=1 (sets TRAINGUARD_FAULTS)"
     )
+    parser.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        help="seconds each step sleeps, to pace the job like a bigger one (numbers unchanged)",
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="evaluate every N steps (phase eval; 0: never)"
+    )
+    parser.add_argument(
+        "--eval-seconds", type=float, default=0.0, help="an evaluation lasts at least S seconds"
+    )
+    parser.add_argument(
+        "--skip-steps",
+        type=_step_range,
+        help="A-B: skip the batches of steps A..B as a restore would (a reference run)",
+    )
+    parser.add_argument(
+        "--no-sync",
+        dest="sync",
+        action="store_false",
+        help="independent replica per rank: no process group, no gradient averaging",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--context", type=int, default=ModelConfig.context, help="bytes per sample")
     parser.add_argument("--d-model", type=int, default=ModelConfig.d_model)
@@ -347,6 +461,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
     args = parser.parse_args(argv)
     if args.steps < 0 or args.checkpoint_every < 1:
         parser.error("--steps must be >= 0 and --checkpoint-every >= 1")
+    if args.step_sleep < 0 or args.eval_every < 0 or args.eval_seconds < 0:
+        parser.error("--step-sleep, --eval-every and --eval-seconds must be >= 0")
     config = TrainConfig(
         steps=args.steps,
         seed=args.seed,
@@ -356,6 +472,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
         per_rank_batch=args.per_rank_batch,
         lr=args.lr,
         threads=args.threads,
+        step_sleep=args.step_sleep,
+        eval_every=args.eval_every,
+        eval_seconds=args.eval_seconds,
+        skip=args.skip_steps,
+        sync=args.sync,
         model=ModelConfig(
             context=args.context,
             d_model=args.d_model,
@@ -365,6 +486,22 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
         ),
     )
     return config, args.faults
+
+
+def _step_range(text: str) -> StepRange:
+    """``"A-B"`` -> ``StepRange(from_step=A, to_step=B)``, ``1 <= A <= B``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    first, _, last = text.partition("-")
+    try:
+        steps = StepRange(from_step=int(first), to_step=int(last))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not A-B") from None
+    if not 1 <= steps.from_step <= steps.to_step:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= A <= B")
+    return steps
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -382,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(config.threads)
     torch.set_num_interop_threads(1)
     torch.use_deterministic_algorithms(True)
-    if "WORLD_SIZE" in os.environ:
+    if "WORLD_SIZE" in os.environ and config.sync:
         dist.init_process_group("gloo")
     try:
         train(config, settings)

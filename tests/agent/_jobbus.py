@@ -25,6 +25,7 @@ from trainguard.schemas import (
     Restore,
     Resume,
     Shard,
+    StepRange,
     decode,
     encode,
 )
@@ -117,8 +118,16 @@ def publish(url: str, command: Command) -> None:
     asyncio.run(_publish())
 
 
-def restore(job_id: str, generation: int, target: Manifest | None) -> Restore:
-    """A restore command establishing ``generation`` with ``target``."""
+def restore(
+    job_id: str,
+    generation: int,
+    target: Manifest | None,
+    *,
+    at_step: int | None = None,
+    skip: StepRange | None = None,
+) -> Restore:
+    """A restore command establishing ``generation`` with ``target``: in process at
+    ``at_step`` when it is given, else a restart; skipping the batches of ``skip``."""
     return Restore(
         job_id=job_id,
         generation=generation,
@@ -128,6 +137,9 @@ def restore(job_id: str, generation: int, target: Manifest | None) -> Restore:
         incident_id=f"{job_id}/i{generation}",
         reason="test",
         target=target,
+        mode="restart" if at_step is None else "in_process",
+        at_step=at_step,
+        skip=skip,
     )
 
 

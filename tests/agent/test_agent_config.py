@@ -43,6 +43,15 @@ def test_arguments_beat_trainguard_variables_which_beat_launcher_variables():
     assert (argued.job_id, argued.rank, argued.checkpoint_dir) == ("arg", 3, Path("/other"))
 
 
+@pytest.mark.parametrize(("raw", "value"), [("1", True), ("TRUE", True), ("off", False)])
+def test_issue_4_settings_from_the_environment(raw, value):
+    env = {"TRAINGUARD_CHECKSUM_EVERY": "10", "TRAINGUARD_IN_PROCESS_RESTORE": raw}
+    config = AgentConfig.resolve(env=env, job_id="j")
+    assert (config.checksum_every, config.in_process_restore) == (10, value)
+    defaults = AgentConfig.resolve(env={}, job_id="j")
+    assert (defaults.checksum_every, defaults.in_process_restore) == (50, False)
+
+
 def test_none_arguments_and_empty_variables_count_as_unset():
     config = AgentConfig.resolve(env={"TRAINGUARD_JOB": "j", "RANK": ""}, job_id=None, rank=None)
     assert (config.job_id, config.rank) == ("j", 0)
@@ -64,6 +73,8 @@ def test_none_arguments_and_empty_variables_count_as_unset():
         ({}, {"job_id": "j", "heartbeat_queue": 0}, "heartbeat_queue"),
         ({"TRAINGUARD_BUS": "redis://x"}, {"job_id": "j"}, "scheme must be sqlite or kafka"),
         ({"TRAINGUARD_FAULTS": "kill@step=1"}, {"job_id": "j"}, "missing rank"),
+        ({"TRAINGUARD_CHECKSUM_EVERY": "-1"}, {"job_id": "j"}, "checksum_every must be >= 0"),
+        ({"TRAINGUARD_IN_PROCESS_RESTORE": "maybe"}, {"job_id": "j"}, "IN_PROCESS_RESTORE"),
         ({}, {"job_id": "j", "hyperparameters": {"f": object()}}, "hyperparameters"),
     ],
 )

@@ -1,5 +1,6 @@
 """The supervisor (``trainguard run``) with real worker processes on the embedded bus: exit
-reports, restarts into a new generation on a restore order, SIGTERM-then-SIGKILL, abort."""
+reports, restarts into a new generation on a restore order (but not for an in-process one),
+SIGTERM-then-SIGKILL, abort."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from trainguard.agent._supervisor import (
     SupervisorConfig,
 )
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, open_bus
-from trainguard.schemas import Abort, Lifecycle, Restore, Resume, decode, encode
+from trainguard.schemas import Abort, Lifecycle, Restore, RestoreMode, Resume, decode, encode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -92,7 +93,7 @@ async def wait_for(bus: Bus, predicate: Any, timeout_s: float = 30.0) -> list[Li
     raise AssertionError(f"not seen in {timeout_s} s: {await lifecycles(bus)}")
 
 
-def restore(generation: int) -> bytes:
+def restore(generation: int, mode: RestoreMode = "restart") -> bytes:
     return encode(
         Restore(
             job_id=JOB,
@@ -103,6 +104,8 @@ def restore(generation: int) -> bytes:
             incident_id=f"{JOB}/i1",
             reason="test restore",
             target=None,
+            mode=mode,
+            at_step=50 if mode == "in_process" else None,
         )
     )
 
@@ -156,6 +159,27 @@ async def test_a_restore_stops_workers_that_ignore_sigterm(tmp_path: Path) -> No
         # Stopped by SIGKILL after the 1 s grace period, not left running.
         assert 1.0 <= time.monotonic() - began < 10
         await bus.publish("commands", JOB, abort_at(1))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+async def test_an_in_process_restore_keeps_the_workers_and_adopts_its_generation(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "sleep", nproc_per_node=1)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        [started] = await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        await bus.publish("commands", JOB, restore(1, "in_process"))
+        await asyncio.sleep(1.0)  # the supervisor polls commands every 0.2 s
+        assert [e.kind for e in await lifecycles(bus)] == ["started"]  # no restart
+        os.kill(started.pid, signal.SIGKILL)
+        events = await wait_for(bus, lambda es: any(e.kind == "exited" for e in es))
+        [exited] = [e for e in events if e.kind == "exited"]
+        # Reported in the generation the workers run in now, so the daemon acts on it.
+        assert (exited.generation, exited.ranks, exited.signal) == (1, (0,), signal.SIGKILL)
+        await bus.publish("commands", JOB, restore(2))
+        await wait_for(bus, lambda es: any(e.kind == "started" and e.generation == 2 for e in es))
+        await bus.publish("commands", JOB, abort_at(2))
         assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
 
 

@@ -92,3 +92,50 @@ def test_the_demo_recovers_exactly(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "bitwise equal" in done.stdout
     assert "exact: nothing skipped, nothing repeated" in done.stdout
+
+
+def test_a_bad_demo_fault_is_a_clear_error_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [*CLI, "demo", "--fault", "nan@step=5", "--workdir", str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "nan@step=5" in done.stderr, done.stderr
+    assert "missing rank" in done.stderr, done.stderr
+    assert not (tmp_path / "work").exists()  # nothing was started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_demo_rehearses_a_nan_restored_in_process(tmp_path: Path) -> None:
+    """``trainguard demo --fault``: a NaN loss on rank 1 is detected and restored in process,
+    and the job still ends bitwise equal to the uninterrupted run."""
+    done = subprocess.run(
+        [
+            *CLI,
+            "demo",
+            "--seed",
+            "3",
+            "--steps",
+            "120",
+            "--fault",
+            "nan@step=50,rank=1",
+            "--step-sleep",
+            "0.1",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "nan_loss" in done.stdout
+    assert "in process at step" in done.stdout
+    assert "bitwise equal" in done.stdout

@@ -149,7 +149,9 @@ def test_next_deadline_covers_the_progress_timeout() -> None:
     assert state.watch.progress_due_ns is None
     state, _ = run([sim.heartbeat(r, 39, T0 + 40 * S + S // 2 + r) for r in range(4)], state)
     last_advance = T0 + 40 * S  # rank 0's heartbeat of step 39
-    assert state.watch.progress_due_ns == last_advance + 6 * S  # timeout 5 s + heartbeat interval 1 s
+    assert (
+        state.watch.progress_due_ns == last_advance + 6 * S
+    )  # timeout 5 s + heartbeat interval 1 s
     assert next_deadline(state, CFG) == last_advance + 6 * S + 1
 
 

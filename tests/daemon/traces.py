@@ -481,7 +481,9 @@ def progress_bound_ns(job: Job, cfg: MachineConfig) -> int:
     heartbeat interval the daemon allows for a step's end to be reported."""
     longest = max(job.pace.longest_s, job.pace.base_s)
     timeout = min(max(cfg.progress_factor * longest, cfg.progress_floor_s), cfg.progress_ceiling_s)
-    return _ns(job.heartbeat_s + job.jitter_s + job.delay_s + timeout + cfg.heartbeat_interval_s) + 1
+    return (
+        _ns(job.heartbeat_s + job.jitter_s + job.delay_s + timeout + cfg.heartbeat_interval_s) + 1
+    )
 
 
 # -- strategies -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -77,13 +77,21 @@ class JobRun:
         reference: output folder of the uninterrupted reference run of ``shape``.
         context: what the test randomised or chose (a seed, a fault spec), quoted in every
             failure message so that a failure can be reproduced.
+        machine: ``[machine]`` settings of the daemons (``MachineConfig`` fields), e.g.
+            ``{"restore_mode": "in_process"}``.
 
     Call :meth:`close` at the end (the ``job_run`` fixture does): it stops every process the
     run started, workers included, also after a failed assertion.
     """
 
     def __init__(
-        self, bus: BusFactory, workdir: Path, shape: Shape, reference: Path, context: str = ""
+        self,
+        bus: BusFactory,
+        workdir: Path,
+        shape: Shape,
+        reference: Path,
+        context: str = "",
+        machine: Mapping[str, str | int | float | bool] | None = None,
     ) -> None:
         self.bus = bus
         self.workdir = workdir
@@ -95,9 +103,11 @@ class JobRun:
         self.supervisor: subprocess.Popen[bytes] | None = None
         self._config = workdir / "daemon.toml"
         # A consumer group of its own, so that runs sharing a Kafka broker never share daemons.
+        settings = "".join(f"{k} = {_toml(v)}\n" for k, v in (machine or {}).items())
         self._config.write_text(
             f"[bus]\nsession_timeout_s = {DAEMON_SESSION_TIMEOUT_S}\n\n"
-            f'[service]\ngroup_id = "{bus.prefix}daemon"\n'
+            f'[service]\ngroup_id = "{bus.prefix}daemon"\n\n'
+            f"[machine]\n{settings}"
         )
 
     def describe(self) -> str:
@@ -123,20 +133,39 @@ class JobRun:
         stop_process(self.daemons[-1], signal.SIGKILL)
         return time.time_ns() // 1_000_000
 
-    def start_job(self, faults: str = "") -> None:
+    def start_job(
+        self,
+        faults: str = "",
+        *,
+        extra: Sequence[str] = (),
+        heartbeat_interval_s: float = 0.5,
+        checksum_every: int | None = None,
+    ) -> None:
         """Start the supervisor (``trainguard run --nproc-per-node 2``) with ``faults`` as
-        ``TRAINGUARD_FAULTS`` in its workers."""
+        ``TRAINGUARD_FAULTS`` in its workers, ``extra`` options of ``examples/charlm/train.py``,
+        heartbeats every ``heartbeat_interval_s`` seconds, and parameter checksums every
+        ``checksum_every`` steps (``None``: the agent's default)."""
         s = self.shape
         self.supervisor = supervise(
             JOB,
             charlm_command(
-                self.out, steps=s.steps, checkpoint_every=s.checkpoint_every, seed=s.seed
+                self.out,
+                steps=s.steps,
+                checkpoint_every=s.checkpoint_every,
+                seed=s.seed,
+                extra=extra,
             ),
             bus_url=self.bus.url,
             prefix=self.bus.prefix,
             nproc_per_node=WORLD_SIZE,
             log_path=self.workdir / "supervisor.log",
-            env=charlm_env(self.out, REPO, faults=faults),
+            env=charlm_env(
+                self.out,
+                REPO,
+                faults=faults,
+                heartbeat_interval_s=heartbeat_interval_s,
+                checksum_every=checksum_every,
+            ),
             grace_s=GRACE_S,
         )
 
@@ -205,6 +234,15 @@ class JobRun:
     def record(self) -> JobRecord:
         """Everything the bus holds about the job now."""
         return asyncio.run(read_job_record(self.bus.url, self.bus.prefix, JOB))
+
+
+def _toml(value: str | int | float | bool) -> str:
+    """``value`` as a TOML literal (strings without quotes or backslashes)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
 
 
 # -- checks --------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """trainguard's agent: what runs inside every training worker, and the per-node supervisor.
 
 ``from trainguard.agent import Agent`` is the entry point for training code; see
-:class:`Agent`. The data cursor (:class:`GlobalOrder`, :class:`ResumableDistributedSampler`)
-makes a restore resume with no sample skipped or repeated; :func:`dataset_version` binds a
+:class:`Agent` (and :class:`RestoreRequested`, the one exception a training loop catches).
+The data cursor (:class:`GlobalOrder`, :class:`ResumableDistributedSampler`) makes a restore
+resume with no sample skipped or repeated; :func:`dataset_version` binds a
 checkpoint to the data it was trained on.
 
 Importing this package does not import torch; ``ResumableDistributedSampler`` loads it on
@@ -28,6 +29,7 @@ from trainguard.agent._errors import (
     AgentError,
     ConfigError,
     JobAborted,
+    RestoreRequested,
     RestoreTimeout,
     ShardCorrupt,
     ShardError,
@@ -56,6 +58,7 @@ __all__ = [
     "JobAborted",
     "KeyedPermutation",
     "ManifestEntry",
+    "RestoreRequested",
     "RestoreTimeout",
     "ResumableDistributedSampler",
     "ShardCorrupt",

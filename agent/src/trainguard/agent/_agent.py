@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import structlog
 
@@ -18,12 +19,14 @@ from trainguard.agent._errors import (
     AgentError,
     ConfigError,
     JobAborted,
+    RestoreRequested,
     RestoreTimeout,
     ShardError,
     ShardMissing,
     StaleGeneration,
 )
-from trainguard.agent._faults import FaultInjector, parse_faults
+from trainguard.agent._faults import parse_faults
+from trainguard.agent._injector import FaultInjector, Scalable
 from trainguard.agent._link import Commands, Link
 from trainguard.agent._shards import (
     HostStager,
@@ -35,6 +38,7 @@ from trainguard.agent._shards import (
 )
 from trainguard.agent.bus import BusConfig
 from trainguard.schemas import (
+    Abort,
     Checkpoint,
     DataCursor,
     Heartbeat,
@@ -43,8 +47,13 @@ from trainguard.schemas import (
     Manifest,
     Phase,
     Restore,
+    Resume,
+    StepRange,
     encode,
 )
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["RESERVED_KEY", "Agent", "AgentStats"]
 
@@ -58,6 +67,7 @@ _MESSAGE_CHARS = 4096
 """Longest lifecycle ``message`` (the wire contract's bound), characters."""
 
 _T = TypeVar("_T")
+_L = TypeVar("_L", bound=Scalable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,21 +114,30 @@ class Agent:
                 start = target.step
             # After a restore: acknowledge it and wait for the daemon's resume.
             agent.ready(start, cursor=sampler.cursor_after(0))
+            agent.watch(model)                        # parameter checksums (optional)
             for steps, batch in enumerate(loader, start=1):
                 step = start + steps
-                loss = train_one_step(batch)
-                agent.step(step, loss=loss, samples=len(batch))
+                loss = agent.perturb_loss(step, forward(batch))  # fault injection (optional)
+                loss.backward(); optim.step()
+                agent.step(step, loss=loss.item(), samples=len(batch))
                 if step % 50 == 0:
                     state = {"model": model.state_dict(), "optim": optim.state_dict()}
                     agent.checkpoint(step, state, cursor=sampler.cursor_after(steps),
                                      blocking=False)
 
-    **Cost and threads.** :meth:`step` costs well under a microsecond (0.25 us on CPython
-    3.11) and does no I/O; heartbeats are built and sent by a background thread every
-    ``heartbeat_interval_s`` seconds, also while the training thread is stuck (that is how the
-    daemon tells a hang from a death). The bus may be down, locked or slow at any time, also
-    at start-up: events wait in a queue and are sent once it is back (see :mod:`._link`). Call
-    the methods from the training thread.
+    **Restoring in process.** With ``in_process_restore`` set (see :class:`AgentConfig`), an
+    in-process restore of the daemon makes :meth:`step` raise :class:`RestoreRequested` at the
+    step boundary it names; the loop catches it, loads the target as above (the same calls,
+    plus :attr:`skip`) and calls :meth:`ready` again, without exiting. ``examples/charlm``
+    shows the loop.
+
+    **Cost and threads.** :meth:`step` costs under a microsecond (0.5 us in a tight loop on
+    CPython 3.11, a parameter checksum every ``checksum_every`` steps aside) and does no I/O;
+    heartbeats are built and sent by a background thread every ``heartbeat_interval_s`` seconds,
+    also while the training thread is stuck (that is how the daemon tells a hang from a death).
+    The bus may be down, locked or slow at any time, also at start-up: events wait in a queue
+    and are sent once it is back (see :mod:`._link`). Call the methods from the training
+    thread.
 
     **Bitwise-exact resume.** A shard holds the user state plus the torch (CPU), Python and
     NumPy RNG states, which :meth:`load` puts back. Anything that draws random numbers between
@@ -166,8 +185,17 @@ class Agent:
         self._write_failures = 0
         self._stager = HostStager()
         self._restore: Restore | None = None
+        self._skip: StepRange | None = None
         self._reported: BaseException | None = None
         self._state = "new"
+        # The in-process restore protocol: the loop thread adopts a restore and the training
+        # thread stops at its at_step; the gate makes "which step is done" and "is a restore
+        # pending" one decision, so a restore is either taken at at_step or declined, never
+        # both (docs/wire-contract.md, restore).
+        self._gate = threading.Lock()
+        self._in_process: Restore | None = None
+        self._training = False  # ready() returned: the loop is at step boundaries now
+        self._watched: nn.Module | None = None
         self._link = Link(
             BusConfig(
                 url=c.bus_url,
@@ -184,6 +212,7 @@ class Agent:
             beat=self._heartbeat,
             interval_s=c.heartbeat_interval_s,
             log=self._log,
+            on_command=self._on_command,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -275,7 +304,22 @@ class Agent:
             self.config.restore_timeout_s if timeout_s is None else timeout_s,
             f"the restore command of generation {generation}",
         )
+        self._skip = self._restore.skip
         return self._restore.target
+
+    @property
+    def skip(self) -> StepRange | None:
+        """Steps whose batches this process must not train on, or ``None``: the ``skip`` of
+        the restore it started from (:meth:`restore_target`) or last reloaded in process.
+
+        The daemon sets it for a loss spike (``docs/detection.md``). Honour it like this: train
+        the steps after the restored one as usual until the step about to be trained is
+        ``skip.from_step``; there move the data cursor forward by ``skip.to_step -
+        skip.from_step + 1`` global batches (``GlobalOrder.advance``, then
+        ``sampler.load_state_dict``) and train ``from_step`` on the batch that follows. Step
+        numbers are unchanged.
+        """
+        return self._skip
 
     def load(self, target: Manifest) -> dict[str, Any]:
         """Verify and load this rank's shard of ``target``; put back the RNG states it holds.
@@ -327,7 +371,8 @@ class Agent:
         After a restore (generation > 0) this acknowledges it with a lifecycle ``restored``
         (step, cursor, the snapshot loaded) and blocks until the daemon's ``resume`` of this
         generation, which it sends once every rank has acknowledged; that keeps all ranks of a
-        job in one generation. In generation 0 it only records the step.
+        job in one generation. In generation 0 it only records the step. Call it again after
+        reloading for a :class:`RestoreRequested`.
 
         Args:
             step: the step the model state corresponds to (0 for a fresh start).
@@ -340,7 +385,8 @@ class Agent:
             AgentError: called outside the ``with`` block.
         """
         self._require_open()
-        self._progress = (step, None, self._progress[2], None)
+        with self._gate:
+            self._progress = (step, None, self._progress[2], None)
         generation = self.config.generation
         if generation > 0:
             restore = self._restore or self._link.commands.restores.get(generation)
@@ -357,6 +403,7 @@ class Agent:
                 f"the resume command of generation {generation}",
             )
         self._last_step_at = time.monotonic()
+        self._training = True
 
     def _require_open(self) -> None:
         if self._state != "open":
@@ -391,27 +438,148 @@ class Agent:
     # -- the training thread's per-step calls ------------------------------------------------
 
     def step(self, step: int, *, loss: float | None = None, samples: int = 0) -> None:
-        """Record that training step ``step`` completed: under a microsecond, no I/O.
+        """Record that training step ``step`` completed: about a microsecond, no I/O.
 
-        A fault of ``TRAINGUARD_FAULTS`` scheduled for this step fires here (see
-        :mod:`._faults`).
+        Also, in this order: a fault of ``TRAINGUARD_FAULTS`` scheduled for this step fires
+        (see :mod:`._faults`); every ``checksum_every`` steps the watched model's parameter
+        checksum is sent at once, in a heartbeat of exactly this step (:meth:`watch`); and at
+        the ``at_step`` of an in-process restore the daemon ordered, :class:`RestoreRequested`
+        is raised.
 
         Args:
             step: the step just completed (``start + 1``, ``start + 2``, ...).
             loss: its loss as a Python number (pass ``loss.item()``, not a tensor, which would
                 wait for the device); NaN and infinities are reported as such.
             samples: samples this rank consumed in the step.
+
+        Raises:
+            RestoreRequested: ``step`` is the ``at_step`` of an in-process restore (only with
+                the ``in_process_restore`` setting). Pending checkpoint writes are finished
+                first.
         """
         now = time.monotonic()
-        last, self._last_step_at = self._last_step_at, now
-        self._progress = (
-            step,
-            None if loss is None else float(loss),
-            self._progress[2] + samples,
-            None if last is None else now - last,
-        )
+        last = self._last_step_at
+        if self._faults.pace(step, 0.0 if last is None else now - last):
+            now = time.monotonic()
+        with self._gate:
+            self._last_step_at = now
+            self._progress = (
+                step,
+                None if loss is None else float(loss),
+                self._progress[2] + samples,
+                None if last is None else now - last,
+            )
+            request = self._in_process
+            if request is not None and request.at_step is not None and step >= request.at_step:
+                self._in_process = None
+            else:
+                request = None
         self._phase = "train"
-        self._faults.at_step(step)
+        self._faults.after_step(step)
+        every = self.config.checksum_every
+        if self._watched is not None and every and step % every == 0:
+            self._send_checksum(self._watched)
+        if request is not None:
+            self._stop(request, step)
+
+    def watch(self, model: nn.Module) -> None:
+        """Register ``model`` (a ``torch.nn.Module``; the module itself, not a DDP wrapper, is
+        fine: their parameters are the same tensors): every ``checksum_every`` steps
+        :meth:`step` sends a checksum of its parameters, so that the daemon can compare the
+        data-parallel replicas (``parameter_checksum`` in :mod:`._checksum`: an exact integer
+        sum of the parameters' bits on their device, hashed; any single flipped bit changes
+        it), and the ``bitflip`` fault corrupts it. Call it again after replacing the model.
+
+        Replicas must be bitwise equal for their checksums to agree: do not watch a model whose
+        ranks legitimately differ (independent replicas, sharded parameters).
+        """
+        self._watched = model
+        self._faults.watch(model)
+
+    def perturb_loss(self, step: int, loss: _L) -> _L:
+        """``loss`` of training step ``step`` as the ``nan`` and ``spike`` faults of
+        ``TRAINGUARD_FAULTS`` make it: multiplied by NaN or by the spike's factor, or
+        ``loss`` itself, untouched (a dictionary lookup) when no such fault applies.
+
+        Call it between computing the loss and differentiating it, so that a fault changes
+        the gradients (and so the parameters) too, as a real divergence would::
+
+            loss = agent.perturb_loss(step, criterion(model(x), y))
+            loss.backward()
+
+        Args:
+            step: the step being trained (the one :meth:`step` will then report).
+            loss: a tensor or a number.
+        """
+        return self._faults.loss(step, loss)
+
+    def _send_checksum(self, model: nn.Module) -> None:
+        from trainguard.agent._checksum import parameter_checksum
+
+        checksum = parameter_checksum(model)
+        self._link.submit(
+            lambda seq: dataclasses.replace(self._heartbeat(seq), param_checksum=checksum)
+        )
+
+    # -- in-process restores --------------------------------------------------------------------
+
+    def _on_command(self, command: Restore | Resume | Abort) -> None:
+        """A command arrived (loop thread): adopt a newer in-process restore, or decline it at
+        once when this process cannot stop at its ``at_step``."""
+        if not isinstance(command, Restore) or command.mode != "in_process":
+            return
+        at_step = command.at_step
+        try:
+            with self._gate:
+                if command.generation <= self.config.generation or at_step is None:
+                    return
+                done = self._progress[0]
+                why = (
+                    "this training loop does not reload in process (in_process_restore is off)"
+                    if not self.config.in_process_restore
+                    else "not training yet"
+                    if not self._training
+                    else f"already at step {done}"
+                    if done >= at_step
+                    else None
+                )
+                self._adopt(command)
+                if why is None:
+                    self._in_process = command
+                    self._log.warning(
+                        "in_process_restore_ordered", at_step=at_step, reason=command.reason
+                    )
+                    return
+            self._decline(command, done, why)
+        except Exception:
+            # The loop thread must live on; the daemon's restore timeout covers the silence.
+            self._log.exception("in_process_restore_failed", generation=command.generation)
+
+    def _adopt(self, restore: Restore) -> None:
+        """Run in ``restore``'s generation from now on (events, shards, acknowledgements)."""
+        self.config = dataclasses.replace(self.config, generation=restore.generation)
+        self._restore = restore
+        self._log = self._log.bind(generation=restore.generation)
+
+    def _decline(self, restore: Restore, step: int, why: str) -> None:
+        """Tell the daemon this rank cannot stop at ``restore``'s ``at_step`` (it restarts the
+        processes instead)."""
+        message = f"in-process restore at step {restore.at_step} missed: {why}"
+        self._log.warning("in_process_restore_declined", at_step=restore.at_step, why=why)
+        self._lifecycle("error", step=step, message=message, missed_at_step=restore.at_step)
+
+    def _stop(self, restore: Restore, step: int) -> None:
+        """At or past ``restore``'s ``at_step``: raise :class:`RestoreRequested`, or decline a
+        restore whose step this loop jumped over."""
+        if step != restore.at_step:
+            self._decline(restore, step, f"the loop went from before it to step {step}")
+            return
+        self._faults.end_generation()
+        self._training = False
+        self._skip = restore.skip
+        # A write of the abandoned timeline must not land after the reload.
+        self.wait_checkpoints()
+        raise RestoreRequested(restore)
 
     def phase(self, phase: Phase) -> None:
         """Declare what this rank is doing (``train``, ``checkpoint``, ``eval``, ``data``,
@@ -421,6 +589,7 @@ class Agent:
         self._link.submit(self._heartbeat)
 
     def _heartbeat(self, seq: int) -> Heartbeat:
+        """This rank's heartbeat now (built on any thread; ``_progress`` is replaced whole)."""
         c = self.config
         step, loss, samples, step_time_s = self._progress
         return Heartbeat(
@@ -458,10 +627,10 @@ class Agent:
         computed while writing; then a ``checkpoint`` event carries URI, size, digest, cursor
         and metadata. The daemon commits ``step`` once every rank's shard is in.
 
-        One write runs at a time: a call first waits for the previous write to finish.
-        ``blocking=True`` writes on the calling thread, declaring the phase ``checkpoint``
-        meanwhile. ``blocking=False`` makes the calling thread pay only for copying ``state``
-        to fresh host memory; a background thread writes and announces it.
+        One write runs at a time: a call first waits for the previous write to finish, in the
+        declared phase ``checkpoint``. ``blocking=True`` writes on the calling thread, declaring
+        the phase ``checkpoint`` meanwhile. ``blocking=False`` makes the calling thread pay only
+        for copying ``state`` to fresh host memory; a background thread writes and announces it.
 
         Returns:
             A future of the announced event (``shard_uri``, ``size_bytes``, ``digest``); done
@@ -480,7 +649,13 @@ class Agent:
             raise ValueError(f"the state key {RESERVED_KEY!r} is reserved for the agent")
         template = self.config.checkpoint_template(step=step, cursor=cursor, pid=self._pid)
         encode(template)  # a bad step or cursor fails here, not in the background
-        self.wait_checkpoints()
+        previous = self._phase
+        pending = self._pending
+        if pending is not None and not pending.done():
+            # A slow background write stalls training here: declare it, it is no hang.
+            self.phase("checkpoint")
+            wait([pending])
+            self._phase = previous
         # Freshly made objects: only the caller's state needs a copy for a background write.
         own = {"rng": capture_rng(), "cursor": dataclasses.asdict(cursor), "step": step}
         if not blocking:
@@ -489,7 +664,6 @@ class Agent:
             return self._pending
         full = {**state, RESERVED_KEY: own}
         done: Future[Checkpoint] = Future()
-        previous = self._phase
         self.phase("checkpoint")
         try:
             done.set_result(self._write_and_announce(template, full))
@@ -508,8 +682,9 @@ class Agent:
 
     def _write_and_announce(self, template: Checkpoint, state: Mapping[str, Any]) -> Checkpoint:
         c = self.config
-        path = shard_path(self._root, c.job_id, c.generation, template.step, c.rank)
+        path = shard_path(self._root, c.job_id, template.generation, template.step, c.rank)
         try:
+            self._faults.before_write(template.step)
             written = write_shard(path, state)
         except Exception as exc:
             self._write_failures += 1

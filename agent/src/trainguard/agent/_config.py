@@ -24,6 +24,21 @@ __all__ = ["DEFAULT_BUS_URL", "AgentConfig"]
 
 """The embedded bus in ``trainguard-bus.db`` of the working directory."""
 
+
+def _boolean(raw: str) -> bool:
+    """``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case).
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {raw!r}")
+
+
 _ENVIRONMENT: Mapping[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
     "job_id": (("TRAINGUARD_JOB",), str),
     "bus_url": (("TRAINGUARD_BUS",), str),
@@ -36,6 +51,8 @@ _ENVIRONMENT: Mapping[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
     "restore_timeout_s": (("TRAINGUARD_RESTORE_TIMEOUT",), float),
     "resume_timeout_s": (("TRAINGUARD_RESUME_TIMEOUT",), float),
     "faults": (("TRAINGUARD_FAULTS",), str),
+    "checksum_every": (("TRAINGUARD_CHECKSUM_EVERY",), int),
+    "in_process_restore": (("TRAINGUARD_IN_PROCESS_RESTORE",), _boolean),
     "code_version": (("TRAINGUARD_CODE_VERSION",), str),
 }
 """Setting name -> (environment variables, highest precedence first; parser of their value)."""
@@ -65,6 +82,14 @@ class AgentConfig:
         resume_timeout_s: seconds :meth:`Agent.ready` waits for the daemon's ``resume`` after a
             restore (``TRAINGUARD_RESUME_TIMEOUT``), default 300.
         faults: fault-injection spec (``TRAINGUARD_FAULTS``), see :mod:`._faults`.
+        checksum_every: with a model registered by :meth:`Agent.watch`, send its parameter
+            checksum every this many steps (``TRAINGUARD_CHECKSUM_EVERY``), default 50; 0
+            never.
+        in_process_restore: the training loop catches :class:`RestoreRequested` and reloads
+            in process (``TRAINGUARD_IN_PROCESS_RESTORE``: ``1``/``true`` or ``0``/``false``),
+            default False: the agent then declines the daemon's in-process restores at once
+            (lifecycle ``error`` with ``missed_at_step``), and the daemon restarts the
+            processes instead.
         code_version: recorded in checkpoint metadata (``TRAINGUARD_CODE_VERSION``).
         hyperparameters: a JSON object recorded in checkpoint metadata (at most 16 levels deep).
         host: this machine's name, default ``socket.gethostname()``.
@@ -87,6 +112,8 @@ class AgentConfig:
     restore_timeout_s: float = 300.0
     resume_timeout_s: float = 300.0
     faults: str = ""
+    checksum_every: int = 50
+    in_process_restore: bool = False
     code_version: str = ""
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     host: str = field(default_factory=socket.gethostname)
@@ -99,6 +126,8 @@ class AgentConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if self.checksum_every < 0:
+            raise ConfigError(f"checksum_every must be >= 0 steps, got {self.checksum_every}")
         if self.heartbeat_queue < 1:
             raise ConfigError(f"heartbeat_queue must be >= 1, got {self.heartbeat_queue}")
         parse_faults(self.faults)

@@ -1,11 +1,15 @@
-"""Errors of the agent: one base, subclasses named for the condition."""
+"""Errors of the agent: one base, subclasses named for the condition; and the one
+control-flow signal a training loop catches, :class:`RestoreRequested`."""
 
 from __future__ import annotations
+
+from trainguard.schemas import Manifest, Restore, StepRange
 
 __all__ = [
     "AgentError",
     "ConfigError",
     "JobAborted",
+    "RestoreRequested",
     "RestoreTimeout",
     "ShardCorrupt",
     "ShardError",
@@ -47,3 +51,43 @@ class JobAborted(AgentError):
 class StaleGeneration(AgentError):
     """The daemon moved on to a newer generation while this process waited for its own: this
     process is fenced off and its supervisor will replace it."""
+
+
+class RestoreRequested(Exception):
+    """Raised by :meth:`Agent.step <trainguard.agent.Agent.step>` to make the training loop
+    reload a snapshot without exiting: the daemon ordered an in-process restore and the step
+    just reported is its ``at_step`` (``docs/wire-contract.md``, restore).
+
+    Not an :class:`AgentError`: nothing failed, and ``except AgentError`` must not swallow
+    it. It is raised only when the agent's ``in_process_restore`` setting says the loop
+    catches it; the loop then loads :attr:`target` (``agent.load``, or its own initialisation
+    when it is ``None``), points its data at the snapshot's cursor, honours :attr:`skip`, and
+    calls ``agent.ready(target_step, cursor=...)``, which acknowledges and waits for the
+    daemon's ``resume``.
+
+    Attributes:
+        restore: the daemon's command (its ``generation`` is already the agent's).
+    """
+
+    def __init__(self, restore: Restore) -> None:
+        self.restore = restore
+        where = "scratch" if restore.target is None else restore.target.snapshot_id
+        super().__init__(
+            f"in-process restore to {where} at step {restore.at_step} "
+            f"(generation {restore.generation}): {restore.reason}"
+        )
+
+    @property
+    def target(self) -> Manifest | None:
+        """The snapshot to load, or ``None``: start from scratch (the initial state)."""
+        return self.restore.target
+
+    @property
+    def step(self) -> int:
+        """The step the restored state stands at: the target's, or 0 from scratch."""
+        return 0 if self.restore.target is None else self.restore.target.step
+
+    @property
+    def skip(self) -> StepRange | None:
+        """Steps whose batches to skip after reloading (see ``Agent.skip``), or ``None``."""
+        return self.restore.skip

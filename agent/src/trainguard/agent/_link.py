@@ -95,6 +95,12 @@ class _Queued:
 class Commands:
     """What the daemon has said to this job so far; written by the loop, read by the trainer.
 
+    Args:
+        job_id: the job whose commands count.
+        generation: commands of older generations are ignored.
+        on_command: called on the loop thread with every command taken, after it is
+            recorded (and outside the lock :meth:`wait` uses); it must not raise.
+
     Attributes:
         restores: restore commands by generation (this process's and newer ones).
         resumes: resume commands by generation.
@@ -103,9 +109,15 @@ class Commands:
         ignored: commands ignored so far (older generation, undecodable).
     """
 
-    def __init__(self, job_id: str, generation: int) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        generation: int,
+        on_command: Callable[[Restore | Resume | Abort], None] | None = None,
+    ) -> None:
         self._job_id = job_id
         self._generation = generation
+        self._on_command = on_command
         self._changed = threading.Condition()
         self.restores: dict[int, Restore] = {}
         self.resumes: dict[int, Resume] = {}
@@ -139,6 +151,8 @@ class Commands:
                     self.aborted = command
             self.newest_generation = max(self.newest_generation, command.generation)
             self._changed.notify_all()
+        if self._on_command is not None:
+            self._on_command(command)
 
     def wait(self, predicate: Callable[[], _T], timeout_s: float) -> _T:
         """Block the calling thread until ``predicate()`` is truthy or ``timeout_s`` seconds
@@ -162,6 +176,7 @@ class Link:
             busy or stuck (that is how the daemon tells a hang from a death).
         interval_s: seconds between heartbeats.
         log: logger for connection trouble and losses.
+        on_command: see :class:`Commands`.
 
     Raises:
         BusURLError: ``bus_config.url`` is not a bus URL.
@@ -185,6 +200,7 @@ class Link:
         beat: Callable[[int], Heartbeat],
         interval_s: float,
         log: FilteringBoundLogger,
+        on_command: Callable[[Restore | Resume | Abort], None] | None = None,
     ) -> None:
         parse_bus_url(bus_config.url)
         self._bus_config = bus_config
@@ -193,7 +209,7 @@ class Link:
         self._beat = beat
         self._interval_s = interval_s
         self._log = log
-        self.commands = Commands(job_id, generation)
+        self.commands = Commands(job_id, generation, on_command)
         self.connected = False
         self.sent = 0
         self.dropped_heartbeats = 0

@@ -11,6 +11,10 @@ Two ways to start workers:
 * **plain mode**: one command (a script, or ``torchrun ...``) whose exit is reported for the
   ranks it hosts (``ranks``).
 
+An ``in_process`` restore leaves the workers running (their agents reload at the restore's
+step boundary): the supervisor only adopts its generation, for the exits it reports from then
+on; if that restore fails, the daemon's next one restarts.
+
 Every worker runs in its own session (process group), so a restore can stop everything it
 started, grandchildren included: SIGTERM to the group, SIGKILL after ``grace_s`` seconds.
 Workers get ``TRAINGUARD_JOB``, ``TRAINGUARD_BUS``, ``TRAINGUARD_TOPIC_PREFIX`` and
@@ -121,7 +125,7 @@ class SupervisorConfig:
         return tuple(range(first, first + self.nproc_per_node))
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: "is it still one of ours?"
 class _Worker:
     ranks: tuple[int, ...]
     proc: asyncio.subprocess.Process
@@ -232,6 +236,15 @@ class Supervisor:
             if isinstance(order, Abort):
                 log.error("job aborted by the daemon", reason=order.reason)
                 return EXIT_ABORTED
+            if order.mode == "in_process":
+                log.info(
+                    "in-process restore ordered: the workers reload themselves",
+                    generation=order.generation,
+                    at_step=order.at_step,
+                    reason=order.reason,
+                )
+                self._generation = order.generation
+                continue
             log.info(
                 "restore ordered",
                 generation=order.generation,
@@ -296,13 +309,13 @@ class Supervisor:
             worker = _Worker(ranks, proc)
             self._workers.append(worker)
             await self._report(bus, "started", worker)
-            worker.watcher = asyncio.ensure_future(self._watch(bus, worker, self._generation))
+            worker.watcher = asyncio.ensure_future(self._watch(bus, worker))
         log.info("workers started", generation=self._generation, ranks=self._c.local_ranks())
 
-    async def _watch(self, bus: Bus, worker: _Worker, generation: int) -> None:
+    async def _watch(self, bus: Bus, worker: _Worker) -> None:
         code = await worker.proc.wait()
-        if generation != self._generation:
-            return
+        if worker not in self._workers:
+            return  # stopped for a restart: the daemon has moved on
         if code != 0:
             self._failed = True
         await self._report(bus, "exited", worker, code=code)

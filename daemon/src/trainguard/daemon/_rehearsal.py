@@ -129,9 +129,12 @@ def stop_process(
     return proc.wait()
 
 
-def charlm_command(out: Path, *, steps: int, checkpoint_every: int, seed: int) -> list[str]:
-    """The worker command of the ``examples/charlm`` job writing to ``out``; run it from the
-    repository root or with :func:`charlm_env`'s ``PYTHONPATH``."""
+def charlm_command(
+    out: Path, *, steps: int, checkpoint_every: int, seed: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """The worker command of the ``examples/charlm`` job writing to ``out``, with ``extra``
+    options of ``examples/charlm/train.py`` (``--step-sleep``, ``--eval-every``, ...); run it
+    from the repository root or with :func:`charlm_env`'s ``PYTHONPATH``."""
     return [
         sys.executable,
         "-m",
@@ -144,33 +147,45 @@ def charlm_command(out: Path, *, steps: int, checkpoint_every: int, seed: int) -
         str(seed),
         "--out",
         str(out),
+        *extra,
     ]
 
 
 def charlm_env(
-    out: Path, repo: Path, *, faults: str = "", heartbeat_interval_s: float = 0.5
+    out: Path,
+    repo: Path,
+    *,
+    faults: str = "",
+    heartbeat_interval_s: float = 0.5,
+    checksum_every: int | None = None,
 ) -> dict[str, str]:
     """Worker environment for :func:`charlm_command`: shards under ``out/checkpoints`` (the
     fault markers too, so a fault fires once per job), heartbeats every
-    ``heartbeat_interval_s`` seconds, ``faults`` as ``TRAINGUARD_FAULTS``, ``repo`` (the
-    folder holding ``examples/``) on ``PYTHONPATH``."""
-    return {
+    ``heartbeat_interval_s`` seconds, ``faults`` as ``TRAINGUARD_FAULTS``, parameter checksums
+    every ``checksum_every`` steps (``None``: the agent's default), ``repo`` (the folder
+    holding ``examples/``) on ``PYTHONPATH``."""
+    env = {
         "TRAINGUARD_CHECKPOINT_DIR": str(out / "checkpoints"),
         "TRAINGUARD_HEARTBEAT_INTERVAL": str(heartbeat_interval_s),
         "TRAINGUARD_FAULTS": faults,
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": str(repo),
     }
+    if checksum_every is not None:
+        env["TRAINGUARD_CHECKSUM_EVERY"] = str(checksum_every)
+    return env
 
 
-def _reference_key(repo: Path, steps: int, checkpoint_every: int, seed: int) -> str:
+def _reference_key(
+    repo: Path, steps: int, checkpoint_every: int, seed: int, extra: Sequence[str]
+) -> str:
     """Cache key of a reference run: everything that decides its bytes."""
     import torch
 
     h = hashlib.sha256()
     for path in sorted((repo / "examples" / "charlm").glob("*.py")):
         h.update(path.read_bytes())
-    h.update(f"{steps}:{checkpoint_every}:{seed}:{torch.__version__}".encode())
+    h.update(f"{steps}:{checkpoint_every}:{seed}:{torch.__version__}:{list(extra)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -182,10 +197,12 @@ def reference_run(
     checkpoint_every: int,
     seed: int,
     world_size: int = 2,
+    extra: Sequence[str] = (),
     timeout_s: float = 600,
 ) -> Path:
     """Run the ``examples/charlm`` job without faults (and without a daemon: the agents only
-    publish) under ``cache``, or reuse such a run; return its output folder.
+    publish) under ``cache``, with ``extra`` options of its ``train.py`` (e.g.
+    ``--skip-steps``), or reuse such a run; return its output folder.
 
     A finished run (one with ``final.sha256``) is reused when the example's sources, the
     arguments and the torch version are the same. The folder holds ``final.sha256`` and
@@ -195,14 +212,14 @@ def reference_run(
         RuntimeError: the run failed (see its ``supervisor.log``).
         TimeoutError: it took longer than ``timeout_s`` seconds.
     """
-    out = cache / f"reference-{_reference_key(repo, steps, checkpoint_every, seed)}"
+    out = cache / f"reference-{_reference_key(repo, steps, checkpoint_every, seed, extra)}"
     if (out / "final.sha256").is_file():
         return out
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     sup = supervise(
         "reference",
-        charlm_command(out, steps=steps, checkpoint_every=checkpoint_every, seed=seed),
+        charlm_command(out, steps=steps, checkpoint_every=checkpoint_every, seed=seed, extra=extra),
         bus_url=f"sqlite:///{out / 'bus.db'}",
         prefix="ref.",
         nproc_per_node=world_size,

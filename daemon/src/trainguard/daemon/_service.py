@@ -256,7 +256,11 @@ class DaemonService:
                     await self._dead_letter(bus, record, reason)
                 case JobFailed(reason=reason):
                     log.error("job failed", job_id=job, reason=reason)
-                case IncidentOpened() | IncidentClosed() | Transition() | Anomaly():
+                case IncidentOpened() | Anomaly():
+                    # What an operator should look at: a stall, a divergence, a straggler, a
+                    # suspect host.
+                    log.warning(decision.KIND, job_id=job, **_log_fields(decision))
+                case IncidentClosed() | Transition():
                     log.info(decision.KIND, job_id=job, **_log_fields(decision))
         audit = {
             "job_id": job,

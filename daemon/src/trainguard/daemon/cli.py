@@ -231,20 +231,40 @@ def demo(
         Path | None,
         typer.Option(help="Where reference runs are cached; default: ~/.cache/trainguard/demo."),
     ] = None,
+    fault: Annotated[
+        str | None,
+        typer.Option(
+            help="Inject these faults instead of the SIGKILL, e.g. 'nan@step=120,rank=1' or "
+            "'hang@step=100,rank=0' (TRAINGUARD_FAULTS syntax: kill, exit, hang, slow, nan, "
+            "spike, bitflip, stall-checkpoint)."
+        ),
+    ] = None,
+    step_sleep: Annotated[
+        float,
+        typer.Option(
+            help="Seconds each training step sleeps, so that hang and loss detectors have "
+            "samples before the fault (try 0.1 with --fault)."
+        ),
+    ] = 0.0,
 ) -> None:
-    """Train a real 2-rank job, SIGKILL rank 1 at a random step, and watch trainguard recover.
+    """Train a real 2-rank job, SIGKILL rank 1 at a random step (or inject --fault), and watch
+    trainguard recover.
 
-    Exits 0 when the job recovered exactly: one restore, final parameters bitwise equal to an
-    uninterrupted run, and no sample skipped or repeated.
+    Exits 0 when the job recovered exactly: final parameters bitwise equal to an uninterrupted
+    run (one that skipped the same batches, if a restore skipped some), no sample skipped or
+    repeated, and for the default SIGKILL exactly one restore.
     """
+    from trainguard.agent import ConfigError
     from trainguard.daemon._demo import DemoOptions, run_demo
 
     try:
-        options = DemoOptions(bus=bus, seed=seed, steps=steps, workdir=workdir)
+        options = DemoOptions(
+            bus=bus, seed=seed, steps=steps, workdir=workdir, fault=fault, step_sleep=step_sleep
+        )
         if cache_dir is not None:
             options = replace(options, cache=cache_dir)
         ok = run_demo(options)
-    except (FileNotFoundError, RuntimeError, BusError) as exc:
+    except (FileNotFoundError, RuntimeError, BusError, ConfigError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     raise typer.Exit(0 if ok else 1)
