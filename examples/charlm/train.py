@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,9 @@ class TrainConfig:
         sync: average gradients over the ranks (DDP); ``False`` trains an independent replica
             per rank on its share of the data, without a process group, so that ranks
             progress at their own pace (straggler rehearsals).
+        pg_timeout: seconds a gloo collective waits for the other ranks before it fails
+            (``init_process_group``'s ``timeout``), or ``None`` for torch's default
+            (``torch.distributed.constants.default_pg_timeout``, 30 minutes in torch 2.13).
     """
 
     steps: int
@@ -101,6 +105,7 @@ class TrainConfig:
     eval_seconds: float = 0.0
     skip: StepRange | None = None
     sync: bool = True
+    pg_timeout: float | None = None
 
     def hyperparameters(self) -> dict[str, Any]:
         """The settings a restored run must share with its checkpoint to stay bitwise exact
@@ -452,6 +457,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
         action="store_false",
         help="independent replica per rank: no process group, no gradient averaging",
     )
+    parser.add_argument(
+        "--pg-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a gloo collective fails after waiting this long (default: torch's, 30 min)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--context", type=int, default=ModelConfig.context, help="bytes per sample")
     parser.add_argument("--d-model", type=int, default=ModelConfig.d_model)
@@ -463,6 +474,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
         parser.error("--steps must be >= 0 and --checkpoint-every >= 1")
     if args.step_sleep < 0 or args.eval_every < 0 or args.eval_seconds < 0:
         parser.error("--step-sleep, --eval-every and --eval-seconds must be >= 0")
+    if args.pg_timeout is not None and args.pg_timeout <= 0:
+        parser.error("--pg-timeout must be > 0")
     config = TrainConfig(
         steps=args.steps,
         seed=args.seed,
@@ -477,6 +490,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
         eval_seconds=args.eval_seconds,
         skip=args.skip_steps,
         sync=args.sync,
+        pg_timeout=args.pg_timeout,
         model=ModelConfig(
             context=args.context,
             d_model=args.d_model,
@@ -520,7 +534,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_interop_threads(1)
     torch.use_deterministic_algorithms(True)
     if "WORLD_SIZE" in os.environ and config.sync:
-        dist.init_process_group("gloo")
+        if config.pg_timeout is None:
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=config.pg_timeout))
     try:
         train(config, settings)
     finally:

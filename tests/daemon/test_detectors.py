@@ -141,6 +141,35 @@ def test_a_silent_rank_is_the_heartbeat_timeouts_case() -> None:
     assert incident.ranks == (2,)
 
 
+def test_ranks_that_stop_together_are_all_named_and_a_lone_stall_only_itself() -> None:
+    """In a collective every rank waits for the stuck one: all stop within a heartbeat of each
+    other, and heartbeats cannot tell which one is stuck, so the incident names them all. A
+    rank that stops while the others go on is named alone."""
+    sim = Sim()
+    state, _ = running_job(sim, 40)
+    stopped = [
+        sim.heartbeat(r, 39, T0 + (41 + k) * S + r * S // 5) for k in range(10) for r in range(4)
+    ]
+    _, folded = drive(stopped, state, first_incident=True)
+    [(_, incident)] = opened(folded)
+    assert incident.cause == "progress_timeout"
+    assert incident.ranks == (0, 1, 2, 3)
+    assert "waiting in a collective" in incident.reason
+
+    sim = Sim()
+    state, _ = running_job(sim, 40)
+    lone = [
+        sim.heartbeat(r, 39 if r == 2 else 40 + k, T0 + (41 + k) * S + r)
+        for k in range(10)
+        for r in range(4)
+    ]
+    _, folded = drive(lone, state, first_incident=True)
+    [(_, incident)] = opened(folded)
+    assert incident.cause == "progress_timeout"
+    assert incident.ranks == (2,)
+    assert "collective" not in incident.reason
+
+
 def test_next_deadline_covers_the_progress_timeout() -> None:
     """A rank's stall deadline starts with its first heartbeat without progress (before that
     it is either advancing or silent); the shell must tick at it."""

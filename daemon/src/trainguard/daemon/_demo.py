@@ -205,7 +205,9 @@ async def _watch(
     with progress:
         async with contextlib.aclosing(follow_job(bus_url, prefix, JOB)) as batches:
             async for batch in batches:
-                for item in batch:
+                # The daemon audits a decision right after sending its command: tell the
+                # incident before the restore it caused.
+                for item in sorted(batch, key=lambda i: not isinstance(i.message, dict)):
                     kill_at = _story(item.message, item.at_ms / 1000, kill_at, progress, task)
                 if not batch and sup.poll() is not None:
                     return
@@ -220,7 +222,10 @@ def _story(
         case {"decisions": decisions}:
             for d in decisions:
                 if d["decision"] == "incident_opened":
-                    say(f"[yellow]⚑ incident {d['incident_id']}: {d['reason']}")
+                    say(
+                        f"[yellow]⚑ incident {d['incident_id']}: {d['cause']} on ranks "
+                        f"{', '.join(map(str, d['ranks']))}"
+                    )
         case Heartbeat(step=step, generation=g):
             progress.update(task, completed=step, description=f"generation {g}")
         case Lifecycle(kind="exited", signal=sig, ranks=ranks) if sig is not None:

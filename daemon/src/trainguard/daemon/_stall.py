@@ -110,6 +110,10 @@ def scan_stalls(state: JobState, config: MachineConfig) -> tuple[JobState, Failu
     clock, watch, trend = state.clock_ns, state.watch, state.trend
     in_phase: list[RankState] = []
     training: list[RankState] = []
+    # Training ranks due within one more heartbeat interval: in a collective every rank waits
+    # for the stuck one, and they all stopped at about the same time; heartbeats cannot tell
+    # which one is stuck, so an incident names them all rather than whichever was seen first.
+    close: list[RankState] = []
     nearest: int | None = None
     for rec in state.ranks.values():
         deadline = stall_deadline(rec, watch, trend, config)
@@ -117,6 +121,8 @@ def scan_stalls(state: JobState, config: MachineConfig) -> tuple[JobState, Failu
             continue
         if clock <= deadline:
             nearest = deadline if nearest is None else min(nearest, deadline)
+            if rec.phase not in LONG_PHASES and deadline <= clock + config.heartbeat_interval_ns:
+                close.append(rec)
         elif rec.phase in LONG_PHASES:
             in_phase.append(rec)
         else:
@@ -124,7 +130,8 @@ def scan_stalls(state: JobState, config: MachineConfig) -> tuple[JobState, Failu
     if in_phase:
         return state, _phase_failure(state, sorted(in_phase, key=_rank_of), config)
     if training:
-        return state, _progress_failure(state, sorted(training, key=_rank_of), config)
+        stalled = sorted(training + close, key=_rank_of)
+        return state, _progress_failure(state, stalled, config)
     return state._replace(watch=watch._replace(progress_due_ns=nearest)), None
 
 
@@ -169,12 +176,17 @@ def _progress_failure(state: JobState, ranks: list[RankState], config: MachineCo
         )
     else:
         how = f"start-up allowance during the first {config.startup_steps} steps"
+    together = (
+        "; ranks that stop together are usually all waiting in a collective for one stuck rank"
+        if len(ranks) > 1
+        else ""
+    )
     reason = (
         f"{ranks_text(rec.rank for rec in ranks)} on {hosts_text(rec.host for rec in ranks)} "
         f"kept heartbeating without completing a step for up to {seconds_text(stalled)} "
         f"(progress timeout {seconds_text(timeout)}, {how}, plus a heartbeat interval of "
         f"{seconds_text(config.heartbeat_interval_ns)}) in generation {state.generation}"
-        f"{steps_text(rec.step for rec in ranks)}"
+        f"{steps_text(rec.step for rec in ranks)}{together}"
     )
     measures = Measures(
         stalled_s=stalled / _NS_PER_S,
