@@ -24,7 +24,7 @@ def test_help_lists_the_commands() -> None:
 
 def test_daemon_logs_json_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [*CLI, "daemon", "--bus", f"sqlite://{tmp_path / 'bus.db'}"],
+        [*CLI, "daemon", "--bus", f"sqlite://{tmp_path / 'bus.db'}", "--metrics-port", "0"],
         stderr=subprocess.PIPE,
         text=True,
     )

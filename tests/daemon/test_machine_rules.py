@@ -36,7 +36,7 @@ from trainguard.daemon._decisions import (
 from trainguard.daemon._inputs import Input, Observed, Tick
 from trainguard.daemon._machine import decide, next_deadline
 from trainguard.daemon._state import new_job
-from trainguard.schemas import Abort, Lifecycle, Restore, Resume
+from trainguard.schemas import Abort, Checkpoint, Lifecycle, Restore, Resume
 
 CFG = config()
 
@@ -107,6 +107,38 @@ def test_only_the_newest_snapshots_are_kept() -> None:
     sim = Sim()
     state, _ = running_job(sim, 60, cfg=config(keep_snapshots=2))
     assert [m.step for m in state.committed] == [40, 50]
+
+
+def _from_origin(shard: Input, parent: str | None) -> Observed:
+    """``shard`` (a checkpoint input) as a rank of a job started from ``parent`` sends it."""
+    assert isinstance(shard, Observed)
+    assert isinstance(shard.event, Checkpoint)
+    return dataclasses.replace(shard, event=dataclasses.replace(shard.event, parent=parent))
+
+
+def test_the_manifest_records_the_snapshot_the_job_started_from() -> None:
+    sim = Sim()
+    state, _ = run(sim.start(T0))
+    origin = "pretrain/g2/s500"
+    shards = [_from_origin(sim.checkpoint(r, 10, T0 + S + r), origin) for r in range(4)]
+    state, decisions = run(shards, state)
+    [committed] = of_type(decisions, Committed)
+    assert committed.manifest.parent == origin
+    assert state.committed[-1].parent == origin
+
+
+def test_shards_that_disagree_on_the_origin_do_not_commit() -> None:
+    sim = Sim()
+    state, _ = run(sim.start(T0))
+    shards = [_from_origin(sim.checkpoint(r, 10, T0 + S + r), "pretrain/g0/s5") for r in range(3)]
+    shards.append(sim.checkpoint(3, 10, T0 + S + 3))
+    state, decisions = run(shards, state)
+    [anomaly] = decisions
+    assert isinstance(anomaly, Anomaly)
+    assert anomaly.kind == "checkpoint_mismatch"
+    assert "rank 3: None" in anomaly.reason
+    assert "started from" in anomaly.reason
+    assert state.committed == ()
 
 
 # -- incidents and restores ---------------------------------------------------------------------

@@ -25,10 +25,16 @@ PURE_MODULES = [
     "daemon/src/trainguard/daemon/_divergence.py",
     "daemon/src/trainguard/daemon/_trend.py",
     "daemon/src/trainguard/daemon/_window.py",
+    "daemon/src/trainguard/daemon/_audit.py",
+    "daemon/src/trainguard/daemon/_intake.py",
+    "daemon/src/trainguard/daemon/_replay.py",
+    "daemon/src/trainguard/daemon/_state_codec.py",
+    "daemon/src/trainguard/daemon/_catalog.py",
     "agent/src/trainguard/agent/_cursor.py",
     "agent/src/trainguard/agent/_errors.py",
 ]
-"""The state machine, its detectors and the cursor arithmetic (ARCHITECTURE.md section 4)."""
+"""The state machine, its detectors and the cursor arithmetic (ARCHITECTURE.md section 4),
+and the replay that folds a recorded log through them (with its intake and audit format)."""
 
 IO_MODULES = {
     "asyncio", "anyio", "socket", "sqlite3", "aiokafka", "os", "io", "time", "random",

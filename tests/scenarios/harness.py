@@ -6,13 +6,15 @@ module adds what the scenario tests need on top: one object per run that owns it
 (and kills whatever is left at teardown), waiting for a message on the bus with a deadline, and
 the checks of issue 3's invariants (exactly one restore per incident attempt, restore targets
 that are the newest good committed snapshot at the moment of the restore, final parameters and
-sample ledger equal to the reference).
+sample ledger equal to the reference). Every :meth:`JobRun.record` also replays the job from the
+bus and checks that the replay reproduces the recorded decisions exactly (issue 5).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -22,8 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
+
 from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
 from tests.buses import BusFactory
+from trainguard.daemon import MachineConfig
+from trainguard.daemon._joblog import read_bus
 from trainguard.daemon._rehearsal import (
     JobRecord,
     Stamped,
@@ -35,6 +41,8 @@ from trainguard.daemon._rehearsal import (
     stop_process,
     supervise,
 )
+from trainguard.daemon._replay import replay, verify
+from trainguard.daemon._timeline import difference_json
 from trainguard.schemas import Lifecycle, Restore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,11 +110,12 @@ class JobRun:
         self.daemons: list[subprocess.Popen[bytes]] = []
         self.supervisor: subprocess.Popen[bytes] | None = None
         self._config = workdir / "daemon.toml"
-        # A consumer group of its own, so that runs sharing a Kafka broker never share daemons.
+        # A consumer group of its own, so that runs sharing a Kafka broker never share daemons;
+        # /metrics and /healthz on a free port each (see metrics_url).
         settings = "".join(f"{k} = {_toml(v)}\n" for k, v in (machine or {}).items())
         self._config.write_text(
             f"[bus]\nsession_timeout_s = {DAEMON_SESSION_TIMEOUT_S}\n\n"
-            f'[service]\ngroup_id = "{bus.prefix}daemon"\n\n'
+            f'[service]\ngroup_id = "{bus.prefix}daemon"\nmetrics_port = 0\n\n'
             f"[machine]\n{settings}"
         )
 
@@ -126,6 +135,27 @@ class JobRun:
         )
         self.daemons.append(proc)
         return proc
+
+    def metrics_url(self, daemon: int = -1, timeout_s: float = 30.0) -> str:
+        """``http://host:port`` of the ``/metrics`` and ``/healthz`` server of
+        ``self.daemons[daemon]``, from its log (``metrics server listening``).
+
+        Raises:
+            AssertionError: not logged within ``timeout_s`` seconds.
+        """
+        index = range(len(self.daemons))[daemon]
+        log = self.workdir / f"daemon-{index + 1}.log"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in log.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue  # a line being written, or not a log entry
+                if entry.get("event") == "metrics server listening":
+                    return str(entry["url"])
+            time.sleep(0.1)
+        raise AssertionError(f"daemon {index + 1} never served metrics {self.describe()}")
 
     def kill_daemon(self) -> int:
         """SIGKILL the newest daemon's process group (a crash); return the time, ms since the
@@ -198,7 +228,8 @@ class JobRun:
         if not running:
             return
         with contextlib.suppress(Exception):  # teardown of a run whose bus may be unreadable
-            for stamped in self.record().events:
+            record = asyncio.run(read_job_record(self.bus.url, self.bus.prefix, JOB))
+            for stamped in record.events:
                 msg = stamped.message
                 if isinstance(msg, Lifecycle) and msg.rank is None and msg.kind == "started":
                     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -232,8 +263,32 @@ class JobRun:
         raise AssertionError("follow_job() ended")  # it yields for ever
 
     def record(self) -> JobRecord:
-        """Everything the bus holds about the job now."""
-        return asyncio.run(read_job_record(self.bus.url, self.bus.prefix, JOB))
+        """Everything the bus holds about the job now, once :meth:`assert_replays` held.
+
+        Raises:
+            AssertionError: replaying the job does not reproduce its recorded decisions.
+        """
+        record = asyncio.run(read_job_record(self.bus.url, self.bus.prefix, JOB))
+        self.assert_replays()
+        return record
+
+    def assert_replays(self) -> None:
+        """Replay the job from the bus as ``trainguard replay`` does and check that the
+        replayed decisions equal the audit trail's exactly (architecture invariant 1).
+
+        Raises:
+            AssertionError: they differ; names the first difference.
+        """
+        log = asyncio.run(read_bus(self.bus.url, self.bus.prefix, JOB))
+        result = replay(
+            JOB, log.events, log.trail(), MachineConfig(daemon_id="replay"), timeline=False
+        )
+        difference = verify(result.replayed, result.recorded)
+        assert difference is None, (
+            "replaying the job does not reproduce its recorded decisions: "
+            f"{orjson.dumps(difference_json(difference), option=orjson.OPT_INDENT_2).decode()} "
+            f"{self.describe()}"
+        )
 
 
 def _toml(value: str | int | float | bool) -> str:

@@ -132,6 +132,7 @@ checkpoints = st.builds(
     digest=digests,
     cursor=cursors,
     metadata=metadatas,
+    parent=st.none() | snapshot_ids,
 )
 data_cursor_events = st.builds(DataCursorEvent, **_event, step=counts, cursor=cursors)
 manifests = st.builds(
@@ -359,6 +360,7 @@ BAD_CASES = [
     ),
     BadCase("metadata null", CK, put("metadata", value=None), "metadata"),
     BadCase("metadata unknown property", CK, put("metadata", "x", value=1), "metadata.x"),
+    BadCase("checkpoint parent malformed", CK, put("parent", value="j/g1"), "parent"),
     BadCase(
         "hyperparameters not an object",
         CK,

@@ -28,6 +28,7 @@ from trainguard.agent._errors import (
 from trainguard.agent._faults import parse_faults
 from trainguard.agent._injector import FaultInjector, Scalable
 from trainguard.agent._link import Commands, Link
+from trainguard.agent._manifests import fetch_manifest
 from trainguard.agent._shards import (
     HostStager,
     capture_rng,
@@ -125,6 +126,13 @@ class Agent:
                     agent.checkpoint(step, state, cursor=sampler.cursor_after(steps),
                                      blocking=False)
 
+    **Starting from another job's snapshot.** With ``init_from`` set to a committed snapshot of
+    another job (``TRAINGUARD_INIT_FROM``, ``trainguard run --init-from``; see
+    :class:`AgentConfig`), :meth:`restore_target` returns that snapshot in generation 0, and
+    the same loop loads it (a fine-tune, or a continuation under a new job id). The job's
+    checkpoints, and so its committed snapshots, name it as their ``parent``
+    (``trainguard checkpoints lineage``).
+
     **Restoring in process.** With ``in_process_restore`` set (see :class:`AgentConfig`), an
     in-process restore of the daemon makes :meth:`step` raise :class:`RestoreRequested` at the
     step boundary it names; the loop catches it, loads the target as above (the same calls,
@@ -185,6 +193,7 @@ class Agent:
         self._write_failures = 0
         self._stager = HostStager()
         self._restore: Restore | None = None
+        self._initial: Manifest | None = None  # init_from's manifest, once read
         self._skip: StepRange | None = None
         self._reported: BaseException | None = None
         self._state = "new"
@@ -281,31 +290,48 @@ class Agent:
     def restore_target(self, timeout_s: float | None = None) -> Manifest | None:
         """The snapshot this process must resume from, or ``None`` for a fresh start.
 
-        Generation 0 starts fresh and returns at once. A process started for generation g > 0
+        Generation 0 starts from the job's initial state and returns at once: ``None``, or
+        with ``init_from`` set, that snapshot of another job (its manifest, read from the
+        bus's ``manifests`` topic). A process started for generation g > 0
         (``TRAINGUARD_GENERATION``, set by the supervisor) waits for the daemon's ``restore``
-        command of g on the ``commands`` topic and returns its target (``None`` when no step
-        had been committed yet).
+        command of g on the ``commands`` topic and returns its target; when that is ``None``
+        (no step of the job committed yet), the job's initial state again.
 
         Args:
-            timeout_s: seconds to wait; default ``config.restore_timeout_s``.
+            timeout_s: seconds to wait for the command, and for reading ``init_from``'s
+                manifest; default ``config.restore_timeout_s``.
 
         Raises:
-            RestoreTimeout: the command did not arrive in time.
+            RestoreTimeout: the command did not arrive in time, or the bus could not be read.
+            ConfigError: ``init_from`` names no committed snapshot on the bus.
             JobAborted: the daemon aborted the job.
             StaleGeneration: the daemon has already moved on to a newer generation.
             AgentError: called outside the ``with`` block.
         """
         self._require_open()
         generation = self.config.generation
+        wait_s = self.config.restore_timeout_s if timeout_s is None else timeout_s
         if generation == 0:
-            return None
+            return self._initial_target(wait_s)
         self._restore = self._await(
             lambda commands: commands.restores.get(generation),
-            self.config.restore_timeout_s if timeout_s is None else timeout_s,
+            wait_s,
             f"the restore command of generation {generation}",
         )
         self._skip = self._restore.skip
-        return self._restore.target
+        target = self._restore.target
+        return target if target is not None else self._initial_target(wait_s)
+
+    def _initial_target(self, timeout_s: float) -> Manifest | None:
+        """The job's initial state: ``init_from``'s manifest (read once), or ``None``."""
+        c = self.config
+        if c.init_from is None:
+            return None
+        if self._initial is None:
+            bus = BusConfig(url=c.bus_url, prefix=c.topic_prefix, client_id=f"agent-{c.rank}")
+            self._initial = fetch_manifest(bus, c.init_from, timeout_s)
+            self._log.info("init_from", snapshot_id=c.init_from, step=self._initial.step)
+        return self._initial
 
     @property
     def skip(self) -> StepRange | None:
@@ -340,7 +366,9 @@ class Agent:
 
             Before raising, a lifecycle ``error`` naming ``target.snapshot_id`` is sent (and
             given up to 30 s to reach the bus), so that the daemon stops using that snapshot
-            and retries the restore from an older one.
+            and retries the restore from an older one; not for another job's snapshot
+            (``init_from``), which the daemon cannot rule out: the error that ends the process
+            is reported on exit instead.
         """
         self._require_open()
         rank = self.config.rank
@@ -354,6 +382,8 @@ class Agent:
                 raise ShardError(f"shard {shard.uri} was not written by a trainguard agent")
             restore_rng(own["rng"])
         except ShardError as exc:
+            if target.job_id != self.config.job_id:
+                raise
             self._reported = exc
             self._lifecycle(
                 "error",
@@ -456,6 +486,8 @@ class Agent:
             RestoreRequested: ``step`` is the ``at_step`` of an in-process restore (only with
                 the ``in_process_restore`` setting). Pending checkpoint writes are finished
                 first.
+            ConfigError, RestoreTimeout: instead, as :meth:`restore_target`, when that restore
+                targets the job's initial state and ``init_from``'s manifest cannot be read.
         """
         now = time.monotonic()
         last = self._last_step_at
@@ -579,7 +611,10 @@ class Agent:
         self._skip = restore.skip
         # A write of the abandoned timeline must not land after the reload.
         self.wait_checkpoints()
-        raise RestoreRequested(restore)
+        initial = None
+        if restore.target is None:
+            initial = self._initial_target(self.config.restore_timeout_s)
+        raise RestoreRequested(restore, initial)
 
     def phase(self, phase: Phase) -> None:
         """Declare what this rank is doing (``train``, ``checkpoint``, ``eval``, ``data``,

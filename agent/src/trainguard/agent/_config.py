@@ -54,6 +54,7 @@ _ENVIRONMENT: Mapping[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
     "checksum_every": (("TRAINGUARD_CHECKSUM_EVERY",), int),
     "in_process_restore": (("TRAINGUARD_IN_PROCESS_RESTORE",), _boolean),
     "code_version": (("TRAINGUARD_CODE_VERSION",), str),
+    "init_from": (("TRAINGUARD_INIT_FROM",), str),
 }
 """Setting name -> (environment variables, highest precedence first; parser of their value)."""
 
@@ -91,6 +92,12 @@ class AgentConfig:
             (lifecycle ``error`` with ``missed_at_step``), and the daemon restarts the
             processes instead.
         code_version: recorded in checkpoint metadata (``TRAINGUARD_CODE_VERSION``).
+        init_from: ``snapshot_id`` of another job's committed snapshot this job starts from
+            (``TRAINGUARD_INIT_FROM``; ``trainguard run --init-from``), or ``None`` for a
+            start from scratch. :meth:`Agent.restore_target` then returns its manifest (read
+            from the bus's ``manifests`` topic) in generation 0, and again whenever a restore
+            of the daemon targets the job's initial state; every checkpoint names it as its
+            ``parent``, and so does every snapshot the daemon commits for the job.
         hyperparameters: a JSON object recorded in checkpoint metadata (at most 16 levels deep).
         host: this machine's name, default ``socket.gethostname()``.
         heartbeat_queue: most heartbeats kept while the bus is slow or away (>= 1); older ones
@@ -115,6 +122,7 @@ class AgentConfig:
     checksum_every: int = 50
     in_process_restore: bool = False
     code_version: str = ""
+    init_from: str | None = None
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     host: str = field(default_factory=socket.gethostname)
     heartbeat_queue: int = 16
@@ -131,13 +139,19 @@ class AgentConfig:
         if self.heartbeat_queue < 1:
             raise ConfigError(f"heartbeat_queue must be >= 1, got {self.heartbeat_queue}")
         parse_faults(self.faults)
+        if self.init_from is not None and self.init_from.partition("/")[0] == self.job_id:
+            # The daemon restores a job's own snapshots; as a parent it would make a loop.
+            raise ConfigError(
+                f"init_from {self.init_from!r} is a snapshot of this job ({self.job_id!r}); "
+                "start from another job's snapshot"
+            )
         try:
             parse_bus_url(self.bus_url)
         except BusURLError as exc:
             raise ConfigError(str(exc)) from exc
         try:
             # What ends up on the wire is checked by the wire contract itself: job id, host,
-            # rank, world size, generation, hyperparameters and code version.
+            # rank, world size, generation, hyperparameters, code version and init_from.
             encode(self.checkpoint_template(step=0, cursor=_PROBE_CURSOR, pid=1))
         except SchemaError as exc:
             raise ConfigError(f"invalid agent setting: {exc}") from exc
@@ -198,6 +212,7 @@ class AgentConfig:
                 topology={"world_size": self.world_size},
                 code_version=self.code_version,
             ),
+            parent=self.init_from,
         )
 
 

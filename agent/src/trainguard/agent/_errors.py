@@ -41,7 +41,7 @@ class ShardCorrupt(ShardError):
 
 class RestoreTimeout(AgentError, TimeoutError):
     """The daemon's ``restore`` or ``resume`` command for this generation did not arrive in
-    time."""
+    time, or the manifest of the ``init_from`` snapshot could not be read from the bus."""
 
 
 class JobAborted(AgentError):
@@ -67,11 +67,15 @@ class RestoreRequested(Exception):
 
     Attributes:
         restore: the daemon's command (its ``generation`` is already the agent's).
+        initial: the snapshot of another job this job started from (the agent's
+            ``init_from``), or ``None``; what :attr:`target` is when the command's is ``None``.
     """
 
-    def __init__(self, restore: Restore) -> None:
+    def __init__(self, restore: Restore, initial: Manifest | None = None) -> None:
         self.restore = restore
-        where = "scratch" if restore.target is None else restore.target.snapshot_id
+        self.initial = initial
+        target = self.target
+        where = "scratch" if target is None else target.snapshot_id
         super().__init__(
             f"in-process restore to {where} at step {restore.at_step} "
             f"(generation {restore.generation}): {restore.reason}"
@@ -79,13 +83,15 @@ class RestoreRequested(Exception):
 
     @property
     def target(self) -> Manifest | None:
-        """The snapshot to load, or ``None``: start from scratch (the initial state)."""
-        return self.restore.target
+        """The snapshot to load: the command's target; when that is ``None`` (the job's
+        initial state), :attr:`initial`, or ``None``: start from scratch."""
+        return self.restore.target if self.restore.target is not None else self.initial
 
     @property
     def step(self) -> int:
         """The step the restored state stands at: the target's, or 0 from scratch."""
-        return 0 if self.restore.target is None else self.restore.target.step
+        target = self.target
+        return 0 if target is None else target.step
 
     @property
     def skip(self) -> StepRange | None:

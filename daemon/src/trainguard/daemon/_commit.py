@@ -2,8 +2,9 @@
 
 ARCHITECTURE.md section 4: step S of generation G is committed when every rank of the world size
 has reported a shard for (G, S), all with one data version and one world size; the data cursor
-is world-size independent, so every rank's must be the same too. Only committed steps are
-restore targets.
+is world-size independent, so every rank's must be the same too, and so must the snapshot the
+job started from (``parent``: shards of different origins are not one model). Only committed
+steps are restore targets.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def commit(
         now_ns: the manifest's ``ts`` (the daemon's clock, ns).
 
     Returns:
-        The manifest (shards ordered by rank; cursor and metadata are rank 0's), or a reason
-        naming the disagreeing ranks when data versions or cursors differ.
+        The manifest (shards ordered by rank; cursor, metadata and ``parent`` are rank 0's),
+        or a reason naming the disagreeing ranks when data versions, cursors or parents differ.
 
     Raises:
         ValueError: ``shards`` does not hold exactly the ranks ``0..world_size-1``.
@@ -62,6 +63,13 @@ def commit(
             f"shards of step {step} in generation {generation} disagree on the data cursor "
             f"(rank 0: {first.cursor}; {odd}); step not committed"
         )
+    parents = [c for c in ordered if c.parent != first.parent]
+    if parents:
+        odd = ", ".join(f"rank {c.rank}: {c.parent!r}" for c in parents[:8])
+        return (
+            f"shards of step {step} in generation {generation} disagree on the snapshot the job "
+            f"started from (rank 0: {first.parent!r}; {odd}); step not committed"
+        )
     return Manifest(
         job_id=job_id,
         snapshot_id=snapshot_id(job_id, generation, step),
@@ -75,4 +83,5 @@ def commit(
         ),
         cursor=first.cursor,
         metadata=first.metadata,
+        parent=first.parent,
     )

@@ -66,10 +66,14 @@ def start_daemon(
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``trainguard daemon`` in its own process group; its JSON log goes to ``log_path``."""
+    """Start ``trainguard daemon`` in its own process group; its JSON log goes to ``log_path``.
+
+    Its ``/metrics`` server binds a free port (logged), so that rehearsals can run side by side
+    and next to a daemon on the default port; ``args`` may choose another.
+    """
     log = log_path.open("ab")
     return subprocess.Popen(
-        [*_CLI, "daemon", "--bus", bus_url, "--topic-prefix", prefix, *args],
+        [*_CLI, "daemon", "--bus", bus_url, "--topic-prefix", prefix, "--metrics-port", "0", *args],
         stdout=log,
         stderr=log,
         env={**os.environ, **(env or {})},

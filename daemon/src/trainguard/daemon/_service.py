@@ -4,11 +4,13 @@ One loop per daemon process:
 
 1. consume ``events`` as a member of the daemon's consumer group (one owner per partition,
    hence per job);
-2. decode each record (``ClockTick`` records become :class:`Tick` inputs, everything else an
-   :class:`Observed` event whose time is the record's append timestamp), fold it into its
-   job's state with :func:`decide`, and act on the decisions: publish commands on
-   ``commands``, committed training snapshots on ``manifests``, the decisions with the input's
-   position on ``audit``; rejected input goes to ``dead-letter`` with its reason;
+2. take each record in (:mod:`trainguard.daemon._intake`, shared with replay: ``ClockTick``
+   records become :class:`Tick` inputs, everything else an :class:`Observed` event whose time
+   is the record's append timestamp), fold it into its job's state with :func:`decide`, and
+   act on the decisions: publish commands on ``commands``, committed training snapshots on
+   ``manifests``, the decisions with the input's position and identity on ``audit`` (after
+   the machine configuration, once per job and process: :mod:`trainguard.daemon._audit`);
+   rejected input goes to ``dead-letter`` with its reason;
 3. when a job's :func:`next_deadline` has passed, append a ``ClockTick`` to the job's event
    stream (so the timeout is decided when the tick is folded, and a replay of the log decides
    it at the same place);
@@ -36,6 +38,7 @@ import orjson
 import structlog
 
 from trainguard.agent.bus import Bus, BusError, Consumer, Record, TopicPartition, open_bus
+from trainguard.daemon._audit import config_entry, config_id, decision_entry
 from trainguard.daemon._decisions import (
     Anomaly,
     Committed,
@@ -47,18 +50,17 @@ from trainguard.daemon._decisions import (
     Rejected,
     Transition,
 )
-from trainguard.daemon._inputs import Input, Observed, Tick
+from trainguard.daemon._inputs import Observed
+from trainguard.daemon._intake import Refused, take
 from trainguard.daemon._machine import decide, next_deadline
+from trainguard.daemon._metrics import DaemonMetrics
 from trainguard.daemon._settings import DaemonConfig
 from trainguard.daemon._state import TERMINAL_PHASES, JobState, new_job
 from trainguard.schemas import (
     Abort,
-    Checkpoint,
     ClockTick,
     Command,
-    DataCursorEvent,
-    Heartbeat,
-    Lifecycle,
+    JSONValue,
     Restore,
     Resume,
     SchemaError,
@@ -73,7 +75,9 @@ log = structlog.get_logger("trainguard.daemon")
 _DEAD_LETTER_VALUE_BYTES = 32 * 1024
 """Most bytes of a rejected value kept in its dead-letter entry (base64 grows it by 4/3)."""
 
-_INPUT_TYPES = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick)
+_METRICS_INTERVAL_S = 2.0
+"""Seconds between two updates of the gauges (consumer lag costs a round trip to the bus)."""
+
 # A command supersedes another of the same generation in this order (restore, then resume,
 # then abort), which is how a re-derived command is recognised as already sent.
 _COMMAND_ORDER = {Restore: 0, Resume: 1, Abort: 2}
@@ -100,13 +104,20 @@ class DaemonService:
         config: bus, machine and loop settings.
         clock: wall clock in ns (injected for tests); used only to decide *when* to write a
             tick, never as an input to the machine.
+        metrics: where to count what the service does; a fresh :class:`DaemonMetrics` (with
+            a registry of its own) by default. ``trainguard daemon`` serves it over HTTP.
 
     ``await service.run(stop)`` returns after ``stop`` is set (and the consumed positions are
     committed). Raises :class:`~trainguard.agent.bus.BusError` if the bus fails for longer
     than its configured timeouts.
     """
 
-    def __init__(self, config: DaemonConfig, clock: Callable[[], int] = time.time_ns) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        clock: Callable[[], int] = time.time_ns,
+        metrics: DaemonMetrics | None = None,
+    ) -> None:
         self._c = config
         self._clock = clock
         self.jobs: dict[str, JobState] = {}
@@ -115,11 +126,28 @@ class DaemonService:
         self._sent_commands: dict[str, Command] = {}
         self._last_tick_ns: dict[str, int] = {}
         self._tick_seq = itertools.count(1)
+        self._config_id = config_id(config.machine)
+        self._audited_jobs: set[str] = set()  # jobs whose config entry this process wrote
         self._acted_since_commit = False
         self._last_commit = 0.0
         self.ready = asyncio.Event()
         """Set once every assigned partition has been rebuilt up to its committed position."""
         self.counters: dict[str, int] = {"folded": 0, "rejected": 0, "commands": 0, "ticks": 0}
+        self.metrics = metrics if metrics is not None else DaemonMetrics()
+        self._metrics_due = 0.0
+
+    def not_ready_reason(self) -> str | None:
+        """Why this instance is not ready, or ``None`` when it is: it owns partitions of
+        ``events`` and has rebuilt their jobs up to the group's committed positions.
+
+        An instance that owns no partition (starting, or a standby in a group with more
+        members than partitions) is not ready. Safe to call from another thread (``/healthz``).
+        """
+        if not self._partitions:
+            return "no partition of events assigned to this instance"
+        if not self.ready.is_set():
+            return "rebuilding job states up to the committed positions"
+        return None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume, fold and act until ``stop`` is set."""
@@ -135,6 +163,7 @@ class DaemonService:
                             await self._process(bus, record)
                     await self._write_due_ticks(bus)
                     await self._commit(consumer)
+                    await self._update_gauges(bus)
             finally:
                 await self._commit(consumer, force=True)
                 await consumer.close()
@@ -159,6 +188,9 @@ class DaemonService:
             log.info("partition revoked", partition=p)
         fresh = assigned - self._partitions.keys()
         if fresh:
+            # Not ready from here on: /healthz reads readiness from another thread while the
+            # fresh partitions are being added.
+            self.ready.clear()
             await self._load_sent_commands(bus)
         for p in fresh:
             tp = TopicPartition("events", p)
@@ -166,8 +198,6 @@ class DaemonService:
             await consumer.seek(tp, 0)
             self._partitions[p] = _Partition(replay_until=committed, committed=committed)
             log.info("partition assigned", partition=p, replay_until=committed)
-        if fresh:
-            self.ready.clear()
         if not self.ready.is_set() and self._caught_up():
             self.ready.set()
             log.info("daemon ready", partitions=sorted(self._partitions), jobs=len(self.jobs))
@@ -194,11 +224,13 @@ class DaemonService:
             return  # redelivered after a seek
         part.position = record.offset + 1
         silent = record.offset < part.replay_until
-        item, job, reason = self._to_input(record)
-        if item is None or job is None:
+        taken = take(record)
+        if isinstance(taken, Refused):
             if not silent:
-                await self._dead_letter(bus, record, reason)
+                self.metrics.refused(taken)
+                await self._dead_letter(bus, record, taken.reason)
             return
+        item, job = taken.input, taken.job_id
         state = self.jobs.get(job)
         if state is None:
             state = new_job(job)
@@ -207,6 +239,7 @@ class DaemonService:
         if state.phase in TERMINAL_PHASES and isinstance(item, Observed) and not silent:
             # The machine ignores input for an ended job; say so, since the usual cause is a
             # new run started under an old job id.
+            self.metrics.rejected("ended_job")
             await self._dead_letter(
                 bus,
                 record,
@@ -216,30 +249,23 @@ class DaemonService:
         new_state, decisions = decide(state, item, self._c.machine)
         self.jobs[job] = new_state
         self.counters["folded"] += 1
+        self.metrics.folded(item)
         if not silent and decisions:
-            await self._act(bus, record, job, decisions)
+            self.metrics.decided(state, new_state, decisions)
+            await self._act(bus, record, job, decisions, taken.input_id)
         if silent and part.position >= part.replay_until and self._caught_up():
             self.ready.set()
             log.info("daemon ready", partitions=sorted(self._partitions), jobs=len(self.jobs))
 
-    def _to_input(self, record: Record) -> tuple[Input | None, str | None, str]:
-        if record.value is None:
-            return None, None, "tombstone on the events topic"
-        try:
-            message = decode(record.value, expect=_INPUT_TYPES)
-        except SchemaError as exc:
-            return None, None, str(exc)
-        if message.job_id != record.key:
-            return None, None, f"job_id {message.job_id!r} does not match record key {record.key!r}"
-        at_ns = record.timestamp_ms * 1_000_000
-        if isinstance(message, ClockTick):
-            return Tick(at_ns), message.job_id, ""
-        return Observed(at_ns, record.offset, message), message.job_id, ""  # type: ignore[arg-type]
-
     # -- acting ------------------------------------------------------------------------------
 
     async def _act(
-        self, bus: Bus, record: Record, job: str, decisions: tuple[Decision, ...]
+        self,
+        bus: Bus,
+        record: Record,
+        job: str,
+        decisions: tuple[Decision, ...],
+        identity: dict[str, JSONValue],
     ) -> None:
         self._acted_since_commit = True
         for decision in decisions:
@@ -262,13 +288,19 @@ class DaemonService:
                     log.warning(decision.KIND, job_id=job, **_log_fields(decision))
                 case IncidentClosed() | Transition():
                     log.info(decision.KIND, job_id=job, **_log_fields(decision))
-        audit = {
-            "job_id": job,
-            "partition": record.partition,
-            "offset": record.offset,
-            "at_ms": record.timestamp_ms,
-            "decisions": [d.to_dict() for d in decisions],
-        }
+        if job not in self._audited_jobs:
+            # The configuration the job's decisions are made under, before the first of them.
+            await bus.publish("audit", job, orjson.dumps(config_entry(job, self._c.machine)))
+            self._audited_jobs.add(job)
+        audit = decision_entry(
+            job,
+            partition=record.partition,
+            offset=record.offset,
+            at_ms=record.timestamp_ms,
+            identity=identity,
+            config=self._config_id,
+            decisions=decisions,
+        )
         # Durable before the position is committed: a crash must not lose the record of a
         # decision that was acted on.
         await bus.publish("audit", job, orjson.dumps(audit))
@@ -281,6 +313,7 @@ class DaemonService:
         await bus.publish("commands", job, encode(command))
         self._sent_commands[job] = command
         self.counters["commands"] += 1
+        self.metrics.issued(command, self.jobs[job].incident)
         log.warning(
             f"{type(command).__name__.lower()} issued",
             job_id=job,
@@ -338,6 +371,26 @@ class DaemonService:
             )
             await bus.send("events", job, encode(tick))
             self.counters["ticks"] += 1
+            self.metrics.tick_written()
+
+    async def _update_gauges(self, bus: Bus) -> None:
+        """Every :data:`_METRICS_INTERVAL_S`: consumer lag of the owned partitions (from the
+        bus's end offsets), jobs per phase, readiness."""
+        now = time.monotonic()
+        if now < self._metrics_due:
+            return
+        self._metrics_due = now + _METRICS_INTERVAL_S
+        try:
+            ends = await bus.end_offsets("events")
+        except BusError as exc:
+            log.warning("end offsets unavailable: consumer lag not updated", error=str(exc))
+            return
+        lag = {
+            p: max(0, ends.get(TopicPartition("events", p), 0) - part.position)
+            for p, part in self._partitions.items()
+        }
+        ready = self.not_ready_reason() is None
+        self.metrics.observe_assignment(lag, self.jobs.values(), ready=ready)
 
     async def _commit(self, consumer: Consumer, *, force: bool = False) -> None:
         now = time.monotonic()

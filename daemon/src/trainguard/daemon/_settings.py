@@ -38,6 +38,15 @@ class DaemonConfig:
         tick_interval_s: least time between two ticks the daemon writes for one job, seconds.
         commit_interval_s: longest time between commits of consumed positions, seconds.
             Positions are also committed right after decisions were acted on.
+        metrics_host: address ``trainguard daemon`` serves ``/metrics`` and ``/healthz`` on
+            (``0.0.0.0`` or ``::`` for every interface).
+        metrics_port: TCP port of that server; 0 picks a free port (logged as ``metrics
+            server listening``), -1 serves nothing. 9464 by default; change it where another
+            exporter (OpenTelemetry's Prometheus exporter defaults to 9464 too) or a second
+            daemon on the host already listens there.
+
+    Raises:
+        ValueError: ``metrics_port`` outside -1..65535.
     """
 
     bus: BusConfig
@@ -46,6 +55,15 @@ class DaemonConfig:
     poll_s: float = 0.05
     tick_interval_s: float = 0.25
     commit_interval_s: float = 1.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port must be a TCP port, 0 (any free port) or -1 (off), "
+                f"not {self.metrics_port}"
+            )
 
     @property
     def group(self) -> str:

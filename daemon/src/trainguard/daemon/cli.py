@@ -7,6 +7,7 @@ node that only supervises workers never imports the daemon's service code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -123,12 +124,22 @@ def daemon(
             help="Bus topic prefix; default: the config file's, else trainguard.",
         ),
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            envvar="TRAINGUARD_METRICS_PORT",
+            help="Port of /metrics and /healthz; 0: any free port (logged); -1: none; "
+            "default: the config file's, else 9464.",
+        ),
+    ] = None,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
     """Run the daemon: fold every job's events, detect failures, coordinate restores.
 
+    Serves Prometheus metrics on /metrics and readiness on /healthz (docs/operations.md).
     Stops cleanly on SIGTERM or SIGINT (consumed positions committed).
     """
+    from trainguard.daemon._http import HealthServer
     from trainguard.daemon._logging import configure_logging
     from trainguard.daemon._service import DaemonService
     from trainguard.daemon._settings import load_daemon_config
@@ -143,17 +154,39 @@ def daemon(
         if v is not None
     }
     try:
-        settings = load_daemon_config(config, bus_url=bus, machine=machine)
+        settings = load_daemon_config(
+            config, bus_url=bus, machine=machine, metrics_port=metrics_port
+        )
     except (OSError, ValueError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     if topic_prefix is not None:
         settings = replace(settings, bus=replace(settings.bus, prefix=topic_prefix))
-    try:
-        asyncio.run(_until_signalled(DaemonService(settings).run))
-    except BusError as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from exc
+    service = DaemonService(settings)
+    with contextlib.ExitStack() as serving:
+        if settings.metrics_port >= 0:
+            server = HealthServer(
+                service.metrics,
+                service.not_ready_reason,
+                host=settings.metrics_host,
+                port=settings.metrics_port,
+            )
+            try:
+                serving.enter_context(server)
+            except OSError as exc:
+                where = f"{settings.metrics_host}:{settings.metrics_port}"
+                typer.secho(
+                    f"error: cannot serve /metrics on {where} ({exc}); set [service] "
+                    "metrics_port or --metrics-port (0: any free port, -1: none)",
+                    fg=typer.colors.RED,
+                    err=True,
+                )
+                raise typer.Exit(2) from exc
+        try:
+            asyncio.run(_until_signalled(service.run))
+        except BusError as exc:
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from exc
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -182,6 +215,13 @@ def run(
     topic_prefix: Annotated[
         str, typer.Option(envvar="TRAINGUARD_TOPIC_PREFIX", help="Bus topic prefix.")
     ] = "trainguard.",
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            help="Start the job from this committed snapshot of another job (JOB/gG/sS; "
+            "checked on the bus first, passed to the workers as TRAINGUARD_INIT_FROM)."
+        ),
+    ] = None,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
     """Supervise this node's workers: start COMMAND, report exits, restart on restore orders.
@@ -189,12 +229,19 @@ def run(
     Example: trainguard run --job j1 --nproc-per-node 2 -- python train.py
     """
     from trainguard.agent import AgentError
+    from trainguard.agent._manifests import fetch_manifest
     from trainguard.agent._supervisor import Supervisor, SupervisorConfig
     from trainguard.agent.bus import BusConfig
     from trainguard.daemon._logging import configure_logging
 
     configure_logging(json=not console)
     try:
+        env = {}
+        if init_from is not None:
+            # A mistyped snapshot would otherwise surface as workers failing, restarted by
+            # the daemon until its crash-loop guard gives up.
+            fetch_manifest(BusConfig(url=bus, prefix=topic_prefix), init_from, timeout_s=60.0)
+            env["TRAINGUARD_INIT_FROM"] = init_from
         config = SupervisorConfig(
             job_id=job,
             bus=BusConfig(url=bus, prefix=topic_prefix, client_id=f"supervisor-{node_rank}"),
@@ -206,6 +253,7 @@ def run(
             master_port=master_port,
             ranks=_parse_ranks(ranks),
             grace_s=grace,
+            env=env,
         )
         code = asyncio.run(_until_signalled(Supervisor(config).run))
     except (AgentError, BusError) as exc:
@@ -268,6 +316,23 @@ def demo(
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     raise typer.Exit(0 if ok else 1)
+
+
+from trainguard.daemon._cli_status import register as _register_status  # noqa: E402
+
+_register_status(app)
+
+from trainguard.daemon._cli_checkpoints import register as _register_checkpoints  # noqa: E402
+
+_register_checkpoints(app)
+
+from trainguard.daemon._cli_report import register as _register_report  # noqa: E402
+
+_register_report(app)
+
+from trainguard.daemon._cli_replay import register as _register_replay  # noqa: E402
+
+_register_replay(app)
 
 
 def main() -> None:

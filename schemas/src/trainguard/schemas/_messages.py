@@ -128,9 +128,12 @@ class Checkpoint:
         digest: ``sha256:<64 hex>`` of the shard's bytes.
         cursor: data cursor matching ``step``.
         metadata: hyperparameters, topology and code version.
+        parent: ``snapshot_id`` of another job's committed snapshot this job started from (the
+            agent's ``init_from``), or ``None`` (since 1.1). Every shard of a job carries it,
+            also after restores, and the daemon copies it into the manifests it commits.
     """
 
-    SCHEMA: ClassVar[str] = "checkpoint/1.0"
+    SCHEMA: ClassVar[str] = "checkpoint/1.1"
     job_id: str
     generation: int
     ts: int
@@ -145,6 +148,7 @@ class Checkpoint:
     digest: str
     cursor: DataCursor
     metadata: CheckpointMeta = field(default_factory=CheckpointMeta)
+    parent: str | None = None
 
     @property
     def data_version(self) -> str:
@@ -234,7 +238,9 @@ class Manifest:
         shards: one per rank of ``world_size``, ordered by rank.
         cursor: data cursor at ``step`` (world-size independent).
         metadata: hyperparameters, topology and code version.
-        parent: ``snapshot_id`` this job started from (fine-tune lineage), or ``None``.
+        parent: ``snapshot_id`` this job started from (fine-tune lineage), or ``None``: the
+            snapshot of another job that the job's generation 0 loaded. Every snapshot of the
+            job carries the same parent (the job's origin, not the job's previous snapshot).
     """
 
     SCHEMA: ClassVar[str] = "manifest/1.0"
@@ -282,7 +288,9 @@ class Restore:
         generation: the new fencing generation the ranks run in after the restore.
         incident_id: identifies the incident that caused the restore (one restore per incident).
         reason: human-readable evidence, e.g. ``"rank 1 exited (signal 9)"``.
-        target: the snapshot to load, or ``None`` to start from scratch (no step committed yet).
+        target: the snapshot to load, or ``None`` to start from the job's initial state (no
+            step committed yet): from scratch, or from the snapshot of another job the job
+            started from (``Checkpoint.parent``), which the agent loads again.
         mode: ``restart`` (supervisors restart the processes) or ``in_process`` (agents reload
             at a step boundary without exiting).
         attempt: 1 for the first try of this incident's restore, 2 for the first retry, ...

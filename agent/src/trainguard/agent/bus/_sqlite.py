@@ -263,6 +263,53 @@ class SQLiteBus(Bus):
         meta = await self._topic(topic)
         return await self._read(log.latest_per_key, meta.topic_id, topic)
 
+    async def import_records(
+        self, topic: str, records: Sequence[tuple[str, bytes | None, int]]
+    ) -> list[Delivery]:
+        """Append ``records`` (``(key, value, timestamp_ms)``) with the given append times.
+
+        The one way to write a record with an append time other than now, for
+        ``trainguard import`` only: an exported job log must keep the bus times the daemon
+        decided on, or a replay of it would decide differently. Kafka has no counterpart
+        (trainguard's topics use ``LogAppendTime``, so the broker stamps every record itself).
+        Each record goes to its key's partition; records are written in order, in
+        transactions of at most :data:`MAX_BATCH`, bypassing the send queue; keep the times
+        non-decreasing per partition, as the bus's own appends are.
+
+        Raises:
+            BusError: an unknown topic or a value longer than ``max_message_bytes`` (nothing
+                is written then), or the file could not be written
+                (:class:`~trainguard.agent.bus.BusUnavailable` when it stayed locked for
+                ``send_timeout_s``; the batches before the failed one were written).
+            BusClosed: after :meth:`close`.
+        """
+        self._check_open()
+        meta = await self._topic(topic)
+        for _, value, _ in records:
+            if value is not None and len(value) > self._config.max_message_bytes:
+                raise BusError(
+                    f"{topic}: value of {len(value)} bytes exceeds max_message_bytes="
+                    f"{self._config.max_message_bytes}"
+                )
+        deliveries: list[Delivery] = []
+        for first in range(0, len(records), MAX_BATCH):
+            rows = [
+                (meta.topic_id, partition_for(key, meta.partitions), key, value, ts)
+                for key, value, ts in records[first : first + MAX_BATCH]
+            ]
+            deadline = time.monotonic() + self._config.send_timeout_s
+            try:
+                offsets = await self._writer.run(log.append_stamped, rows, deadline)
+            except sqlite3.Error as exc:
+                raise translate(exc, f"importing records into {topic}") from exc
+            deliveries.extend(
+                Delivery(topic, row[1], offset) for row, offset in zip(rows, offsets, strict=True)
+            )
+        if deliveries:
+            appended, self._appended = self._appended, asyncio.Event()
+            appended.set()
+        return deliveries
+
     def _check_open(self) -> None:
         if self._state == "closed":
             raise BusClosed("the bus is closed")

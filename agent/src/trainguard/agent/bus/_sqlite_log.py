@@ -13,10 +13,22 @@ from collections.abc import Collection, Mapping, Sequence
 from trainguard.agent.bus._port import Record
 from trainguard.agent.bus._sqlite_db import now_ms, write_transaction
 
-__all__ = ["Row", "append", "compact", "end_offsets", "latest_per_key", "read"]
+__all__ = [
+    "Row",
+    "StampedRow",
+    "append",
+    "append_stamped",
+    "compact",
+    "end_offsets",
+    "latest_per_key",
+    "read",
+]
 
 Row = tuple[int, int, str, bytes | None]
 """A record to append: ``(topic_id, partition, key, value)``."""
+
+StampedRow = tuple[int, int, str | None, bytes | None, int]
+"""A record to append with its own append time: ``(topic_id, partition, key, value, ts_ms)``."""
 
 _LAST_COMPACTION = "last_compaction_ms"
 
@@ -32,29 +44,49 @@ def append(conn: sqlite3.Connection, rows: Sequence[Row], deadline: float) -> tu
     """
     with write_transaction(conn, deadline):
         ts = now_ms()
-        next_offset: dict[tuple[int, int], int] = {}
-        params = []
-        offsets = []
-        for topic_id, partition, key, value in rows:
-            tp = (topic_id, partition)
-            offset = next_offset.get(tp)
-            if offset is None:
-                offset = conn.execute(
-                    "SELECT next_offset FROM partitions WHERE topic_id = ? AND partition = ?", tp
-                ).fetchone()[0]
-            next_offset[tp] = offset + 1
-            offsets.append(offset)
-            params.append((topic_id, partition, offset, ts, key, value))
-        conn.executemany(
-            "INSERT INTO records (topic_id, partition, offset, ts_ms, key, value)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            params,
-        )
-        conn.executemany(
-            "UPDATE partitions SET next_offset = ? WHERE topic_id = ? AND partition = ?",
-            [(end, topic_id, partition) for (topic_id, partition), end in next_offset.items()],
-        )
+        offsets = _insert(conn, [(t, p, key, value, ts) for t, p, key, value in rows])
     return offsets, ts
+
+
+def append_stamped(
+    conn: sqlite3.Connection, rows: Sequence[StampedRow], deadline: float
+) -> list[int]:
+    """Append ``rows`` in one transaction, each with its own append time; return their offsets.
+
+    For importing an exported log (``trainguard import``), whose records must keep the append
+    times the state machine decided on. Offsets are allocated as by :func:`append`; the times
+    are taken as given, so the caller keeps them non-decreasing per partition. Raises
+    :class:`sqlite3.Error` as :func:`append` does, in which case nothing was appended.
+    """
+    with write_transaction(conn, deadline):
+        return _insert(conn, rows)
+
+
+def _insert(conn: sqlite3.Connection, rows: Sequence[StampedRow]) -> list[int]:
+    """Insert ``rows`` at the next offsets of their partitions (inside a write transaction)."""
+    next_offset: dict[tuple[int, int], int] = {}
+    params = []
+    offsets = []
+    for topic_id, partition, key, value, ts in rows:
+        tp = (topic_id, partition)
+        offset = next_offset.get(tp)
+        if offset is None:
+            offset = conn.execute(
+                "SELECT next_offset FROM partitions WHERE topic_id = ? AND partition = ?", tp
+            ).fetchone()[0]
+        next_offset[tp] = offset + 1
+        offsets.append(offset)
+        params.append((topic_id, partition, offset, ts, key, value))
+    conn.executemany(
+        "INSERT INTO records (topic_id, partition, offset, ts_ms, key, value)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        params,
+    )
+    conn.executemany(
+        "UPDATE partitions SET next_offset = ? WHERE topic_id = ? AND partition = ?",
+        [(end, topic_id, partition) for (topic_id, partition), end in next_offset.items()],
+    )
+    return offsets
 
 
 def end_offsets(

@@ -1,0 +1,385 @@
+"""``trainguard replay``, ``trainguard export`` and ``trainguard import``: a job's recorded log
+folded again through the state machine, checked against the audit trail, re-run under another
+configuration, and carried between buses as one file (``docs/forensics.md``).
+
+Exit status of ``replay``: 0 the replay reproduces the recorded decisions (or ``--no-verify``),
+1 it does not (the first difference is printed), 2 a usage error: an unknown job, a bad
+window, an unreadable source or configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from enum import StrEnum
+from importlib.metadata import version as _dist_version
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import orjson
+import typer
+
+from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from trainguard.daemon._audit import AuditTrail
+    from trainguard.daemon._config import MachineConfig
+    from trainguard.daemon._joblog import JobLog
+    from trainguard.daemon._replay import Replay
+
+__all__ = ["register"]
+
+
+class OutputFormat(StrEnum):
+    """How ``replay`` prints: text (rich) for people, JSON Lines for tools."""
+
+    text = "text"
+    jsonl = "jsonl"
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``replay``, ``export`` and ``import`` to ``app``."""
+    app.command()(replay)
+    app.command()(export)
+    app.command(name="import")(import_record)
+
+
+BusOption = Annotated[
+    str,
+    typer.Option(
+        "--bus",
+        envvar="TRAINGUARD_BUS",
+        help="sqlite:///path/bus.db (embedded) or kafka://host:port[,host:port].",
+    ),
+]
+PrefixOption = Annotated[
+    str,
+    typer.Option(
+        "--topic-prefix", "--prefix", envvar="TRAINGUARD_TOPIC_PREFIX", help="Bus topic prefix."
+    ),
+]
+_DEFAULT_PREFIX = "trainguard."
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def replay(
+    job: Annotated[str, typer.Argument(help="The job id.")],
+    bus: BusOption = DEFAULT_BUS_URL,
+    topic_prefix: PrefixOption = _DEFAULT_PREFIX,
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file", help="Read the job from an export file (trainguard export) instead."
+        ),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            help="Show and verify from this bus time on: ISO 8601 (UTC without a zone) or ms "
+            "since the epoch."
+        ),
+    ] = None,
+    until: Annotated[
+        str | None, typer.Option(help="Show and verify up to this bus time (read no further).")
+    ] = None,
+    from_offset: Annotated[
+        int | None, typer.Option(help="Show and verify from this offset of the job's partition.")
+    ] = None,
+    to_offset: Annotated[
+        int | None, typer.Option(help="Show and verify up to this offset (read no further).")
+    ] = None,
+    output_format: Annotated[
+        OutputFormat, typer.Option("--format", help="text for people, jsonl for tools.")
+    ] = OutputFormat.text,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="What-if: a daemon TOML file whose \\[machine] settings replace the recorded "
+            "ones (settings it leaves out, and daemon_id, stay as recorded); prints the "
+            "decisions that would change."
+        ),
+    ] = None,
+    verify: Annotated[
+        bool,
+        typer.Option(help="Check that the replay reproduces the recorded decisions exactly."),
+    ] = True,
+    every: Annotated[
+        bool,
+        typer.Option(
+            "--all", help="Show every input (heartbeats and ticks that decide nothing are folded)."
+        ),
+    ] = False,
+) -> None:
+    """Fold a job's recorded events and ticks through the state machine again: print its
+    timeline, check the recorded decisions, or (--config) what another configuration would
+    have decided.
+
+    Example: trainguard replay j1 --bus sqlite:///bus.db --since 2026-01-05T12:00:00Z
+    """
+    from rich.console import Console
+
+    from trainguard.daemon._audit import MalformedAudit
+    from trainguard.daemon._export import MalformedExport
+    from trainguard.daemon._joblog import UnknownJob, Window, parse_time, read_bus, read_file
+
+    try:
+        window = Window(
+            since_ms=None if since is None else parse_time(since),
+            until_ms=None if until is None else parse_time(until),
+            from_offset=from_offset,
+            to_offset=to_offset,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    try:
+        if file is not None:
+            log = read_file(file, job, window)
+        else:
+            log = asyncio.run(read_bus(bus, topic_prefix, job, window))
+        trail = log.trail()
+    except (UnknownJob, MalformedExport, MalformedAudit, OSError, BusError) as exc:
+        _fail(str(exc))
+    console = Console(highlight=False, soft_wrap=True)
+    jsonl = output_format is OutputFormat.jsonl
+    try:
+        result = _replayed(log, trail)
+        if not jsonl:
+            _print_header(console, log, trail, result)
+        if config is None:
+            _print_rows(console, result, log, jsonl=jsonl, every=every)
+        else:
+            _what_if(console, log, trail, config, jsonl=jsonl)
+    except (MalformedAudit, OSError) as exc:
+        _fail(str(exc))
+    if verify:
+        _verdict(console, result, jsonl=jsonl)
+
+
+def _replayed(log: JobLog, trail: AuditTrail) -> Replay:
+    from trainguard.daemon._replay import replay as replay_log
+
+    return replay_log(log.job_id, log.events, trail, _default_config(), start=log.start)
+
+
+def _default_config() -> MachineConfig:
+    """The configuration of a job whose daemon recorded none (it decided nothing)."""
+    from trainguard.daemon._config import MachineConfig
+
+    return MachineConfig(daemon_id="replay")
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    typer.echo(orjson.dumps(obj).decode())
+
+
+def _print_header(console: Console, log: JobLog, trail: AuditTrail, result: Replay) -> None:
+    from trainguard.daemon._timeline import iso
+
+    events = log.events
+    console.print(
+        f"[bold]job {log.job_id}[/bold] from {log.source}, events partition {log.partition}: "
+        f"{len(events)} records, offsets {events[0].offset}-{events[-1].offset}, "
+        f"{iso(events[0].timestamp_ms)} to {iso(events[-1].timestamp_ms)}",
+        markup=True,
+    )
+    if log.window.bounded:
+        shown = events[log.start]
+        console.print(f"window: from offset {shown.offset} ({iso(shown.timestamp_ms)})")
+    if not trail.configs:
+        console.print(
+            "no configuration recorded (the daemon decided nothing for this job): folded "
+            "under the defaults"
+        )
+        return
+    runs = result.runs
+    if len(runs) == 1:
+        config_id = runs[0][0]
+        console.print(
+            f"recorded configuration {config_id} "
+            f"(daemon_id {trail.configs[config_id].get('daemon_id')})"
+        )
+        return
+    console.print(
+        f"decided by {len(runs)} daemon runs under different configurations (a daemon restarted):"
+    )
+    for config_id, offset in runs:
+        console.print(
+            f"  {config_id} (daemon_id {trail.configs[config_id].get('daemon_id')}) from "
+            f"offset {offset}"
+        )
+
+
+def _print_rows(console: Console, result: Replay, log: JobLog, *, jsonl: bool, every: bool) -> None:
+    from trainguard.daemon._timeline import print_timeline, row_json
+
+    if jsonl:
+        for row in result.rows:
+            _emit(row_json(row))
+        return
+    print_timeline(
+        console, result.rows, origin_ns=log.events[0].timestamp_ms * 1_000_000, every=every
+    )
+
+
+def _what_if(console: Console, log: JobLog, trail: AuditTrail, path: Path, *, jsonl: bool) -> None:
+    import dataclasses
+    import tomllib
+
+    from trainguard.daemon._audit import config_fields
+    from trainguard.daemon._replay import what_if
+    from trainguard.daemon._settings import load_daemon_config
+    from trainguard.daemon._timeline import change_json, print_config_change, print_what_if
+
+    try:
+        settings = load_daemon_config(path)
+        with path.open("rb") as f:
+            overrides = {
+                k: v for k, v in tomllib.load(f).get("machine", {}).items() if k != "daemon_id"
+            }
+        first = next(iter(trail.configs), None)
+        baseline = _default_config() if first is None else trail.machine(first)
+        variant = dataclasses.replace(baseline, **overrides)
+    except (TypeError, ValueError) as exc:
+        _fail(f"{path}: {exc}")
+    before, after = config_fields(baseline), config_fields(variant)
+    result = what_if(
+        log.job_id,
+        log.events,
+        baseline,
+        variant,
+        tick_interval_s=settings.tick_interval_s,
+        poll_s=settings.poll_s,
+        start=log.start,
+    )
+    if jsonl:
+        for key in sorted(before):
+            if before[key] != after[key]:
+                _emit(
+                    {"type": "config", "key": key, "recorded": before[key], "what_if": after[key]}
+                )
+        for change in result.changes:
+            _emit(change_json(change))
+        _emit(
+            {
+                "type": "what_if",
+                "changes": len(result.changes),
+                "horizon_ms": None if result.horizon_ns is None else result.horizon_ns // 1_000_000,
+                "rejected_before": dict(result.rejected_before),
+                "rejected_after": dict(result.rejected_after),
+            }
+        )
+        return
+    if len(trail.configs) > 1:
+        console.print(
+            f"the job was decided under {len(trail.configs)} configurations; the what-if "
+            "compares with the first"
+        )
+    if before == after:
+        console.print(f"what-if: {path} sets the recorded configuration (no setting differs)")
+    else:
+        console.print(f"what-if: {path} differs from the recorded configuration in:")
+        print_config_change(console, before, after)
+    console.print(
+        "both runs fold the recorded events with the daemon's ticks modelled (a tick poll_s "
+        f"= {settings.poll_s} s after each deadline, at most one per tick_interval_s = "
+        f"{settings.tick_interval_s} s); the recorded ticks are left out",
+        style="dim",
+    )
+    print_what_if(console, result, origin_ns=log.events[0].timestamp_ms * 1_000_000)
+
+
+def _verdict(console: Console, result: Replay, *, jsonl: bool) -> None:
+    from trainguard.daemon._replay import verify
+    from trainguard.daemon._timeline import difference_json, print_difference
+
+    difference = verify(result.replayed, result.recorded)
+    if jsonl:
+        _emit(
+            {
+                "type": "verdict",
+                "ok": difference is None,
+                "replayed": len(result.replayed),
+                "recorded": len(result.recorded),
+                "runs": [config_id for config_id, _ in result.runs],
+                "difference": None if difference is None else difference_json(difference),
+            }
+        )
+    elif difference is None:
+        duplicates = len(result.recorded) - len(result.replayed)
+        again = f"; {duplicates} re-derived duplicates skipped" if duplicates else ""
+        console.print(
+            f"[bold green]✓ the replay reproduces the recorded decisions:[/bold green] "
+            f"{len(result.replayed)} decision groups under {len(result.runs)} run(s){again}"
+        )
+    else:
+        print_difference(console, difference)
+    if difference is not None:
+        raise typer.Exit(1)
+
+
+def export(
+    job: Annotated[str, typer.Argument(help="The job id.")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The file to write, e.g. job.tgjsonl.gz.")
+    ],
+    bus: BusOption = DEFAULT_BUS_URL,
+    topic_prefix: PrefixOption = _DEFAULT_PREFIX,
+) -> None:
+    """Write a job's full record (events and ticks, commands, manifests, audit trail) to one
+    gzip-compressed JSON Lines file, for a bug report or a replay elsewhere."""
+    from trainguard.daemon._export import ExportHeader, dump
+    from trainguard.daemon._joblog import UnknownJob, read_bus
+
+    try:
+        log = asyncio.run(read_bus(bus, topic_prefix, job))
+    except (UnknownJob, BusError) as exc:
+        _fail(str(exc))
+    header = ExportHeader(
+        job_id=job,
+        source=log.source,
+        partition=log.partition,
+        partitions=log.partitions,
+        exported_at_ms=time.time_ns() // 1_000_000,
+        trainguard=_dist_version("trainguard"),
+    )
+    records = {
+        "events": log.events,
+        "commands": log.commands,
+        "manifests": log.manifests,
+        "audit": log.audit,
+    }
+    try:
+        size = dump(output, header, records)
+    except OSError as exc:
+        _fail(f"cannot write {output}: {exc}")
+    counts = ", ".join(f"{k} {len(v)}" for k, v in records.items())
+    typer.echo(f"wrote job {job} (records: {counts}) to {output}, {size} bytes")
+
+
+def import_record(
+    file: Annotated[Path, typer.Argument(help="A job record written by trainguard export.")],
+    bus: BusOption = DEFAULT_BUS_URL,
+    topic_prefix: PrefixOption = _DEFAULT_PREFIX,
+) -> None:
+    """Write an exported job record onto an embedded bus, keeping every record's bus time, so
+    that trainguard replay (and report, status, checkpoints) read it as if it ran there.
+
+    The bus must not hold the job already; do not run a daemon on it.
+    """
+    from trainguard.daemon._export import ImportRefused, MalformedExport, import_file
+
+    try:
+        header, written = asyncio.run(import_file(file, bus, topic_prefix))
+    except (ImportRefused, MalformedExport, OSError, BusError) as exc:
+        _fail(str(exc))
+    counts = ", ".join(f"{topic} {n}" for topic, n in written.items())
+    typer.echo(
+        f"imported job {header.job_id} (records: {counts}) into {bus} (prefix {topic_prefix!r}); replay "
+        f"it with: trainguard replay {header.job_id} --bus {bus} --topic-prefix {topic_prefix}"
+    )

@@ -1,0 +1,232 @@
+"""``trainguard report JOB``: a job's goodput, time lost per incident and the checkpoint
+interval its failure rate suggests, from its record on the bus or in an export file; in the
+terminal (rich), as JSON, or as a self-contained HTML page with a timeline chart.
+
+The I/O around :func:`trainguard.daemon._report.build_report`: reading the record
+(:mod:`trainguard.daemon._joblog`), printing, writing the HTML file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+
+from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
+
+if TYPE_CHECKING:
+    from trainguard.agent.bus import Record
+    from trainguard.daemon._joblog import JobLog
+    from trainguard.daemon._report import JobReport
+
+__all__ = ["register"]
+
+
+class OutputFormat(StrEnum):
+    """How ``report`` prints: rich tables for people, one JSON document for tools."""
+
+    text = "text"
+    json = "json"
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``report`` command to ``app``."""
+    app.command()(report)
+
+
+def report(
+    job: Annotated[
+        str | None,
+        typer.Argument(metavar="JOB", help="The job's id (default with --file: the file's job)."),
+    ] = None,
+    bus: Annotated[
+        str | None,
+        typer.Option(
+            "--bus",
+            envvar="TRAINGUARD_BUS",
+            help=f"Bus URL; default: the config file's, else {DEFAULT_BUS_URL}.",
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="The daemon's TOML file, for its \\[bus] table (URL, topic prefix)."),
+    ] = None,
+    topic_prefix: Annotated[
+        str | None,
+        typer.Option(
+            "--topic-prefix",
+            "--prefix",
+            envvar="TRAINGUARD_TOPIC_PREFIX",
+            help="Bus topic prefix; default: the config file's, else trainguard.",
+        ),
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file", help="Read the job from this export file (trainguard export) instead."
+        ),
+    ] = None,
+    output: Annotated[
+        OutputFormat, typer.Option("--format", help="text (rich tables) or json (for tools).")
+    ] = OutputFormat.text,
+    html: Annotated[
+        Path | None,
+        typer.Option(help="Also write the report with a timeline chart to this HTML file."),
+    ] = None,
+) -> None:
+    """Report a job's wall time, productive time and goodput, the time each incident cost
+    (detection, restore, recomputed steps), incidents by cause, and the checkpoint interval
+    suggested by the observed failures and checkpoint cost (Young-Daly), from its record.
+
+    Definitions and formulas: docs/forensics.md. Exits 2 for an unknown job, an unreadable
+    source or an HTML file that cannot be written.
+    """
+    import orjson
+
+    from trainguard.daemon._report import build_report
+
+    log = _read(job, bus, config, topic_prefix, file)
+    events, audit, commands = _record(log)
+    result = build_report(log.job_id, events, audit, commands)
+    if html is not None:
+        from trainguard.daemon._report_html import render_html
+
+        try:
+            html.write_text(render_html(result), encoding="utf-8")
+        except OSError as exc:
+            _fail(f"cannot write {html}: {exc}")
+    if output is OutputFormat.json:
+        typer.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    else:
+        _print(result, log.source)
+    if html is not None:
+        typer.echo(f"HTML report: {html}", err=output is OutputFormat.json)
+
+
+def _fail(message: str) -> NoReturn:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _read(
+    job: str | None,
+    bus: str | None,
+    config: Path | None,
+    topic_prefix: str | None,
+    file: Path | None,
+) -> JobLog:
+    """The job's log from ``file``, else from the bus."""
+    from trainguard.daemon._export import MalformedExport
+    from trainguard.daemon._joblog import UnknownJob, read_bus, read_file
+    from trainguard.daemon._settings import load_daemon_config
+
+    try:
+        if file is not None:
+            return read_file(file, job)
+        if job is None:
+            _fail("name the JOB (or give --file)")
+        settings = load_daemon_config(config, bus_url=bus)
+        prefix = settings.bus.prefix if topic_prefix is None else topic_prefix
+        bus_config = replace(settings.bus, prefix=prefix)
+        return asyncio.run(read_bus(bus_config.url, bus_config.prefix, job))
+    except (UnknownJob, MalformedExport, BusError, TimeoutError, OSError, ValueError) as exc:
+        _fail(str(exc))
+
+
+@dataclass(frozen=True, slots=True)
+class _Stamped:
+    """A decoded record with its append time (the report's ``Timed``)."""
+
+    at_ms: int
+    message: object
+
+
+def _record(log: JobLog) -> tuple[list[_Stamped], list[dict[str, Any]], list[_Stamped]]:
+    """The log's events and commands decoded (undecodable ones left out: the daemon
+    rejected them too) and its audit entries as dicts."""
+    import orjson
+
+    from trainguard.schemas import SchemaError, decode
+
+    def decoded(records: tuple[Record, ...]) -> list[_Stamped]:
+        out = []
+        for rec in records:
+            if rec.value is None:
+                continue
+            try:
+                out.append(_Stamped(rec.timestamp_ms, decode(rec.value)))
+            except SchemaError:
+                continue
+        return out
+
+    audit = []
+    for rec in log.audit:
+        if rec.value is None:
+            continue
+        try:
+            audit.append(orjson.loads(rec.value))
+        except orjson.JSONDecodeError:
+            _fail(f"audit record at offset {rec.offset} of {log.source} is not JSON")
+    return decoded(log.events), audit, decoded(log.commands)
+
+
+def _print(result: JobReport, source: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from trainguard.daemon._report_tables import (
+        CAUSE_HEADER,
+        DEFINITIONS,
+        INCIDENT_HEADER,
+        NUMERIC_COLUMNS,
+        advice_rows,
+        cause_rows,
+        headline,
+        incident_notes,
+        incident_rows,
+        time_rows,
+    )
+
+    console = Console()
+    console.print(f"[bold]Job report[/bold] from {source}", highlight=False)
+    facts = Table(show_header=False, box=None)
+    for label, value in headline(result):
+        facts.add_row(f"[dim]{label}[/dim]", value)
+    console.print(facts)
+
+    table = Table(title="Where the wall time went")
+    for name in ("kind", "s", "share", "what"):
+        table.add_column(name, justify="right" if name in NUMERIC_COLUMNS else "left")
+    for row in time_rows(result):
+        table.add_row(*row, style="bold" if row[0] in ("productive", "wall") else None)
+    console.print(table)
+
+    if result.incidents:
+        table = Table(title="Incidents")
+        for name in INCIDENT_HEADER:
+            table.add_column(name, justify="right" if name in NUMERIC_COLUMNS else "left")
+        for cells in incident_rows(result):
+            table.add_row(*cells)
+        console.print(table)
+        for note in incident_notes(result):
+            console.print(f"  [dim]{note}[/dim]", highlight=False)
+        table = Table(title="Incidents by cause")
+        for name in CAUSE_HEADER:
+            table.add_column(name, justify="right" if name in NUMERIC_COLUMNS else "left")
+        for cells in cause_rows(result):
+            table.add_row(*cells)
+        console.print(table)
+    else:
+        console.print("No incidents.")
+
+    table = Table(title="Checkpoint interval (Young-Daly)", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for label, value in advice_rows(result):
+        table.add_row(label, value)
+    console.print(table)
+    console.print(f"[dim]{DEFINITIONS}[/dim]", highlight=False)

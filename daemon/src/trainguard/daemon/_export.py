@@ -1,0 +1,317 @@
+"""A job's full record as one self-contained file, and back onto an embedded bus.
+
+The file is gzip-compressed JSON Lines (``.tgjsonl.gz``). The first line is the header, every
+other line one bus record of the job, topic by topic (``events``, ``commands``, ``manifests``,
+``audit``), offsets ascending::
+
+    {"format": "trainguard-job-record", "version": 1, "job_id": "j1",
+     "source": "kafka://k1:9092 (prefix 'trainguard.')", "partition": 2, "partitions": 6,
+     "exported_at_ms": 1767225700000, "trainguard": "0.1.0",
+     "counts": {"events": 812, "commands": 2, "manifests": 6, "audit": 15}}
+    {"topic": "events", "partition": 2, "offset": 0, "at_ms": 1767225600120, "key": "j1",
+     "value_b64": "eyJzY2hlbWEiOiJsaWZlY3ljbGUvMS4xIiwi..."}
+
+``value_b64`` is the record's value exactly as the bus held it (base64; ``null`` for a
+tombstone), so a replay of the file decodes the same bytes the daemon decoded. ``at_ms`` is the
+bus append time the daemon decided on; ``offset`` the original offset (shown by a replay, never
+needed by it: inputs are matched by identity). Ticks are ``events`` records; the audit trail's
+entries are ``audit`` records.
+
+:func:`import_file` writes a file's records onto an embedded bus with their original append
+times (:meth:`~trainguard.agent.bus._sqlite.SQLiteBus.import_records`); Kafka is refused, since
+a Kafka topic with ``LogAppendTime`` stamps every record with the time of the import.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import gzip
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from trainguard.agent.bus import (
+    BusConfig,
+    BusError,
+    Record,
+    TopicPartition,
+    open_bus,
+    parse_bus_url,
+)
+from trainguard.agent.bus._partitioner import partition_for
+from trainguard.agent.bus._sqlite import SQLiteBus
+
+__all__ = [
+    "FORMAT",
+    "JOB_TOPICS",
+    "VERSION",
+    "ExportHeader",
+    "ImportRefused",
+    "MalformedExport",
+    "dump",
+    "import_file",
+    "load",
+]
+
+FORMAT = "trainguard-job-record"
+"""The header's ``format``."""
+
+VERSION = 1
+"""The header's ``version``: the layout this module writes and reads."""
+
+JOB_TOPICS = ("events", "commands", "manifests", "audit")
+"""The job-keyed topics a job record holds, in file order."""
+
+
+class MalformedExport(ValueError):
+    """The file is not a job record this version reads (named by path and line)."""
+
+
+class ImportRefused(ValueError):
+    """The record cannot be imported into that bus (Kafka, or the job is there already)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportHeader:
+    """The first line of a job record.
+
+    Attributes:
+        job_id: the job.
+        source: the bus it was exported from (URL and prefix).
+        partition: the job's partition there.
+        partitions: partitions of ``events`` there.
+        exported_at_ms: when, ms since the Unix epoch.
+        trainguard: version of the trainguard that wrote it.
+        counts: records per topic in the file.
+    """
+
+    job_id: str
+    source: str
+    partition: int
+    partitions: int
+    exported_at_ms: int
+    trainguard: str
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The header line's object."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "job_id": self.job_id,
+            "source": self.source,
+            "partition": self.partition,
+            "partitions": self.partitions,
+            "exported_at_ms": self.exported_at_ms,
+            "trainguard": self.trainguard,
+            "counts": dict(self.counts),
+        }
+
+
+def dump(path: Path, header: ExportHeader, records: Mapping[str, Sequence[Record]]) -> int:
+    """Write a job record to ``path`` (atomically: a temporary file renamed); return its size
+    in bytes. ``records`` maps each of :data:`JOB_TOPICS` to the job's records on it; the
+    header's ``counts`` are filled in here.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    counts = {topic: len(records.get(topic, ())) for topic in JOB_TOPICS}
+    header = dataclasses.replace(header, counts=counts)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with gzip.open(tmp, "wb") as out:
+            out.write(orjson.dumps(header.to_json()) + b"\n")
+            for topic in JOB_TOPICS:
+                for r in records.get(topic, ()):
+                    line = {
+                        "topic": topic,
+                        "partition": r.partition,
+                        "offset": r.offset,
+                        "at_ms": r.timestamp_ms,
+                        "key": r.key,
+                        "value_b64": None
+                        if r.value is None
+                        else base64.b64encode(r.value).decode(),
+                    }
+                    out.write(orjson.dumps(line) + b"\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+def load(path: Path) -> tuple[ExportHeader, dict[str, list[Record]]]:
+    """Read and check a job record: its header and its records by topic (every one of
+    :data:`JOB_TOPICS` present, possibly empty), offsets ascending.
+
+    Raises:
+        OSError: the file cannot be opened.
+        MalformedExport: not gzip, truncated, not JSON Lines, not a job record, another format
+            version, a record line missing a field or holding a wrong type, offsets out of
+            order, or fewer or more records than the header announces.
+    """
+    records: dict[str, list[Record]] = {topic: [] for topic in JOB_TOPICS}
+    header: ExportHeader | None = None
+    try:
+        with gzip.open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    obj = orjson.loads(line)
+                except orjson.JSONDecodeError as exc:
+                    raise MalformedExport(f"{where}: not JSON ({exc})") from exc
+                if header is None:
+                    header = _header(obj, where)
+                    continue
+                record = _record(obj, where)
+                if record.key != header.job_id:
+                    raise MalformedExport(
+                        f"{where}: a record keyed {record.key!r} in the record of job "
+                        f"{header.job_id!r}"
+                    )
+                topic_records = records[record.topic]
+                if topic_records and record.offset <= topic_records[-1].offset:
+                    raise MalformedExport(f"{where}: {record.topic} offsets out of order")
+                topic_records.append(record)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise MalformedExport(f"{path}: not a complete gzip file ({exc})") from exc
+    if header is None:
+        raise MalformedExport(f"{path}: empty; a job record starts with a header line")
+    for topic, expected in header.counts.items():
+        held = len(records.get(topic, ()))
+        if held != expected:
+            raise MalformedExport(
+                f"{path}: the header announces {expected} {topic} records, the file holds {held}"
+            )
+    return header, records
+
+
+def _header(obj: Any, where: str) -> ExportHeader:
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise MalformedExport(f"{where}: not a trainguard job record (no {FORMAT!r} header)")
+    if obj.get("version") != VERSION:
+        raise MalformedExport(
+            f"{where}: job record format version {obj.get('version')!r}; this trainguard "
+            f"reads version {VERSION}"
+        )
+    try:
+        counts = obj["counts"]
+        if not isinstance(counts, dict) or not all(
+            topic in JOB_TOPICS and _is_int(n) for topic, n in counts.items()
+        ):
+            raise TypeError(f"counts {counts!r}")
+        header = ExportHeader(
+            job_id=_typed(obj["job_id"], str),
+            source=_typed(obj["source"], str),
+            partition=_typed(obj["partition"], int),
+            partitions=_typed(obj["partitions"], int),
+            exported_at_ms=_typed(obj["exported_at_ms"], int),
+            trainguard=_typed(obj["trainguard"], str),
+            counts=counts,
+        )
+    except (KeyError, TypeError) as exc:
+        raise MalformedExport(f"{where}: bad header field {exc}") from exc
+    return header
+
+
+def _record(obj: Any, where: str) -> Record:
+    try:
+        if not isinstance(obj, dict):
+            raise TypeError("a record line must be an object")
+        topic = _typed(obj["topic"], str)
+        if topic not in JOB_TOPICS:
+            raise TypeError(f"topic {topic!r} is not one of {JOB_TOPICS}")
+        offset = _typed(obj["offset"], int)
+        if offset < 0:
+            raise TypeError(f"offset {offset} < 0")
+        key = obj["key"]
+        if key is not None and not isinstance(key, str):
+            raise TypeError(f"key {key!r}")
+        encoded = obj["value_b64"]
+        value = None if encoded is None else base64.b64decode(_typed(encoded, str), validate=True)
+        return Record(
+            topic=topic,
+            partition=_typed(obj["partition"], int),
+            offset=offset,
+            key=key,
+            value=value,
+            timestamp_ms=_typed(obj["at_ms"], int),
+        )
+    except KeyError as exc:
+        raise MalformedExport(f"{where}: record without {exc}") from exc
+    except (TypeError, binascii.Error) as exc:
+        raise MalformedExport(f"{where}: bad record ({exc})") from exc
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _typed(value: Any, kind: type) -> Any:
+    if (kind is int and not _is_int(value)) or not isinstance(value, kind):
+        raise TypeError(f"{value!r} is not {'an integer' if kind is int else 'a string'}")
+    return value
+
+
+async def import_file(path: Path, bus_url: str, prefix: str) -> tuple[ExportHeader, dict[str, int]]:
+    """Write the job record at ``path`` onto the embedded bus at ``bus_url`` (topics under
+    ``prefix``, created when missing), keeping every record's append time; return the header
+    and the records written per topic.
+
+    Do not run a daemon on that bus: it would take the imported job for a live one.
+
+    Raises:
+        ImportRefused: a Kafka URL, or the bus already holds events of the job.
+        MalformedExport: the file is not a valid job record (nothing is written then).
+        BusError: the bus cannot be opened or written.
+        OSError: the file cannot be read.
+    """
+    kind, _ = parse_bus_url(bus_url)
+    if kind != "sqlite":
+        raise ImportRefused(
+            "import needs an embedded bus (sqlite:///path/bus.db): Kafka topics use "
+            "LogAppendTime, so the broker would stamp every record with the time of the "
+            "import and a replay would no longer decide what the daemon decided; replay the "
+            "file itself instead (trainguard replay JOB --file FILE)"
+        )
+    header, records = load(path)
+    written: dict[str, int] = {}
+    config = BusConfig(url=bus_url, prefix=prefix, client_id="trainguard-import")
+    async with open_bus(config) as bus:
+        if not isinstance(bus, SQLiteBus):
+            raise ImportRefused(f"{bus_url} is not an embedded bus")
+        tp = TopicPartition("events", partition_for(header.job_id, await bus.partitions("events")))
+        if (await bus.end_offsets("events"))[tp] > 0 and await _holds_job(bus, tp, header.job_id):
+            raise ImportRefused(
+                f"{bus_url} (prefix {prefix!r}) already holds events of job {header.job_id!r}; "
+                "import into a fresh bus or under another prefix"
+            )
+        for topic in JOB_TOPICS:
+            rows = [(header.job_id, r.value, r.timestamp_ms) for r in records[topic]]
+            written[topic] = len(await bus.import_records(topic, rows))
+    return header, written
+
+
+async def _holds_job(bus: SQLiteBus, tp: TopicPartition, job_id: str) -> bool:
+    end = (await bus.end_offsets(tp.topic))[tp]
+    async with await bus.assign({tp: 0}) as consumer:
+        position = 0
+        while position < end:
+            batch = await consumer.getmany(timeout_s=5.0, max_records=10_000)
+            if not batch:
+                raise BusError(f"reading {tp.topic} partition {tp.partition} stalled")
+            for record in batch:
+                position = record.offset + 1
+                if record.key == job_id:
+                    return True
+    return False

@@ -1,0 +1,112 @@
+"""From a record of the ``events`` topic to a state-machine input: the one conversion the daemon
+and a replay share, so that a replay folds exactly what the daemon folded.
+
+A record becomes an input when its value decodes as an event or a ``ClockTick`` and the
+message's ``job_id`` equals the record key; its time is the record's bus append time (never the
+sender's ``ts``). A ``ClockTick`` becomes a :class:`~trainguard.daemon.Tick`, any other event an
+:class:`~trainguard.daemon.Observed`. Anything else is refused with a reason (the daemon parks it
+on ``dead-letter``; a replay shows it). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypeAlias, cast
+
+from trainguard.schemas import (
+    Checkpoint,
+    ClockTick,
+    DataCursorEvent,
+    Event,
+    Heartbeat,
+    JSONValue,
+    Lifecycle,
+    SchemaError,
+    decode,
+)
+
+from ._audit import input_id
+from ._inputs import Input, Observed, Tick
+
+__all__ = ["INPUT_TYPES", "RawRecord", "Refused", "Taken", "take"]
+
+INPUT_TYPES = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick)
+"""The message types the ``events`` topic carries."""
+
+_NS_PER_MS = 1_000_000
+
+RefusedCode: TypeAlias = Literal["tombstone", "schema", "key_mismatch"]
+
+
+class RawRecord(Protocol):
+    """What intake reads of a bus record (:class:`~trainguard.agent.bus.Record` has it)."""
+
+    @property
+    def key(self) -> str | None:
+        """The record key (the job id)."""
+
+    @property
+    def value(self) -> bytes | None:
+        """The encoded message, ``None`` for a tombstone."""
+
+    @property
+    def offset(self) -> int:
+        """Position in the partition."""
+
+    @property
+    def timestamp_ms(self) -> int:
+        """Bus append time, ms since the Unix epoch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A record taken in.
+
+    Attributes:
+        job_id: the job it belongs to (message ``job_id`` = record key).
+        input: what the state machine folds.
+        message: the decoded message (the event, or the ``ClockTick``).
+        input_id: its identity for the audit trail (:func:`trainguard.daemon._audit.input_id`).
+    """
+
+    job_id: str
+    input: Input
+    message: Event | ClockTick
+    input_id: dict[str, JSONValue]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A record that is no input.
+
+    Attributes:
+        reason: why, for ``dead-letter`` and people.
+        code: ``tombstone`` (no value), ``schema`` (did not decode: ``error`` says how) or
+            ``key_mismatch`` (message ``job_id`` differs from the record key).
+        error: the decoding error for ``schema``, else ``None``.
+    """
+
+    reason: str
+    code: RefusedCode
+    error: SchemaError | None = None
+
+
+def take(record: RawRecord) -> Taken | Refused:
+    """Convert one record of ``events`` into an input, or say why it is none (module
+    docstring). Never raises for a malformed value."""
+    if record.value is None:
+        return Refused("tombstone on the events topic", "tombstone")
+    try:
+        # ``expect`` admits only these types.
+        message = cast("Event | ClockTick", decode(record.value, expect=INPUT_TYPES))
+    except SchemaError as exc:
+        return Refused(str(exc), "schema", exc)
+    if message.job_id != record.key:
+        return Refused(
+            f"job_id {message.job_id!r} does not match record key {record.key!r}", "key_mismatch"
+        )
+    at_ns = record.timestamp_ms * _NS_PER_MS
+    item: Input = (
+        Tick(at_ns) if isinstance(message, ClockTick) else Observed(at_ns, record.offset, message)
+    )
+    return Taken(message.job_id, item, message, input_id(message))

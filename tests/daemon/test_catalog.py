@@ -1,0 +1,226 @@
+"""The checkpoint catalog's pure core over synthetic manifests: selection, lineage across jobs,
+and the compatibility verdict with every reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trainguard.daemon._catalog import Catalog, SeedRequest, compat, lookup
+from trainguard.schemas import CheckpointMeta, DataCursor, JSONValue, Manifest, Shard
+
+S = 1_000_000_000
+T0 = 1_764_000_000 * S
+HYPER: dict[str, JSONValue] = {"lr": 0.003, "seed": 3, "model": {"d_model": 64, "layers": 2}}
+
+
+def manifest(
+    job: str,
+    step: int,
+    *,
+    generation: int = 0,
+    parent: str | None = None,
+    world_size: int = 2,
+    data: str = "sha256:" + "d" * 64,
+    code: str = "3f2c1e9a",
+    at: int = 0,
+    hyper: dict[str, JSONValue] | None = None,
+    topology: dict[str, JSONValue] | None = None,
+) -> Manifest:
+    """A committed snapshot of ``job`` at ``step``, committed ``at`` seconds after ``T0``."""
+    return Manifest(
+        job_id=job,
+        snapshot_id=f"{job}/g{generation}/s{step}",
+        generation=generation,
+        ts=T0 + at * S,
+        step=step,
+        world_size=world_size,
+        shards=tuple(
+            Shard(
+                rank=r,
+                uri=f"file:///ckpt/{job}/g{generation}/s{step}/rank{r}.pt",
+                size_bytes=1000 + r,
+                digest="sha256:" + f"{r}" * 64,
+            )
+            for r in range(world_size)
+        ),
+        cursor=DataCursor(data_version=data, seed=3, epoch=0, offset=step * 16, world_size=2),
+        metadata=CheckpointMeta(
+            hyperparameters=HYPER if hyper is None else hyper,
+            topology={"world_size": world_size} if topology is None else topology,
+            code_version=code,
+        ),
+        parent=parent,
+    )
+
+
+PRE = [manifest("pre", 20, at=1), manifest("pre", 40, at=2)]
+TUNE = [
+    manifest("tune", 60, parent="pre/g0/s40", at=5, data="sha256:" + "e" * 64, code="77aa00"),
+    manifest("tune", 80, parent="pre/g0/s40", at=6, data="sha256:" + "e" * 64, code="77aa00"),
+]
+EVAL = [manifest("eval", 70, parent="tune/g0/s60", at=7)]
+SIDE = [manifest("side", 50, parent="pre/g0/s40", at=8)]
+CATALOG = Catalog.of([*EVAL, *TUNE, *PRE, *SIDE])  # bus order is per partition only
+
+
+def ids(manifests: list[Manifest]) -> list[str]:
+    return [m.snapshot_id for m in manifests]
+
+
+# -- selection ----------------------------------------------------------------------------------
+
+
+def test_snapshots_are_listed_in_commit_order_once_each() -> None:
+    again = Catalog.of([*PRE, PRE[0], *TUNE])  # a re-derived commit publishes it twice
+    assert ids(again.select()) == ["pre/g0/s20", "pre/g0/s40", "tune/g0/s60", "tune/g0/s80"]
+
+
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [
+        ({"job": "tune"}, ["tune/g0/s60", "tune/g0/s80"]),
+        ({"job": "tun"}, []),  # a job is named exactly
+        ({"data_version": "sha256:eee"}, ["tune/g0/s60", "tune/g0/s80"]),  # a prefix will do
+        ({"code_version": "3f2c"}, ["pre/g0/s20", "pre/g0/s40", "eval/g0/s70", "side/g0/s50"]),
+        ({"job": "pre", "code_version": "77"}, []),
+    ],
+)
+def test_filters_by_job_data_version_and_code_version(
+    filters: dict[str, str], expected: list[str]
+) -> None:
+    assert ids(CATALOG.select(**filters)) == expected
+
+
+# -- lineage ------------------------------------------------------------------------------------
+
+
+def test_ancestry_walks_up_across_jobs_to_a_start_from_scratch() -> None:
+    found = CATALOG.lineage("eval/g0/s70")
+    assert [a.snapshot_id for a in found.ancestors] == ["eval/g0/s70", "tune/g0/s60", "pre/g0/s40"]
+    assert all(a.manifest is not None for a in found.ancestors)
+    assert found.origin == "scratch"
+    assert found.descendants == ()
+
+
+def test_descendants_are_the_jobs_started_from_the_snapshot_and_theirs() -> None:
+    found = CATALOG.lineage("pre/g0/s40")
+    assert [a.snapshot_id for a in found.ancestors] == ["pre/g0/s40"]
+    tune, side = found.descendants
+    assert (tune.job_id, tune.started_from, ids(list(tune.snapshots))) == (
+        "tune",
+        "pre/g0/s40",
+        ["tune/g0/s60", "tune/g0/s80"],
+    )
+    (evaluation,) = tune.descendants
+    assert (evaluation.job_id, evaluation.started_from) == ("eval", "tune/g0/s60")
+    assert side.job_id == "side"
+    assert side.descendants == ()
+    assert CATALOG.lineage("pre/g0/s20").descendants == ()
+
+
+def test_a_parent_missing_from_the_catalog_ends_the_walk_as_unknown() -> None:
+    orphan = Catalog.of([manifest("late", 10, parent="gone/g3/s900")])
+    found = orphan.lineage("late/g0/s10")
+    assert [(a.snapshot_id, a.manifest is None) for a in found.ancestors] == [
+        ("late/g0/s10", False),
+        ("gone/g3/s900", True),
+    ]
+    assert found.origin == "unknown"
+
+
+def test_a_loop_in_corrupt_data_ends_the_walk() -> None:
+    looped = Catalog.of([manifest("x", 1, parent="y/g0/s1"), manifest("y", 1, parent="x/g0/s1")])
+    found = looped.lineage("x/g0/s1")
+    assert [a.snapshot_id for a in found.ancestors] == ["x/g0/s1", "y/g0/s1"]
+    assert found.origin == "loop"
+    (y,) = found.descendants
+    assert y.descendants == ()  # x is above y already
+
+
+# -- compat -------------------------------------------------------------------------------------
+
+
+SNAP = manifest("pre", 40)
+
+
+def judge(**request: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    verdict = compat(SNAP, SeedRequest(**request))
+    assert verdict.compatible == (not verdict.refusals)
+    return verdict.refusals, verdict.warnings
+
+
+def test_the_same_settings_are_compatible_without_a_word() -> None:
+    same = {"lr": 0.003, "model.d_model": 64}
+    assert judge(
+        world_size=2, data_version=SNAP.data_version, code_version="3f2c1e9a", hyperparameters=same
+    ) == ((), ())
+    assert judge() == ((), ())  # nothing asked, nothing to object to
+
+
+def test_another_data_version_is_refused_with_the_reason_unless_allowed() -> None:
+    refusals, warnings = judge(data_version="other")
+    (reason,) = refusals
+    assert "data version 'other' differs from the snapshot's 'sha256:ddd" in reason
+    assert "--allow-data-version-change" in reason
+    assert warnings == ()
+    refusals, (warning,) = judge(data_version="other", allow_data_version_change=True)
+    assert refusals == ()
+    assert "allowed" in warning
+
+
+def test_a_larger_world_size_is_refused_a_smaller_one_warned() -> None:
+    (reason,), _ = judge(world_size=4)
+    assert "ranks 2..3 would find no shard" in reason
+    refusals, (warning,) = judge(world_size=1)
+    assert refusals == ()
+    assert "world-size independent" in warning
+    (reason,), _ = judge(world_size=1, exact=True)
+    assert "exact continuation needs the snapshot's world size 2" in reason
+
+
+def test_a_model_parallel_snapshot_cannot_shrink() -> None:
+    split = manifest("mp", 10, world_size=4, topology={"world_size": 4, "tp": 2, "dp": 2})
+    (reason,) = compat(split, SeedRequest(world_size=2)).refusals
+    assert "model-parallel (tp=2)" in reason
+
+
+def test_code_versions_and_hyperparameters_are_warned_or_refused_when_exact() -> None:
+    request = {"code_version": "deadbeef", "hyperparameters": {"lr": 0.001, "wd": 0.1}}
+    refusals, warnings = judge(**request)
+    assert refusals == ()
+    assert warnings == (
+        "code version 'deadbeef' differs from the snapshot's '3f2c1e9a'",
+        "hyperparameter lr: snapshot 0.003, new job 0.001",
+        "hyperparameter wd is not recorded in the snapshot (it records: lr, model, seed)",
+    )
+    refusals, _ = judge(**request, exact=True)
+    assert refusals == ("hyperparameter lr: snapshot 0.003, new job 0.001 (an exact "
+                        "continuation needs the same)",)  # fmt: skip
+
+
+def test_every_reason_is_given_and_shard_problems_count_as_refusals() -> None:
+    verdict = compat(
+        SNAP,
+        SeedRequest(world_size=8, data_version="v2", code_version="x"),
+        ["shard of rank 1 is missing: /ckpt/pre/g0/s40/rank1.pt"],
+    )
+    assert not verdict.compatible
+    assert len(verdict.refusals) == 3
+    assert verdict.refusals[-1].startswith("shard of rank 1 is missing")
+    assert len(verdict.warnings) == 1
+
+
+def test_a_snapshot_without_a_code_version_says_so() -> None:
+    bare = manifest("bare", 1, code="")
+    (warning,) = compat(bare, SeedRequest(code_version="abc")).warnings
+    assert warning == "the snapshot records no code version to compare with 'abc'"
+
+
+def test_lookup_takes_a_key_itself_before_a_dotted_path() -> None:
+    values: dict[str, JSONValue] = {"a.b": 1, "a": {"b": 2, "c": {"d": 3}}}
+    assert lookup(values, "a.b") == (True, 1)
+    assert lookup(values, "a.c.d") == (True, 3)
+    assert lookup(values, "a.x") == (False, None)
+    assert lookup(values, "a.b.c") == (False, None)

@@ -1,0 +1,486 @@
+"""The job report's computation (``_report.py``) on synthetic records: a 2-rank job scripted
+step by step, folded by the real state machine as the daemon folds it, so the audit entries
+are the ones the daemon would write. Every expected number is worked out by hand in the test.
+
+Times are milliseconds after ``T0`` (the job's first event); steps take 1 s, heartbeats report
+each step the moment it ends, and shards are announced 200 ms (rank 0) and 210 ms (rank 1)
+after their step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from trainguard.daemon._config import MachineConfig
+from trainguard.daemon._decisions import Decision, Issue
+from trainguard.daemon._inputs import Input, Observed, Tick
+from trainguard.daemon._machine import decide, next_deadline
+from trainguard.daemon._rehearsal import Stamped
+from trainguard.daemon._report import (
+    SEGMENT_KINDS,
+    JobReport,
+    build_report,
+    daly_interval_s,
+    young_interval_s,
+)
+from trainguard.daemon._report_html import MAX_RANK_LANES, render_html
+from trainguard.daemon._state import JobState, new_job
+from trainguard.schemas import (
+    Checkpoint,
+    CheckpointMeta,
+    DataCursor,
+    Event,
+    Heartbeat,
+    Lifecycle,
+    Phase,
+    Restore,
+)
+
+JOB = "report-job"
+T0 = 1_700_000_000_000
+"""The job's first event, ms since the epoch."""
+HOST = "h0"
+WRITE_MS = (200, 210)
+"""How long after its step each rank's shard is announced."""
+
+
+@dataclass
+class Script:
+    """A 2-rank job's events, folded one by one by the real machine (ticking at its deadlines
+    like the daemon's shell); keeps what the bus would hold: the events with their append
+    times, the audit entries and the commands."""
+
+    world_size: int = 2
+    cfg: MachineConfig = field(default_factory=lambda: MachineConfig(daemon_id="d"))
+    state: JobState = field(default_factory=lambda: new_job(JOB))
+    events: list[Stamped] = field(default_factory=list)
+    audit: list[dict[str, Any]] = field(default_factory=list)
+    commands: list[Stamped] = field(default_factory=list)
+    generation: int = 0
+    _seq: dict[tuple[int | None, int], int] = field(default_factory=dict)
+
+    def report(self) -> JobReport:
+        return build_report(JOB, self.events, self.audit, self.commands)
+
+    # -- folding ---------------------------------------------------------------------------
+
+    def _fold(self, item: Input) -> None:
+        self.state, decisions = decide(self.state, item, self.cfg)
+        at_ms = item.at_ns // 1_000_000
+        if decisions:
+            self.audit.append({"at_ms": at_ms, "decisions": [d.to_dict() for d in decisions]})
+        self.commands += [Stamped(at_ms, d.command) for d in decisions if isinstance(d, Issue)]
+        self._last = decisions
+
+    def send(self, event: Event, at: int) -> tuple[Decision, ...]:
+        """Tick up to ``at`` (ms after T0), then fold ``event`` appended at ``at``."""
+        at_ns = (T0 + at) * 1_000_000
+        while (due := next_deadline(self.state, self.cfg)) is not None and due <= at_ns:
+            self._fold(Tick(due))
+        self._fold(Observed(at_ns, len(self.events), event))
+        self.events.append(Stamped(T0 + at, event))
+        return self._last
+
+    def head(self, rank: int | None, at: int, pid: int) -> dict[str, Any]:
+        key = (rank, pid)
+        self._seq[key] = self._seq.get(key, -1) + 1
+        return {
+            "job_id": JOB,
+            "generation": self.generation,
+            "ts": (T0 + at) * 1_000_000,
+            "seq": self._seq[key],
+            "host": HOST,
+            "pid": pid,
+        }
+
+    def pid(self, rank: int) -> int:
+        return 100 * (self.generation + 1) + rank
+
+    # -- what the processes send ----------------------------------------------------------------
+
+    def beat(
+        self, rank: int, step: int, at: int, phase: Phase = "train", loss: float = 2.0
+    ) -> None:
+        self.send(
+            Heartbeat(
+                **self.head(rank, at, self.pid(rank)),
+                rank=rank,
+                world_size=self.world_size,
+                step=step,
+                phase=phase,
+                step_time_s=None if phase == "init" else 1.0,
+                loss=None if phase == "init" else loss,
+                samples=step * 8,
+            ),
+            at,
+        )
+
+    def shard(self, rank: int, step: int, at: int) -> None:
+        uri = f"file:///ckpt/g{self.generation}/s{step}/rank{rank}.pt"
+        self.send(
+            Checkpoint(
+                **self.head(rank, at, self.pid(rank)),
+                rank=rank,
+                world_size=self.world_size,
+                step=step,
+                shard_uri=uri,
+                size_bytes=1024,
+                digest="sha256:" + hashlib.sha256(uri.encode()).hexdigest(),
+                cursor=cursor(step),
+                metadata=CheckpointMeta(),
+            ),
+            at,
+        )
+
+    def lifecycle(self, rank: int, kind: Any, at: int, **fields: Any) -> tuple[Decision, ...]:
+        return self.send(
+            Lifecycle(**self.head(rank, at, self.pid(rank)), rank=rank, kind=kind, **fields), at
+        )
+
+    def supervisor_exit(self, rank: int, at: int, *, died: int, signal: int = 9) -> None:
+        """The supervisor saw ``rank`` die at ``died`` and its report was appended at ``at``."""
+        self.send(
+            Lifecycle(
+                **self.head(None, died, 9000 + rank),
+                rank=None,
+                kind="exited",
+                ranks=(rank,),
+                signal=signal,
+            ),
+            at,
+        )
+
+    # -- behaviour ---------------------------------------------------------------------------
+
+    def start(self, at: int, until: int) -> None:
+        """Every rank starts at ``at`` and heartbeats ``init`` each second until ``until``."""
+        for r in range(self.world_size):
+            self.lifecycle(r, "started", at, world_size=self.world_size)
+        for t in range(at, until + 1, 1000):
+            for r in range(self.world_size):
+                self.beat(r, 0, t, phase="init")
+
+    def train(
+        self,
+        steps: range,
+        first_at: int,
+        *,
+        every: int = 10,
+        stuck_at: int | None = None,
+        declared: int = 0,
+    ) -> int:
+        """Train ``steps``, the first ending at ``first_at``, one per second; shards every
+        ``every`` steps (declared as the ``checkpoint`` phase for ``declared`` ms first, from
+        1 ms after the step); from step ``stuck_at`` on the ranks hang, heartbeating that
+        step each second. Returns the time the last step ended."""
+        at = first_at
+        for i, step in enumerate(steps):
+            at = first_at + 1000 * i
+            shown = step if stuck_at is None else min(step, stuck_at)
+            for r in range(self.world_size):
+                self.beat(r, shown, at)
+            if step % every == 0 and (stuck_at is None or step <= stuck_at):
+                if declared:
+                    for r in range(self.world_size):
+                        self.beat(r, step, at + 1, phase="checkpoint")
+                for r in range(self.world_size):
+                    self.shard(r, step, at + declared + WRITE_MS[r])
+        return at
+
+    def restart(self, started: int, acks: tuple[int, ...]) -> None:
+        """The processes of the restore just issued start at ``started`` (heartbeating
+        ``init``) and acknowledge at ``acks`` (one time per rank)."""
+        restore = self.last_restore()
+        self.generation = restore.generation
+        target = restore.target
+        for r in range(self.world_size):
+            self.lifecycle(r, "started", started, world_size=self.world_size)
+        for t in range(started, max(acks) + 1, 1000):
+            for r in range(self.world_size):
+                self.beat(r, 0, t, phase="init")
+        for r, at in enumerate(acks):
+            self.lifecycle(
+                r,
+                "restored",
+                at,
+                step=0 if target is None else target.step,
+                cursor=None if target is None else target.cursor,
+                snapshot_id=None if target is None else target.snapshot_id,
+            )
+
+    def finish(self, step: int, at: int) -> None:
+        for r in range(self.world_size):
+            self.lifecycle(r, "finished", at, step=step)
+
+    def last_restore(self) -> Restore:
+        return next(c.message for c in reversed(self.commands) if isinstance(c.message, Restore))
+
+
+def cursor(step: int) -> DataCursor:
+    return DataCursor(data_version="v1", seed=7, epoch=0, offset=step * 16, world_size=2)
+
+
+def assert_partition(report: JobReport) -> None:
+    """The segments tile ``[start, end)`` in order and the kinds add up to the wall time."""
+    assert report.segments[0].start_ms == report.start_ms
+    assert report.segments[-1].end_ms == report.end_ms
+    for a, b in zip(report.segments, report.segments[1:], strict=False):
+        assert a.end_ms == b.start_ms
+        assert a.start_ms < a.end_ms
+    assert sum(report.time_s.values()) == pytest.approx(report.wall_s)
+    assert set(report.time_s) == set(SEGMENT_KINDS)
+
+
+def killed_once() -> Script:
+    """Start-up 10 s; steps 1-25 end at 11..35 s (commits at 10 and 20); rank 1 dies at
+    35.5 s, its exit appended 10 ms later; the new processes start at 40 s and acknowledge at
+    45 and 45.5 s; steps 21-40 end at 46.5..65.5 s; both finish at 65.6 s."""
+    job = Script()
+    job.start(0, 10_000)
+    job.train(range(1, 26), 11_000)
+    job.supervisor_exit(1, 35_510, died=35_500)
+    job.restart(40_000, (45_000, 45_500))
+    job.train(range(21, 41), 46_500)
+    job.finish(40, 65_600)
+    return job
+
+
+def test_one_kill_splits_the_wall_time_as_worked_out_by_hand() -> None:
+    job = killed_once()
+    report = job.report()
+    assert_partition(report)
+    assert (report.ended, report.start_ms, report.end_ms) == ("finished", T0, T0 + 65_600)
+    assert report.wall_s == pytest.approx(65.6)
+    assert report.time_s == pytest.approx(
+        {
+            "startup": 10.0,  # 0 -> 10 s: the first step (1 s) began at 10 s
+            "productive": 20.0 + 20.0,  # steps 1-20 (10 -> 30 s), steps 21-40 (45.5 -> 65.5 s)
+            "recomputed": 5.5,  # steps 21-25 and half a step: 30 -> 35.5 s
+            "detection": 0.01,  # died 35.5 s, incident 35.51 s
+            "restore": 9.99,  # incident 35.51 s -> resume at the last ack, 45.5 s
+            "tail": 0.1,  # last step 65.5 s -> finished 65.6 s
+            "other": 0.0,
+        }
+    )
+    assert report.productive_s == pytest.approx(40.0)
+    assert report.goodput == pytest.approx(40.0 / 65.6)
+    assert (report.first_step, report.final_step, report.steps_recomputed) == (0, 40, 5)
+    assert report.step_time_s == 1.0
+    assert report.world_size == 2
+    assert report.causes == {"exited": 1}
+
+
+def test_one_kill_incident_costs() -> None:
+    [incident] = killed_once().report().incidents
+    assert (incident.incident_id, incident.cause, incident.generation) == (f"{JOB}/i1", "exited", 0)
+    assert (incident.ranks, incident.hosts) == ((1,), (HOST,))
+    assert incident.onset_ms == T0 + 35_500
+    assert "exit report" in incident.onset_evidence
+    assert incident.detection_s == pytest.approx(0.01)
+    assert incident.restore_s == pytest.approx(9.99)
+    assert (incident.outcome, incident.attempts, incident.mode) == ("resumed", 1, "restart")
+    assert (incident.target_step, incident.target_snapshot) == (20, f"{JOB}/g0/s20")
+    assert (incident.reached_step, incident.recomputed_steps) == (25, 5)
+    assert incident.recomputed_s == pytest.approx(5.5)
+    assert incident.lost_s == pytest.approx(0.01 + 9.99 + 5.5)
+
+
+def test_young_daly_from_the_observed_failure_and_shard_writes() -> None:
+    advice = killed_once().report().checkpoint
+    # Shards of steps 10, 20 (generation 0), 30, 40 (generation 1), every 10 steps = 10 s.
+    assert (advice.checkpoints, advice.interval_steps, advice.interval_s) == (4, 10, 10.0)
+    # No declared checkpoint phase: the cost is the slowest shard's write, step end -> 210 ms.
+    assert advice.phase_cost_s is None
+    assert advice.write_s == pytest.approx(0.21)
+    assert advice.cost_s == pytest.approx(0.21)
+    assert "shard writes" in advice.cost_source
+    # One failure in 65.6 s of wall time less 9.99 s of restore.
+    assert advice.failures == 1
+    assert not advice.mtbf_is_lower_bound
+    assert advice.exposure_s == pytest.approx(55.61)
+    assert advice.mtbf_s == pytest.approx(55.61)
+    young = math.sqrt(2 * 0.21 * 55.61)  # 4.8328 s
+    assert advice.young_s == pytest.approx(young)
+    assert advice.young_s == pytest.approx(4.8328, abs=1e-4)
+    ratio = 0.21 / (2 * 55.61)
+    assert advice.daly_s == pytest.approx(young * (1 + math.sqrt(ratio) / 3 + ratio / 9) - 0.21)
+    assert advice.daly_s == pytest.approx(4.6938, abs=1e-4)
+    assert advice.young_steps == pytest.approx(young)  # 1 s steps
+    assert "Young" in advice.sources[0]
+    assert "Daly" in advice.sources[1]
+
+
+def test_without_failures_the_mtbf_is_a_lower_bound() -> None:
+    job = Script()
+    job.start(0, 10_000)
+    job.train(range(1, 31), 11_000)
+    job.finish(30, 40_100)
+    report = job.report()
+    assert_partition(report)
+    assert report.incidents == ()
+    assert report.time_s["productive"] == pytest.approx(30.0)  # 10 -> 40 s
+    assert report.goodput == pytest.approx(30.0 / 40.1)
+    advice = report.checkpoint
+    assert (advice.failures, advice.mtbf_is_lower_bound) == (0, True)
+    assert advice.mtbf_s == pytest.approx(40.1)  # M > the whole wall time
+    assert advice.young_s == pytest.approx(math.sqrt(2 * 0.21 * 40.1))  # a lower bound
+
+
+def test_a_declared_checkpoint_phase_is_the_cost() -> None:
+    job = Script()
+    job.start(0, 10_000)
+    # Each shard written on the training thread: phase declared 1 ms after the step, shard
+    # announced 300 + 200/210 ms later, the slowest rank's 511 ms after the declaration - 1.
+    last = job.train(range(1, 31), 11_000, declared=300)
+    job.finish(30, last + 600)
+    advice = job.report().checkpoint
+    assert advice.phase_cost_s == pytest.approx(0.509)
+    assert advice.cost_s == advice.phase_cost_s
+    assert "declared checkpoint phases" in advice.cost_source
+
+
+def test_a_hang_is_detected_from_the_last_step_advance() -> None:
+    job = Script()
+    job.start(0, 10_000)
+    # Both ranks stop after step 25 (35 s) and keep heartbeating it every second.
+    job.train(range(1, 46), 11_000, stuck_at=25)
+    opened = [d for e in job.audit for d in e["decisions"] if d["decision"] == "incident_opened"]
+    assert [d["cause"] for d in opened] == ["progress_timeout"]
+    stalled_s = opened[0]["measures"]["stalled_s"]
+    job.restart(60_000, (61_000, 61_000))
+    job.train(range(21, 31), 62_000)
+    job.finish(30, 71_100)
+    report = job.report()
+    assert_partition(report)
+    [incident] = report.incidents
+    assert incident.onset_ms == T0 + 35_000  # the step last advanced at 35 s
+    assert incident.detection_s == pytest.approx(stalled_s)
+    assert "last step advance" in incident.onset_evidence
+    assert (incident.reached_step, incident.target_step, incident.recomputed_steps) == (25, 20, 5)
+    assert incident.recomputed_s == pytest.approx(5.0)  # steps 21-25: 30 -> 35 s
+
+
+def test_a_restore_past_an_uncommitted_generation_loses_all_of_it() -> None:
+    """Generation 1 resumes from step 20, dies at step 27 before committing 30: generation 2
+    restores generation 0's step 20 again, so nothing of generation 1 survives."""
+    job = Script()
+    job.start(0, 10_000)
+    job.train(range(1, 26), 11_000)
+    job.supervisor_exit(1, 35_510, died=35_500)
+    job.restart(40_000, (45_000, 45_500))
+    job.train(range(21, 28), 46_500)  # step 27 ends at 52.5 s
+    job.supervisor_exit(0, 53_010, died=53_000)
+    target = job.last_restore().target
+    assert target is not None
+    assert target.snapshot_id == f"{JOB}/g0/s20"
+    job.restart(55_000, (56_000, 56_000))
+    job.train(range(21, 41), 57_000)  # step 40 ends at 76 s
+    job.finish(40, 76_100)
+    report = job.report()
+    assert_partition(report)
+    assert report.time_s["productive"] == pytest.approx(20.0 + 20.0)  # 10 -> 30 s, 56 -> 76 s
+    # Generation 0 after step 20 (30 -> 35.5 s) and all of generation 1 (45.5 -> 53 s).
+    assert report.time_s["recomputed"] == pytest.approx(5.5 + 7.5)
+    _first, second = report.incidents
+    assert (second.generation, second.target_step, second.recomputed_steps) == (1, 20, 7)
+    assert second.recomputed_s == pytest.approx(7.5)
+    assert report.steps_recomputed == 5 + 7
+    assert [g.generation for g in report.generations] == [0, 1, 2]
+    assert [g.from_step for g in report.generations] == [0, 20, 20]
+
+
+def test_ticks_and_an_empty_audit_make_a_running_job() -> None:
+    job = Script()
+    job.start(0, 3_000)
+    job.train(range(1, 6), 4_000)
+    report = build_report(JOB, job.events, [])
+    assert report.ended == "running"
+    assert report.end_ms == job.events[-1].at_ms
+    assert_partition(report)
+    assert report.time_s["productive"] == pytest.approx(5.0)
+
+
+def test_formulas() -> None:
+    assert young_interval_s(2.0, 100.0) == pytest.approx(20.0)
+    # Daly with C / 2M = 0.01: 20 * (1 + 0.1 / 3 + 0.01 / 9) - 2.
+    assert daly_interval_s(2.0, 100.0) == pytest.approx(20 * (1 + 0.1 / 3 + 0.01 / 9) - 2)
+    assert daly_interval_s(300.0, 100.0) == 100.0  # C >= 2M: checkpoint every M
+
+
+def test_chart_lanes() -> None:
+    report = killed_once().report()
+    lanes = {(s.rank, s.generation, s.phase) for s in report.ranks}
+    assert lanes == {(r, g, p) for r in (0, 1) for g in (0, 1) for p in ("init", "train")}
+    [dead] = [s for s in report.ranks if (s.rank, s.generation, s.phase) == (1, 0, "train")]
+    assert (dead.first_step, dead.last_step, dead.end_ms) == (1, 25, T0 + 35_510)
+    kinds = [m.kind for m in report.marks]
+    assert kinds.count("checkpoint") == 8
+    assert kinds.count("committed") == 4
+    assert [m.rank for m in report.marks if m.kind == "exited"] == [1]
+
+
+@pytest.mark.parametrize("skew_ms", [-3_600_000, 3_600_000])
+def test_an_exit_time_stamp_off_the_bus_clock_is_not_trusted(skew_ms: int) -> None:
+    """A supervisor whose clock is an hour behind or ahead of the bus's."""
+    job = Script()
+    job.start(0, 10_000)
+    job.train(range(1, 26), 11_000)
+    job.supervisor_exit(1, 35_510, died=35_500 + skew_ms)
+    [incident] = job.report().incidents
+    assert incident.onset_ms == T0 + 35_510
+    assert incident.detection_s == 0.0
+    assert "append time" in incident.onset_evidence
+
+
+def test_a_failed_job_keeps_only_its_newest_committed_snapshot() -> None:
+    """The crash-loop guard (one restore without progress allowed) fails the job at its second
+    kill, at step 27 of generation 1: the final timeline ends at the newest commit, step 20."""
+    job = Script(cfg=MachineConfig(daemon_id="d", max_restore_cycles=1))
+    job.start(0, 10_000)
+    job.train(range(1, 26), 11_000)
+    job.supervisor_exit(1, 35_510, died=35_500)
+    job.restart(40_000, (45_000, 45_500))
+    job.train(range(21, 28), 46_500)
+    job.supervisor_exit(0, 53_010, died=53_000)
+    report = job.report()
+    assert_partition(report)
+    assert (report.ended, report.end_ms, report.final_step) == ("failed", T0 + 53_010, 20)
+    assert report.time_s["productive"] == pytest.approx(20.0)  # steps 1-20, 10 -> 30 s
+    assert report.time_s["recomputed"] == pytest.approx(5.5 + 7.5)
+    second = report.incidents[1]
+    assert (second.outcome, second.attempts, second.target_step) == ("failed", 0, None)
+    assert (second.reached_step, second.recomputed_steps) == (27, 7)
+    assert second.restore_s == 0.0
+
+
+def test_the_chart_draws_at_most_64_ranks() -> None:
+    events = [
+        Stamped(
+            T0 + 1000 * step + rank,
+            Heartbeat(
+                job_id=JOB,
+                generation=0,
+                ts=0,
+                seq=step,
+                rank=rank,
+                host=HOST,
+                pid=rank,
+                world_size=70,
+                step=step,
+                phase="train" if step else "init",
+                step_time_s=1.0,
+            ),
+        )
+        for step in range(5)
+        for rank in range(70)
+    ]
+    page = render_html(build_report(JOB, events, []))
+    assert MAX_RANK_LANES == 64
+    assert ">rank 63<" in page
+    assert ">rank 64<" not in page
+    assert "showing 64 of 70 ranks" in page

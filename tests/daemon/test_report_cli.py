@@ -1,0 +1,160 @@
+"""``trainguard report`` as users run it (a separate process) on an embedded bus holding a
+job's record: the scripted job of ``test_report.py`` (one kill), its events published with
+their time gaps shrunk 100-fold and folded by a real daemon service, which writes the audit
+and commands the report reads."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.buses import BusFactory
+from tests.daemon.test_report import JOB, killed_once
+from trainguard.agent.bus import DEFAULT_TOPICS, open_bus
+from trainguard.daemon import DaemonService, MachineConfig
+from trainguard.daemon._export import ExportHeader, dump
+from trainguard.daemon._joblog import read_bus
+from trainguard.daemon._settings import DaemonConfig
+from trainguard.schemas import encode
+
+pytestmark = pytest.mark.timeout(120)
+
+CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
+SHRINK = 100
+"""The scripted time gaps are slept 100 times shorter (65.6 s of job in about 0.7 s)."""
+
+
+async def record_job(bus: BusFactory) -> None:
+    """Publish the scripted job's events (fresh time stamps) while a daemon service folds
+    them; return once the daemon has seen the job finish."""
+    script = killed_once()
+    config = DaemonConfig(
+        bus=bus.config(topics=DEFAULT_TOPICS),
+        machine=MachineConfig(daemon_id="report-test"),
+        group_id=bus.group("daemon"),
+        poll_s=0.02,
+    )
+    stop = asyncio.Event()
+    service = DaemonService(config)
+    task = asyncio.ensure_future(service.run(stop))
+    try:
+        async with open_bus(bus.config(topics=DEFAULT_TOPICS)) as client:
+            previous = script.events[0].at_ms
+            for stamped in script.events:
+                await asyncio.sleep((stamped.at_ms - previous) / 1000 / SHRINK)
+                previous = stamped.at_ms
+                event = dataclasses.replace(stamped.message, ts=time.time_ns())
+                await client.publish("events", JOB, encode(event))
+            deadline = time.monotonic() + 60
+            while not (job := service.jobs.get(JOB)) or job.phase != "finished":
+                assert time.monotonic() < deadline, "the daemon did not see the job finish"
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> BusFactory:
+    """An embedded bus holding the scripted job, folded by a daemon."""
+    folder = tmp_path_factory.mktemp("report-cli")
+    bus = BusFactory("sqlite", f"sqlite://{folder / 'bus.db'}", "r.")
+    asyncio.run(record_job(bus))
+    return bus
+
+
+def report(bus: BusFactory, *args: str) -> subprocess.CompletedProcess[str]:
+    """``trainguard report ARGS`` on ``bus``, printing 250 columns wide (rich reads
+    ``COLUMNS``) so that no line of the text report is wrapped."""
+    return subprocess.run(
+        [*CLI, "report", *args, "--bus", bus.url, "--prefix", bus.prefix],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "250"},
+    )
+
+
+def test_text_report_names_the_incident_and_its_cost(recorded: BusFactory) -> None:
+    done = report(recorded, JOB)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for expected in (
+        "Where the wall time went",
+        "goodput",
+        "0 -> 40 (5 recomputed)",
+        "exited",
+        "s20",  # restored to step 20
+        "Young",
+        "Communications of the ACM 17(9), 1974",
+        "Future Generation Computer Systems 22(3), 2006",
+    ):
+        assert expected in out, f"{expected!r} not in:\n{out}"
+
+
+def test_json_report(recorded: BusFactory) -> None:
+    done = report(recorded, JOB, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert (doc["job_id"], doc["ended"], doc["final_step"]) == (JOB, "finished", 40)
+    [incident] = doc["incidents"]
+    assert (incident["cause"], incident["ranks"], incident["target_step"]) == ("exited", [1], 20)
+    assert (incident["reached_step"], incident["recomputed_steps"]) == (25, 5)
+    assert doc["causes"] == {"exited": 1}
+    assert sum(doc["time_s"].values()) == pytest.approx(doc["wall_s"])
+    assert doc["goodput"] == pytest.approx(doc["productive_s"] / doc["wall_s"])
+    assert doc["checkpoint"]["failures"] == 1
+    assert doc["checkpoint"]["interval_steps"] == 10
+
+
+def test_html_report_holds_the_timeline(recorded: BusFactory, tmp_path: Path) -> None:
+    page = tmp_path / "report.html"
+    done = report(recorded, JOB, "--html", str(page))
+    assert done.returncode == 0, done.stderr
+    html = page.read_text()
+    assert '<svg id="timeline"' in html
+    assert html.count('class="span"') >= 4  # init and train, per rank and generation
+    assert html.count('class="seg"') >= 5  # startup, productive, recomputed, restore, ...
+    assert "i1 exited" in html
+    assert "<script" not in html
+    assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_an_unknown_job_is_a_clear_error(recorded: BusFactory) -> None:
+    done = report(recorded, "no-such-job")
+    assert done.returncode == 2
+    assert "no-such-job" in done.stderr
+
+
+def test_the_report_of_an_export_file(recorded: BusFactory, tmp_path: Path) -> None:
+    """``--file``: the job's record exported to a file reports the same numbers."""
+    log = asyncio.run(read_bus(recorded.url, recorded.prefix, JOB))
+    header = ExportHeader(
+        job_id=JOB,
+        source=log.source,
+        partition=log.partition,
+        partitions=log.partitions,
+        exported_at_ms=0,
+        trainguard="test",
+    )
+    exported = tmp_path / "job.tgjsonl.gz"
+    topics = ("events", "commands", "manifests", "audit")
+    dump(exported, header, {topic: getattr(log, topic) for topic in topics})
+    from_file = subprocess.run(
+        [*CLI, "report", "--file", str(exported), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert from_file.returncode == 0, from_file.stderr
+    from_bus = report(recorded, JOB, "--format", "json")
+    assert orjson.loads(from_file.stdout) == orjson.loads(from_bus.stdout)
