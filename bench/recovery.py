@@ -107,6 +107,7 @@ if str(REPO) not in sys.path:
 
 from bench._broker import kafka_broker  # noqa: E402
 from bench._report import Report, print_report  # noqa: E402
+from bench._summary import format_quantiles, machine_notes  # noqa: E402
 
 from examples.charlm.ledger import LedgerRecord, compare_ledgers, ledger_path, read_ledger  # noqa: E402
 
@@ -579,26 +580,8 @@ def startup_anatomy() -> dict[str, float]:
 # -- report ----------------------------------------------------------------------------------
 
 
-def quantiles(values: Sequence[float]) -> tuple[float, float, float] | None:
-    """p50, p90 (linear interpolation between order statistics) and maximum; ``None`` if
-    empty."""
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    cuts = statistics.quantiles(values, n=10, method="inclusive")
-    return statistics.median(values), cuts[8], max(values)
-
-
 def _spans(result: RunResult, start: str, end: str) -> list[float]:
     return [s for i in result.incidents if (s := i.span(start, end)) is not None]
-
-
-def _fmt_q(values: Sequence[float], scale: float = 1.0, digits: int = 2) -> list[str]:
-    q = quantiles(values)
-    if q is None:
-        return ["-", "-", "-"]
-    return [f"{v * scale:.{digits}f}" for v in q]
 
 
 def _median(values: Sequence[float], digits: int = 2) -> str:
@@ -620,7 +603,7 @@ def build_report(
             [
                 result.name,
                 f"{result.restores}/{len(plan.kills)}",
-                *_fmt_q(reported, 1e3, 0),
+                *format_quantiles(reported, 1e3, 0),
                 _median([s * 1e3 for s in _spans(result, "killed", "restore")], 0),
                 verdict,
             ]
@@ -648,7 +631,7 @@ def build_report(
             [
                 result.name,
                 str(len(result.incidents)),
-                *_fmt_q(_spans(result, "killed", "resumed")),
+                *format_quantiles(_spans(result, "killed", "resumed")),
                 _median(_spans(result, "killed", "back")),
                 f"{statistics.fmean(lost):.1f} ({max(lost)})" if lost else "-",
                 f"{result.steps_computed - plan.steps}",
@@ -727,15 +710,6 @@ def build_report(
 # -- main ------------------------------------------------------------------------------------
 
 
-def _machine_notes() -> list[str]:
-    load = os.getloadavg()
-    return [
-        f"date {datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
-        f"Python {sys.version.split()[0]}",
-    ]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return the exit status (1 if a run did not finish)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
@@ -772,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"job: charlm, {WORLD_SIZE} ranks, {plan.steps} steps, checkpoint every "
         f"{plan.checkpoint_every}, seed {plan.seed}; kills (step, rank): {list(plan.kills)}"
     )
-    say(f"work folder {workdir}; " + "; ".join(_machine_notes()))
+    say(f"work folder {workdir}; " + "; ".join(machine_notes()))
     say("reference run (uninterrupted; cached)…")
     reference = reference_run(
         REPO, CACHE, steps=plan.steps, checkpoint_every=plan.checkpoint_every, seed=plan.seed
@@ -828,7 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say("worker start-up anatomy…")
     anatomy = startup_anatomy()
     report = build_report(plan, tg, tr, anatomy)
-    report.notes[:0] = _machine_notes()
+    report.notes[:0] = machine_notes()
     print_report(report, args.markdown, console)
     if args.json:
         args.json.write_text(
