@@ -107,7 +107,7 @@ def test_show_prints_shards_cursor_hyperparameters_and_topology(catalog_bus: str
     for text in ('{"lr":0.001}', "offset 960 samples", '{"world_size":2}', "pre/g0/s40"):
         assert text in done.stdout
     wire = as_json(checkpoints(catalog_bus, "show", "tune/g0/s60", "--format", "json"))
-    assert wire["schema"] == "manifest/1.0"
+    assert wire["schema"] == Manifest.SCHEMA
     assert wire["parent"] == "pre/g0/s40"
     assert [s["rank"] for s in wire["shards"]] == [0, 1]
     assert wire["shards"][1]["digest"].startswith("sha256:")

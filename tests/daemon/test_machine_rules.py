@@ -542,7 +542,7 @@ def test_decisions_serialise_to_stable_json() -> None:
     assert restore_dict["decision"] == "issue"
     command = restore_dict["command"]
     assert isinstance(command, dict)
-    assert command["schema"] == "restore/1.1"
+    assert command["schema"] == Restore.SCHEMA
     target = command["target"]
     assert isinstance(target, dict)
     assert target["snapshot_id"] == "job/g0/s30"

@@ -153,7 +153,7 @@ def test_a_type_the_caller_did_not_expect_is_unexpected() -> None:
         decode(data, expect=Heartbeat)
     assert info.value.field == "schema"
     assert "Heartbeat" in info.value.reason
-    assert "restore/1.1" in info.value.reason
+    assert Restore.SCHEMA in info.value.reason
     with pytest.raises(UnexpectedMessage):
         decode(data, expect=(Abort, Manifest))
 

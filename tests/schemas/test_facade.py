@@ -36,4 +36,5 @@ def test_every_message_class_and_error_class_is_exported() -> None:
         "UnknownSchema",
         "UnexpectedMessage",
         "SchemaViolation",
+        "Unauthenticated",
     }

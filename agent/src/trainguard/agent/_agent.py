@@ -83,7 +83,10 @@ class AgentStats:
             while the bus was slow or away, or their send failed).
         send_errors: failed connect, send and poll attempts (each retried).
         last_error: the latest of those failures, as text, or ``None``.
-        commands_ignored: commands of older generations or undecodable ones.
+        commands_ignored: commands not acted on (older generations, undecodable ones, and with
+            the daemon's public keys unsigned, badly signed, other jobs' and replayed ones).
+        commands_ignored_by_reason: the same by reason (``unsigned``, ``bad_signature``,
+            ``replayed``, ...; see ``trainguard.agent._command_gate``).
         checkpoints_written: shards written and announced.
         checkpoint_failures: shards that could not be written (their futures hold the error).
     """
@@ -97,6 +100,7 @@ class AgentStats:
     commands_ignored: int
     checkpoints_written: int
     checkpoint_failures: int
+    commands_ignored_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 class Agent:
@@ -210,6 +214,7 @@ class Agent:
                 url=c.bus_url,
                 prefix=c.topic_prefix,
                 client_id=f"agent-{c.rank}",
+                security=c.kafka_security,
                 # Commands reach a training process rarely and a quarter second late is fine
                 # (supervisors, which act on restores, keep the fast default); polling the
                 # embedded bus every 20 ms cost each rank ~2% of a core.
@@ -222,6 +227,8 @@ class Agent:
             interval_s=c.heartbeat_interval_s,
             log=self._log,
             on_command=self._on_command,
+            verify_keys=c.keys.verify,
+            event_key=c.keys.event,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -280,9 +287,10 @@ class Agent:
             dropped_heartbeats=link.dropped_heartbeats,
             send_errors=link.send_errors,
             last_error=link.last_error,
-            commands_ignored=link.commands.ignored,
+            commands_ignored=link.commands.ignored.total(),
             checkpoints_written=self._written,
             checkpoint_failures=self._write_failures,
+            commands_ignored_by_reason={str(k): n for k, n in link.commands.ignored.items()},
         )
 
     # -- restore -----------------------------------------------------------------------------
@@ -328,8 +336,13 @@ class Agent:
         if c.init_from is None:
             return None
         if self._initial is None:
-            bus = BusConfig(url=c.bus_url, prefix=c.topic_prefix, client_id=f"agent-{c.rank}")
-            self._initial = fetch_manifest(bus, c.init_from, timeout_s)
+            bus = BusConfig(
+                url=c.bus_url,
+                prefix=c.topic_prefix,
+                client_id=f"agent-{c.rank}",
+                security=c.kafka_security,
+            )
+            self._initial = fetch_manifest(bus, c.init_from, timeout_s, c.keys.verify)
             self._log.info("init_from", snapshot_id=c.init_from, step=self._initial.step)
         return self._initial
 

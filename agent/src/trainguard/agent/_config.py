@@ -17,7 +17,14 @@ from typing import Any
 
 from trainguard.agent._errors import ConfigError
 from trainguard.agent._faults import parse_faults
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusURLError, parse_bus_url
+from trainguard.agent._keystore import AgentKeys, agent_keys_from_env
+from trainguard.agent.bus import (
+    DEFAULT_BUS_URL,
+    BusURLError,
+    KafkaSecurity,
+    load_kafka_security,
+    parse_bus_url,
+)
 from trainguard.schemas import Checkpoint, CheckpointMeta, DataCursor, SchemaError, encode
 
 __all__ = ["DEFAULT_BUS_URL", "AgentConfig"]
@@ -69,6 +76,9 @@ class AgentConfig:
         bus_url: bus URL (``TRAINGUARD_BUS``), default :data:`DEFAULT_BUS_URL`;
             ``sqlite:///abs/path.db``, ``sqlite:rel/path.db`` or ``kafka://host:port,...``.
         topic_prefix: bus topic prefix (``TRAINGUARD_TOPIC_PREFIX``), default ``trainguard.``.
+        kafka_security: Kafka TLS/SASL settings from the ``TRAINGUARD_KAFKA_*`` variables
+            (:func:`~trainguard.agent.bus.load_kafka_security`; ``trainguard run`` passes its
+            own on to the workers), default plaintext.
         rank: this process's rank (``TRAINGUARD_RANK``, else ``RANK``), default 0.
         world_size: number of ranks (``TRAINGUARD_WORLD_SIZE``, else ``WORLD_SIZE``), default 1.
         generation: fencing generation this process runs in (``TRAINGUARD_GENERATION``, set by
@@ -100,6 +110,10 @@ class AgentConfig:
             ``parent``, and so does every snapshot the daemon commits for the job.
         hyperparameters: a JSON object recorded in checkpoint metadata (at most 16 levels deep).
         host: this machine's name, default ``socket.gethostname()``.
+        keys: the daemon's public keys (``TRAINGUARD_DAEMON_PUBLIC_KEYS``: commands and
+            ``init_from`` manifests must carry their signature) and the job's event key
+            (``TRAINGUARD_EVENT_KEY``: events are sent with its MAC); default none, which is
+            insecure (``docs/security.md``).
         heartbeat_queue: most heartbeats kept while the bus is slow or away (>= 1); older ones
             are dropped and counted.
 
@@ -111,6 +125,7 @@ class AgentConfig:
     job_id: str
     bus_url: str = DEFAULT_BUS_URL
     topic_prefix: str = "trainguard."
+    kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
     rank: int = 0
     world_size: int = 1
     generation: int = 0
@@ -126,6 +141,7 @@ class AgentConfig:
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     host: str = field(default_factory=socket.gethostname)
     heartbeat_queue: int = 16
+    keys: AgentKeys = field(default_factory=AgentKeys)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -183,6 +199,11 @@ class AgentConfig:
             except ValueError as exc:
                 var = next(v for v in variables if env.get(v))
                 raise ConfigError(f"{var}={raw!r}: not a valid {name}") from exc
+        try:
+            values["kafka_security"] = load_kafka_security(env=env)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        values["keys"] = agent_keys_from_env(env)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("job_id"):
             raise ConfigError("job id missing: pass job_id=... or set TRAINGUARD_JOB")

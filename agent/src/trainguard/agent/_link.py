@@ -22,7 +22,9 @@ Commands for the job arrive on the compacted ``commands`` topic. On its first co
 link reads the latest command of the job (a late-starting worker must see the restore it was
 started for), then follows the job's partition from there; after a reconnection it continues
 after the last command it read. Commands of an older generation than this process's are
-ignored.
+ignored; with the daemon's public keys, so is every command that is unsigned, badly signed,
+for another job or a replay (:mod:`._command_gate`), each counted by reason and logged. With
+the job's event key, every event leaves with its HMAC (``auth``).
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from structlog.typing import FilteringBoundLogger
 
+from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason
+from trainguard.agent._keystore import EventKey
 from trainguard.agent.bus import (
     Bus,
     BusConfig,
@@ -52,13 +57,12 @@ from trainguard.agent.bus import (
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import (
     Abort,
-    Command,
     Event,
     Heartbeat,
     Restore,
     Resume,
     SchemaError,
-    decode,
+    add_mac,
     encode,
 )
 
@@ -100,13 +104,16 @@ class Commands:
         generation: commands of older generations are ignored.
         on_command: called on the loop thread with every command taken, after it is
             recorded (and outside the lock :meth:`wait` uses); it must not raise.
+        keys: the daemon's public keys by kid: only commands they verify are taken, and
+            replays are refused (:mod:`._command_gate`); ``None`` takes unsigned commands.
+        log: where ignored commands are reported (with the reason, never a key).
 
     Attributes:
         restores: restore commands by generation (this process's and newer ones).
         resumes: resume commands by generation.
         aborted: the abort command, once one arrived.
         newest_generation: highest generation of any command taken (this process's at least).
-        ignored: commands ignored so far (older generation, undecodable).
+        ignored: commands ignored so far, by :data:`~._command_gate.IgnoreReason`.
     """
 
     def __init__(
@@ -114,32 +121,38 @@ class Commands:
         job_id: str,
         generation: int,
         on_command: Callable[[Restore | Resume | Abort], None] | None = None,
+        *,
+        keys: Mapping[str, Ed25519PublicKey] | None = None,
+        log: FilteringBoundLogger | None = None,
     ) -> None:
         self._job_id = job_id
-        self._generation = generation
+        self._gate = CommandGate(job_id, generation, keys)
         self._on_command = on_command
+        self._log = log
         self._changed = threading.Condition()
         self.restores: dict[int, Restore] = {}
         self.resumes: dict[int, Resume] = {}
         self.aborted: Abort | None = None
         self.newest_generation = generation
-        self.ignored = 0
+        self.ignored: collections.Counter[IgnoreReason] = collections.Counter()
 
     def take(self, record: Record) -> None:
         """Apply one record of the ``commands`` topic (other jobs' records are skipped)."""
         if record.key != self._job_id or record.value is None:
             return
-        try:
-            command = decode(record.value, expect=Command)
-        except SchemaError:
-            self.ignored += 1
-            return
-        if (
-            not isinstance(command, Restore | Resume | Abort)
-            or command.job_id != self._job_id
-            or command.generation < self._generation
-        ):
-            self.ignored += 1
+        command = self._gate.admit(record.value)
+        if isinstance(command, Ignored):
+            self.ignored[command.reason] += 1
+            if self._log is not None:
+                report = self._log.debug if command.reason == "duplicate" else self._log.warning
+                report(
+                    "command_ignored",
+                    reason=command.reason,
+                    detail=command.detail,
+                    command_generation=command.generation,
+                    seq=command.seq,
+                    offset=record.offset,
+                )
             return
         with self._changed:
             match command:
@@ -177,6 +190,9 @@ class Link:
         interval_s: seconds between heartbeats.
         log: logger for connection trouble and losses.
         on_command: see :class:`Commands`.
+        verify_keys: the daemon's public keys (see :class:`Commands`).
+        event_key: the job's event key: every event is sent with its MAC; ``None`` sends
+            events unauthenticated.
 
     Raises:
         BusURLError: ``bus_config.url`` is not a bus URL.
@@ -201,6 +217,8 @@ class Link:
         interval_s: float,
         log: FilteringBoundLogger,
         on_command: Callable[[Restore | Resume | Abort], None] | None = None,
+        verify_keys: Mapping[str, Ed25519PublicKey] | None = None,
+        event_key: EventKey | None = None,
     ) -> None:
         parse_bus_url(bus_config.url)
         self._bus_config = bus_config
@@ -209,7 +227,8 @@ class Link:
         self._beat = beat
         self._interval_s = interval_s
         self._log = log
-        self.commands = Commands(job_id, generation, on_command)
+        self.commands = Commands(job_id, generation, on_command, keys=verify_keys, log=log)
+        self._event_key = event_key
         self.connected = False
         self.sent = 0
         self.dropped_heartbeats = 0
@@ -238,8 +257,9 @@ class Link:
     def submit(self, build: Callable[[int], _E]) -> _E:
         """Queue the event ``build(seq)`` and return it; safe from any thread.
 
-        ``seq`` is assigned, the event built and encoded under the queue's lock, so queue order
-        and ``seq`` order agree. A heartbeat beyond ``ring`` waiting ones evicts the oldest.
+        ``seq`` is assigned, the event built (and MACed, with an event key) and encoded under
+        the queue's lock, so queue order and ``seq`` order agree. A heartbeat beyond ``ring``
+        waiting ones evicts the oldest. The event returned carries its ``auth``.
 
         Raises:
             SchemaError: the event breaks the wire contract (nothing is queued).
@@ -247,6 +267,8 @@ class Link:
         with self._queue_changed:
             seq = next(_SEQ)
             event = build(seq)
+            if self._event_key is not None:
+                event = add_mac(event, self._event_key.kid, self._event_key.secret)
             heartbeat = isinstance(event, Heartbeat)
             item = _Queued(seq, encode(event), heartbeat)
             if heartbeat and sum(q.heartbeat for q in self._queue) >= self._ring:

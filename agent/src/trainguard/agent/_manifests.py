@@ -4,19 +4,25 @@ The daemon publishes one manifest per committed step on ``manifests``, keyed by 
 topic is deleted by time, never compacted, so every committed snapshot stays readable for the
 topic's retention (``docs/architecture.md``, topics). The agent reads one job's partition to
 find the snapshot its ``init_from`` setting names; ``trainguard checkpoints`` reads them all.
+Given the daemon's public keys, a reader keeps only manifests whose signature verifies (the
+daemon signs every manifest it commits when it holds keys): a manifest planted on the bus
+cannot make a job start from the wrong weights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from trainguard.agent._errors import ConfigError, RestoreTimeout
 from trainguard.agent.bus import Bus, BusConfig, BusError, Record, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.schemas import Manifest, SchemaError, decode
+from trainguard.schemas import Manifest, SchemaError, Unauthenticated, decode, verify_signature
 
 __all__ = ["ManifestLog", "fetch_manifest", "read_manifests"]
 
@@ -35,11 +41,14 @@ class ManifestLog:
             more than once when the daemon re-derived its commit after a restart.
         invalid: records skipped: undecodable, or inconsistent with their own key, snapshot id
             or world size (``docs/wire-contract.md``, manifest: "whoever consumes a manifest
-            checks those").
+            checks those"), or (with keys) not authentic.
+        unauthenticated: snapshot id -> why its manifest was refused, for the manifests among
+            ``invalid`` that decoded but whose signature did not verify.
     """
 
     manifests: tuple[Manifest, ...]
     invalid: int
+    unauthenticated: Mapping[str, str] = field(default_factory=dict)
 
 
 def _consistent(manifest: Manifest, key: str | None) -> bool:
@@ -53,12 +62,18 @@ def _consistent(manifest: Manifest, key: str | None) -> bool:
     )
 
 
-async def read_manifests(bus: Bus, job_id: str | None = None) -> ManifestLog:
+async def read_manifests(
+    bus: Bus,
+    job_id: str | None = None,
+    verify_keys: Mapping[str, Ed25519PublicKey] | None = None,
+) -> ManifestLog:
     """Read ``manifests`` from its first record to the end offsets at the time of the call.
 
     Args:
         bus: a started bus.
         job_id: read only this job's partition and records; ``None`` reads every job's.
+        verify_keys: the daemon's public keys: keep only manifests signed by one of them;
+            ``None`` keeps unsigned ones too.
 
     Raises:
         BusError: the bus failed while reading (the caller bounds the time it takes).
@@ -82,11 +97,18 @@ async def read_manifests(bus: Bus, job_id: str | None = None) -> ManifestLog:
     records.sort(key=lambda r: (r.partition, r.offset))
     manifests: list[Manifest] = []
     invalid = 0
+    unauthenticated: dict[str, str] = {}
     for rec in records:
         if job_id is not None and rec.key != job_id:
             continue
         try:
             manifest = decode(rec.value or b"", expect=Manifest)
+            if verify_keys is not None:
+                verify_signature(rec.value or b"", verify_keys)
+        except Unauthenticated as exc:
+            invalid += 1
+            unauthenticated[manifest.snapshot_id] = exc.reason
+            continue
         except SchemaError:
             invalid += 1
             continue
@@ -94,10 +116,15 @@ async def read_manifests(bus: Bus, job_id: str | None = None) -> ManifestLog:
             manifests.append(manifest)
         else:
             invalid += 1
-    return ManifestLog(tuple(manifests), invalid)
+    return ManifestLog(tuple(manifests), invalid, unauthenticated)
 
 
-def fetch_manifest(config: BusConfig, snapshot_id: str, timeout_s: float) -> Manifest:
+def fetch_manifest(
+    config: BusConfig,
+    snapshot_id: str,
+    timeout_s: float,
+    verify_keys: Mapping[str, Ed25519PublicKey] | None = None,
+) -> Manifest:
     """The committed manifest of ``snapshot_id`` (``<job>/g<generation>/s<step>``), read from
     the bus's ``manifests`` topic over a connection of its own.
 
@@ -109,10 +136,13 @@ def fetch_manifest(config: BusConfig, snapshot_id: str, timeout_s: float) -> Man
             at ``timeout_s``.
         snapshot_id: the snapshot to find.
         timeout_s: seconds the whole lookup may take.
+        verify_keys: the daemon's public keys: the manifest must carry the signature of one
+            (``None``: an unsigned manifest is taken too).
 
     Raises:
         ConfigError: no committed snapshot ``snapshot_id`` on the bus (the message lists the
-            job's newest committed snapshots, if any).
+            job's newest committed snapshots, if any), or (with keys) none whose signature
+            verifies.
         RestoreTimeout: the bus could not be reached or read within ``timeout_s`` seconds.
     """
     job_id = snapshot_id.partition("/")[0]
@@ -121,7 +151,7 @@ def fetch_manifest(config: BusConfig, snapshot_id: str, timeout_s: float) -> Man
     async def _read() -> ManifestLog:
         async def _connect_and_read() -> ManifestLog:
             async with open_bus(config) as bus:
-                return await read_manifests(bus, job_id)
+                return await read_manifests(bus, job_id, verify_keys)
 
         return await asyncio.wait_for(_connect_and_read(), timeout_s)
 
@@ -137,6 +167,11 @@ def fetch_manifest(config: BusConfig, snapshot_id: str, timeout_s: float) -> Man
     for manifest in log.manifests:
         if manifest.snapshot_id == snapshot_id:
             return manifest
+    if snapshot_id in log.unauthenticated:
+        raise ConfigError(
+            f"init_from: the manifest of {snapshot_id!r} on the bus {config.url} is not signed "
+            f"by the daemon's keys ({log.unauthenticated[snapshot_id]}): refusing to load it"
+        )
     mine = sorted({m.snapshot_id for m in log.manifests}, key=_order)
     detail = (
         f"job {job_id!r} has {len(mine)} committed snapshot(s) there, the newest "

@@ -19,12 +19,18 @@ Every worker runs in its own session (process group), so a restore can stop ever
 started, grandchildren included: SIGTERM to the group, SIGKILL after ``grace_s`` seconds.
 Workers get ``TRAINGUARD_JOB``, ``TRAINGUARD_BUS``, ``TRAINGUARD_TOPIC_PREFIX`` and
 ``TRAINGUARD_GENERATION``; the agent inside reads its restore target from the restore command
-of that generation.
+of that generation. Everything else of the supervisor's environment passes through unchanged,
+so the ``TRAINGUARD_KAFKA_*`` security variables ``trainguard run`` read reach the agents too.
+
+With keys (``TRAINGUARD_DAEMON_PUBLIC_KEYS``, ``TRAINGUARD_EVENT_KEY``, which the workers
+inherit as well) the supervisor acts only on commands the daemon signed, for its job and not
+replayed (:mod:`._command_gate`), and sends its lifecycle events with their MAC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import itertools
@@ -39,10 +45,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason
 from trainguard.agent._errors import AgentError, ConfigError
+from trainguard.agent._keystore import AgentKeys
 from trainguard.agent.bus import Bus, BusConfig, BusError, Consumer, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.schemas import Abort, Lifecycle, Restore, Resume, SchemaError, decode, encode
+from trainguard.schemas import Abort, Lifecycle, Restore, Resume, SchemaError, add_mac, encode
 
 __all__ = ["EXIT_ABORTED", "EXIT_STOPPED", "JobNotJoinable", "Supervisor", "SupervisorConfig"]
 
@@ -79,6 +87,8 @@ class SupervisorConfig:
         grace_s: seconds between SIGTERM and SIGKILL when stopping workers.
         env: extra environment for the workers.
         host: this node's name.
+        keys: the daemon's public keys (commands must be signed by one) and the job's event
+            key (lifecycle events carry its MAC); default none, insecure (``docs/security.md``).
     """
 
     job_id: str
@@ -93,6 +103,7 @@ class SupervisorConfig:
     grace_s: float = 10.0
     env: Mapping[str, str] = field(default_factory=dict)
     host: str = field(default_factory=socket.gethostname)
+    keys: AgentKeys = field(default_factory=AgentKeys)
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for settings that could only fail later, less clearly."""
@@ -137,10 +148,15 @@ class Supervisor:
 
     ``await Supervisor(config).run()`` returns the exit status for ``trainguard run``: 0 when
     every worker finished with status 0, :data:`EXIT_ABORTED` when the daemon aborted the job.
+
+    Attributes:
+        ignored: commands not acted on, by reason (see ``trainguard.agent._command_gate``).
     """
 
     def __init__(self, config: SupervisorConfig) -> None:
         self._c = config
+        self._gate = CommandGate(config.job_id, 0, config.keys.verify)
+        self.ignored: collections.Counter[IgnoreReason] = collections.Counter()
         self._seq = itertools.count()
         self._generation = 0
         self._workers: list[_Worker] = []
@@ -174,11 +190,27 @@ class Supervisor:
         end = (await bus.end_offsets("commands"))[tp]
         latest = (await bus.latest_per_key("commands")).get(self._c.job_id)
         if latest is not None and latest.value is not None:
-            with contextlib.suppress(SchemaError):
-                command = decode(latest.value, expect=(Restore, Resume, Abort))
-                assert isinstance(command, Restore | Resume | Abort)
+            command = self._admit(latest.value, latest.offset)
+            if command is not None:
                 self._join(command)
         return await bus.assign({tp: end})
+
+    def _admit(self, data: bytes, offset: int) -> Restore | Resume | Abort | None:
+        """The command in ``data`` if it may be acted on; else count and log why not."""
+        command = self._gate.admit(data)
+        if not isinstance(command, Ignored):
+            return command
+        self.ignored[command.reason] += 1
+        report = log.debug if command.reason == "duplicate" else log.warning
+        report(
+            "command ignored",
+            reason=command.reason,
+            detail=command.detail,
+            command_generation=command.generation,
+            seq=command.seq,
+            offset=offset,
+        )
+        return None
 
     def _join(self, latest: Restore | Resume | Abort) -> None:
         """Start in the generation of a restore the daemon has ordered; refuse a job that
@@ -197,12 +229,8 @@ class Supervisor:
             for record in await consumer.getmany(timeout_s=0.2):
                 if record.key != self._c.job_id or record.value is None:
                     continue
-                try:
-                    command = decode(record.value, expect=(Restore, Resume, Abort))
-                except SchemaError as exc:
-                    log.warning("command ignored", reason=str(exc), offset=record.offset)
-                    continue
-                if isinstance(command, Restore | Abort) and command.job_id == self._c.job_id:
+                command = self._admit(record.value, record.offset)
+                if isinstance(command, Restore | Abort):
                     await self._orders.put(command)
 
     async def _supervise(self, bus: Bus, stop: asyncio.Event) -> int:
@@ -339,6 +367,9 @@ class Supervisor:
             exit_code=exit_code,
             signal=signal_no,
         )
+        key = self._c.keys.event
+        if key is not None:
+            event = add_mac(event, key.kid, key.secret)
         await bus.publish("events", self._c.job_id, encode(event))
         log.info(
             f"worker {kind}",

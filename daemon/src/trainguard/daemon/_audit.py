@@ -20,6 +20,16 @@ every entry's list:
                  "generation": 0},
        "config_id": "3f0c9e1a52b7d4e8", "decisions": [{"decision": "transition", ...}]}
 
+* **refused entry**, one per record the daemon refused as not authentic (a forged or
+  mis-keyed event: its MAC is missing, under an unknown key, wrong, or its job has no key while
+  authentication is required). A replay cannot judge MACs without the keys, which the daemon
+  may since have rotated or retired, so the daemon records the verdict; the record is named by
+  the SHA-256 of its value and its append time (offsets differ in an imported log)::
+
+      {"entry": "refused", "job_id": "j1", "partition": 2, "offset": 119, "at_ms": 1767225600125,
+       "value_sha256": "9f86d0...", "code": "bad_mac",
+       "reason": "MAC under event key 2f46896b5109e1e0 does not verify", "decisions": []}
+
 An input's identity is ``input`` together with ``at_ms`` (the bus append time of the input's
 record): events are named by their sender (``rank``, ``host``, ``pid``), ``seq`` and
 ``generation``; ticks (``{"type": "tick", "daemon_id", "seq"}``) by the daemon that wrote them.
@@ -32,8 +42,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, TypeAlias
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import orjson
 
@@ -41,6 +51,9 @@ from trainguard.schemas import ClockTick, Event, JSONValue
 
 from ._config import MachineConfig
 from ._decisions import Decision
+
+if TYPE_CHECKING:  # _intake imports this module
+    from ._intake import AuthRefusal, RawRecord
 
 __all__ = [
     "AuditTrail",
@@ -56,6 +69,7 @@ __all__ = [
     "machine_config",
     "plain_decisions",
     "read_trail",
+    "refusal_entry",
 ]
 
 InputKey: TypeAlias = tuple[str, int]
@@ -166,6 +180,31 @@ def decision_entry(
     }
 
 
+def refusal_entry(
+    job_id: str,
+    *,
+    partition: int,
+    offset: int,
+    at_ms: int,
+    value: bytes,
+    code: AuthRefusal,
+    reason: str,
+) -> dict[str, JSONValue]:
+    """The refused entry for the record at ``partition``/``offset`` appended at ``at_ms`` (ms
+    since the epoch) with value ``value``, refused as not authentic (module docstring)."""
+    return {
+        "entry": "refused",
+        "job_id": job_id,
+        "partition": partition,
+        "offset": offset,
+        "at_ms": at_ms,
+        "value_sha256": hashlib.sha256(value).hexdigest(),
+        "code": code,
+        "reason": reason,
+        "decisions": [],
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class Group:
     """The decisions one input produced: recorded (a decision entry) or derived by a replay.
@@ -203,13 +242,25 @@ class Group:
 class AuditTrail:
     """A job's audit entries, parsed.
 
+    Also the :class:`~trainguard.daemon._intake.Authenticator` of a replay: it refuses the
+    records the daemon refused as not authentic, and only those.
+
     Attributes:
         configs: config id -> the recorded configuration's fields, in order of first record.
         groups: the decision entries in audit order (re-derived duplicates included).
+        refused: ``(value SHA-256 hex, at_ms)`` -> ``(code, reason)`` of every refused entry.
     """
 
     configs: Mapping[str, Mapping[str, JSONValue]]
     groups: tuple[Group, ...]
+    refused: Mapping[tuple[str, int], tuple[AuthRefusal, str]] = field(default_factory=dict)
+
+    def refuse(self, record: RawRecord, message: object) -> tuple[AuthRefusal, str] | None:
+        """The daemon's recorded verdict on ``record``: ``(code, reason)`` if it refused it
+        as not authentic, else ``None``."""
+        if not self.refused or record.value is None:
+            return None
+        return self.refused.get((hashlib.sha256(record.value).hexdigest(), record.timestamp_ms))
 
     def machine(self, config: str) -> MachineConfig:
         """The recorded configuration with id ``config``.
@@ -232,6 +283,7 @@ def read_trail(entries: Iterable[Mapping[str, Any]]) -> AuditTrail:
     """
     configs: dict[str, Mapping[str, JSONValue]] = {}
     groups: list[Group] = []
+    refused: dict[tuple[str, int], tuple[AuthRefusal, str]] = {}
     for n, entry in enumerate(entries):
         try:
             kind = entry["entry"]
@@ -254,12 +306,16 @@ def read_trail(entries: Iterable[Mapping[str, Any]]) -> AuditTrail:
                         decisions=tuple(decisions),
                     )
                 )
+            elif kind == "refused":
+                code = cast("AuthRefusal", _text(entry["code"]))
+                where = (_text(entry["value_sha256"]), _integer(entry["at_ms"]))
+                refused[where] = (code, _text(entry["reason"]))
             else:
                 raise ValueError(f"unknown entry kind {kind!r}")
         except (KeyError, TypeError, ValueError) as exc:
             what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise MalformedAudit(f"audit entry {n}: {what}") from exc
-    return AuditTrail(configs=configs, groups=tuple(groups))
+    return AuditTrail(configs=configs, groups=tuple(groups), refused=refused)
 
 
 def _text(value: object) -> str:

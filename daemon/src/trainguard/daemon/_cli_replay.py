@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import orjson
 import typer
 
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
+from trainguard.agent.bus import DEFAULT_BUS_URL, BusError, KafkaSecurity, load_kafka_security
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -66,6 +66,16 @@ _DEFAULT_PREFIX = "trainguard."
 def _fail(message: str, code: int = 2) -> NoReturn:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
+
+
+def _security() -> KafkaSecurity:
+    """Kafka TLS/SASL settings from the ``TRAINGUARD_KAFKA_*`` variables (``replay``'s
+    ``--config`` is the what-if file, so it does not carry them); exits 2 when they are
+    invalid."""
+    try:
+        return load_kafka_security()
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def replay(
@@ -141,7 +151,7 @@ def replay(
         if file is not None:
             log = read_file(file, job, window)
         else:
-            log = asyncio.run(read_bus(bus, topic_prefix, job, window))
+            log = asyncio.run(read_bus(bus, topic_prefix, job, window, security=_security()))
         trail = log.trail()
     except (UnknownJob, MalformedExport, MalformedAudit, OSError, BusError) as exc:
         _fail(str(exc))
@@ -256,6 +266,7 @@ def _what_if(console: Console, log: JobLog, trail: AuditTrail, path: Path, *, js
         tick_interval_s=settings.tick_interval_s,
         poll_s=settings.poll_s,
         start=log.start,
+        auth=trail,
     )
     if jsonl:
         for key in sorted(before):
@@ -337,7 +348,7 @@ def export(
     from trainguard.daemon._joblog import UnknownJob, read_bus
 
     try:
-        log = asyncio.run(read_bus(bus, topic_prefix, job))
+        log = asyncio.run(read_bus(bus, topic_prefix, job, security=_security()))
     except (UnknownJob, BusError) as exc:
         _fail(str(exc))
     header = ExportHeader(

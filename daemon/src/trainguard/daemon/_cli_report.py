@@ -53,7 +53,10 @@ def report(
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option(help="The daemon's TOML file, for its \\[bus] table (URL, topic prefix)."),
+        typer.Option(
+            help="The daemon's TOML file, for its \\[bus] table (URL, topic prefix, Kafka "
+            "security; TRAINGUARD_KAFKA_* variables override it)."
+        ),
     ] = None,
     topic_prefix: Annotated[
         str | None,
@@ -132,7 +135,9 @@ def _read(
         settings = load_daemon_config(config, bus_url=bus)
         prefix = settings.bus.prefix if topic_prefix is None else topic_prefix
         bus_config = replace(settings.bus, prefix=prefix)
-        return asyncio.run(read_bus(bus_config.url, bus_config.prefix, job))
+        return asyncio.run(
+            read_bus(bus_config.url, bus_config.prefix, job, security=bus_config.security)
+        )
     except (UnknownJob, MalformedExport, BusError, TimeoutError, OSError, ValueError) as exc:
         _fail(str(exc))
 

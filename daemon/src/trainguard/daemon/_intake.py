@@ -1,11 +1,17 @@
 """From a record of the ``events`` topic to a state-machine input: the one conversion the daemon
 and a replay share, so that a replay folds exactly what the daemon folded.
 
-A record becomes an input when its value decodes as an event or a ``ClockTick`` and the
-message's ``job_id`` equals the record key; its time is the record's bus append time (never the
-sender's ``ts``). A ``ClockTick`` becomes a :class:`~trainguard.daemon.Tick`, any other event an
+A record becomes an input when its value decodes as an event or a ``ClockTick``, the
+message's ``job_id`` equals the record key, and the :class:`Authenticator` (if any) finds it
+authentic; its time is the record's bus append time (never the sender's ``ts``). A
+``ClockTick`` becomes a :class:`~trainguard.daemon.Tick`, any other event an
 :class:`~trainguard.daemon.Observed`. Anything else is refused with a reason (the daemon parks it
 on ``dead-letter``; a replay shows it). Pure: no I/O, no clock.
+
+Authentication is the one verdict that depends on more than the record: the daemon judges MACs
+with the keys it holds (:mod:`trainguard.daemon._security`) and records every refusal in the
+audit trail; a replay takes the verdicts from there (:class:`~trainguard.daemon._audit.AuditTrail`
+is an :class:`Authenticator`), so it folds exactly what the daemon folded, without any key.
 """
 
 from __future__ import annotations
@@ -28,14 +34,19 @@ from trainguard.schemas import (
 from ._audit import input_id
 from ._inputs import Input, Observed, Tick
 
-__all__ = ["INPUT_TYPES", "RawRecord", "Refused", "Taken", "take"]
+__all__ = ["INPUT_TYPES", "AuthRefusal", "Authenticator", "RawRecord", "Refused", "Taken", "take"]
 
 INPUT_TYPES = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick)
 """The message types the ``events`` topic carries."""
 
 _NS_PER_MS = 1_000_000
 
-RefusedCode: TypeAlias = Literal["tombstone", "schema", "key_mismatch"]
+RefusedCode: TypeAlias = Literal["tombstone", "schema", "key_mismatch", "auth"]
+
+AuthRefusal: TypeAlias = Literal["missing_mac", "unknown_kid", "bad_mac", "unknown_job"]
+"""Why a record is not authentic: it carries no MAC, a MAC under a key id the job does not
+have, a MAC that does not verify, or it belongs to a job without an event key while the daemon
+requires authentication."""
 
 
 class RawRecord(Protocol):
@@ -56,6 +67,16 @@ class RawRecord(Protocol):
     @property
     def timestamp_ms(self) -> int:
         """Bus append time, ms since the Unix epoch."""
+
+
+class Authenticator(Protocol):
+    """Judges whether a decoded record of ``events`` is authentic."""
+
+    def refuse(
+        self, record: RawRecord, message: Event | ClockTick
+    ) -> tuple[AuthRefusal, str] | None:
+        """``None`` for an authentic record, else why not: a code and a reason for people
+        (naming key ids, never keys). ``message`` is the record's decoded value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,19 +102,28 @@ class Refused:
 
     Attributes:
         reason: why, for ``dead-letter`` and people.
-        code: ``tombstone`` (no value), ``schema`` (did not decode: ``error`` says how) or
-            ``key_mismatch`` (message ``job_id`` differs from the record key).
+        code: ``tombstone`` (no value), ``schema`` (did not decode: ``error`` says how),
+            ``key_mismatch`` (message ``job_id`` differs from the record key) or ``auth`` (not
+            authentic: ``auth`` says how).
         error: the decoding error for ``schema``, else ``None``.
+        auth: the :data:`AuthRefusal` for ``auth``, else ``None``.
     """
 
     reason: str
     code: RefusedCode
     error: SchemaError | None = None
+    auth: AuthRefusal | None = None
 
 
-def take(record: RawRecord) -> Taken | Refused:
+def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refused:
     """Convert one record of ``events`` into an input, or say why it is none (module
-    docstring). Never raises for a malformed value."""
+    docstring). Never raises for a malformed value.
+
+    Args:
+        record: the record.
+        auth: judges authenticity after decoding; ``None`` takes every record as authentic
+            (a daemon without keys).
+    """
     if record.value is None:
         return Refused("tombstone on the events topic", "tombstone")
     try:
@@ -105,6 +135,9 @@ def take(record: RawRecord) -> Taken | Refused:
         return Refused(
             f"job_id {message.job_id!r} does not match record key {record.key!r}", "key_mismatch"
         )
+    if auth is not None and (refusal := auth.refuse(record, message)) is not None:
+        code, reason = refusal
+        return Refused(reason, "auth", auth=code)
     at_ns = record.timestamp_ms * _NS_PER_MS
     item: Input = (
         Tick(at_ns) if isinstance(message, ClockTick) else Observed(at_ns, record.offset, message)

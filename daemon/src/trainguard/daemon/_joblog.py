@@ -25,7 +25,7 @@ from pathlib import Path
 
 import orjson
 
-from trainguard.agent.bus import Bus, BusConfig, Record, TopicPartition, open_bus
+from trainguard.agent.bus import Bus, BusConfig, KafkaSecurity, Record, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
 
 from ._audit import AuditTrail, MalformedAudit, read_trail
@@ -171,8 +171,12 @@ async def read_bus(
     window: Window = Window(),
     *,
     connect_timeout_s: float = 15.0,
+    security: KafkaSecurity | None = None,
 ) -> JobLog:
     """Read ``job_id``'s log from the bus at ``bus_url`` with topic prefix ``prefix``.
+
+    ``security`` holds the Kafka TLS/SASL settings (``None``: plaintext; ignored by the
+    embedded bus); ``connect_timeout_s`` bounds the connection, seconds.
 
     Raises:
         UnknownJob: no record of the job on ``events``, or none in ``window``.
@@ -185,6 +189,7 @@ async def read_bus(
         prefix=prefix,
         client_id="trainguard-replay",
         connect_timeout_s=connect_timeout_s,
+        security=security or KafkaSecurity(),
     )
     async with open_bus(config) as bus:
         partitions = await bus.partitions("events")

@@ -44,6 +44,7 @@ from trainguard.schemas import (
 from ._decisions import Decision, IncidentOpened, Issue, RejectCode, Rejected
 from ._inputs import Input, Observed
 from ._intake import Refused
+from ._snapshot import FALLBACK_REASONS, FallbackReason
 from ._state import Incident, IncidentCause, JobPhase, JobState
 
 __all__ = [
@@ -64,11 +65,18 @@ IntakeRejectClass: TypeAlias = Literal[
     "schema_violation",
     "unexpected_type",
     "key_mismatch",
+    "missing_mac",
+    "unknown_kid",
+    "bad_mac",
+    "unknown_job",
 ]
 """Why a record of ``events`` never became an input: a tombstone, a value over the size limit
 (:class:`~trainguard.schemas.MessageTooLarge`), not UTF-8 or JSON or nested too deep, an
 unknown or missing ``schema``, a message breaking its JSON Schema, a message type that is not
-an event (a command on ``events``), a ``job_id`` other than the record's key."""
+an event (a command on ``events``), a ``job_id`` other than the record's key; not authentic
+(:data:`~trainguard.daemon._intake.AuthRefusal`): no MAC, a MAC under a key id the job does not
+have, a MAC that does not verify, a job without an event key while authentication is
+required."""
 
 RejectClass: TypeAlias = IntakeRejectClass | RejectCode | Literal["ended_job"]
 """The label of ``trainguard_rejected_inputs_total``: an intake class, the state machine's
@@ -242,6 +250,18 @@ class DaemonMetrics:
             "Clock ticks written into the events topic.",
             registry=r,
         )
+        self._snapshots_written = Counter(
+            "trainguard_snapshots_written",
+            "Job-state snapshots written on the snapshots topic.",
+            registry=r,
+        )
+        self._snapshot_fallbacks = Counter(
+            "trainguard_snapshot_fallbacks",
+            "Partitions folded from offset 0 although snapshots of them exist, by reason (a "
+            "snapshot refused: bad_signature, tag, unknown_kid, ...; or an incomplete round).",
+            ["reason"],
+            registry=r,
+        )
         self._detection = Histogram(
             "trainguard_detection_latency_seconds",
             "Seconds from the last evidence that the failing ranks were healthy to the "
@@ -272,6 +292,8 @@ class DaemonMetrics:
             self._rejected.labels(reason)
         for phase in _PHASES:
             self._jobs.labels(phase)
+        for fallback in FALLBACK_REASONS:
+            self._snapshot_fallbacks.labels(fallback)
 
     # -- folding ------------------------------------------------------------------------------
 
@@ -315,6 +337,8 @@ class DaemonMetrics:
             self.rejected(schema_error_class(refused.error))
         elif refused.code == "schema":
             self.rejected("schema_violation")
+        elif refused.code == "auth":
+            self.rejected(refused.auth or "bad_mac")
         else:
             self.rejected(refused.code)
 
@@ -332,6 +356,14 @@ class DaemonMetrics:
     def tick_written(self) -> None:
         """Count one ``ClockTick`` appended to ``events``."""
         self._ticks.inc()
+
+    def snapshots_written(self, count: int) -> None:
+        """Count ``count`` job-state snapshots written."""
+        self._snapshots_written.inc(count)
+
+    def snapshot_fallback(self, reason: FallbackReason) -> None:
+        """Count one partition folded from offset 0 because its snapshots were unusable."""
+        self._snapshot_fallbacks.labels(reason).inc()
 
     # -- gauges -------------------------------------------------------------------------------
 

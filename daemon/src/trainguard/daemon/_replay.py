@@ -5,7 +5,8 @@ Pure (no I/O, no clock reads): the caller reads the log (:mod:`trainguard.daemon
 prints the results (:mod:`trainguard.daemon._timeline`).
 
 **Replay** (:func:`replay`). The job's records on ``events`` are taken in exactly as the daemon
-takes them (:func:`trainguard.daemon._intake.take`) and folded with :func:`decide` from
+takes them (:func:`trainguard.daemon._intake.take`; the records the daemon refused as not
+authentic are refused again from the trail's record of it, so no key is needed) and folded with :func:`decide` from
 :func:`new_job`, ticks included, under the configuration(s) the audit trail recorded. A job
 whose daemon restarted with another configuration (another ``daemon_id``, say) was decided by
 several *runs*: a restarted daemon folds the log again from offset 0 under its own
@@ -79,7 +80,7 @@ from ._decisions import (
 )
 from ._evidence import exit_status
 from ._inputs import Tick
-from ._intake import RawRecord, Refused, Taken, take
+from ._intake import Authenticator, RawRecord, Refused, Taken, take
 from ._machine import decide, next_deadline
 from ._state import TERMINAL_PHASES, JobPhase, JobState, new_job
 
@@ -301,7 +302,7 @@ def replay(
 
     Costs one fold of the records per distinct recorded configuration.
     """
-    taken = [take(r) for r in records]
+    taken = [take(r, trail) for r in records]
     keys = [
         input_key(t.input_id, r.timestamp_ms) if isinstance(t, Taken) else None
         for t, r in zip(taken, records, strict=True)
@@ -578,6 +579,7 @@ def what_if(
     poll_s: float,
     start: int = 0,
     end_ns: int | None = None,
+    auth: Authenticator | None = None,
 ) -> WhatIf:
     """Fold the job's events under ``baseline`` and ``variant`` with modelled ticks, and list
     the decisions that change (module docstring).
@@ -594,6 +596,8 @@ def what_if(
         start: index of the first record whose changes are reported (a window's start).
         end_ns: ticks are synthesised up to this time (ns since the epoch); default: the last
             record's append time (the daemon ran at least that long).
+        auth: the verdicts on authenticity to apply (the job's audit trail: what the daemon
+            refused as not authentic is left out of both folds); ``None`` takes every record.
 
     Raises:
         ValueError: ``tick_interval_s`` is not > 0, or ``poll_s`` is negative.
@@ -605,7 +609,7 @@ def what_if(
     interval_ns, poll_ns = round(tick_interval_s * 1e9), round(poll_s * 1e9)
     if end_ns is None:
         end_ns = records[-1].timestamp_ms * _NS_PER_MS if records else 0
-    taken = [take(r) for r in records]
+    taken = [take(r, auth) for r in records]
     folds = [
         _fold_modelled(job_id, records, taken, config, (interval_ns, poll_ns), end_ns)
         for config in (baseline, variant)

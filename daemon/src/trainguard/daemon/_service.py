@@ -21,6 +21,17 @@ offset 0 and folds the records before the group's committed position *silently* 
 state, acting on nothing), then acts on the rest. A crash between acting and committing makes
 the loop derive the same decisions again; commands already on the bus are recognised (same or
 newer generation in the job's latest command) and not sent twice.
+
+Authentication (with keys, :mod:`trainguard.daemon._security`): every command and committed
+manifest is signed, every tick MACed with its job's event key, and intake refuses events whose
+MAC is missing or wrong (dead-lettered, counted, and recorded on ``audit`` so that a replay
+refuses them too); the key directory is reloaded every ``key_reload_s``.
+
+Snapshots (with keys, :mod:`trainguard.daemon._snapshots`): every ``snapshot_interval_s`` and
+on a clean shutdown the jobs of each partition are written, signed and encrypted, at the
+partition's committed position; on assignment the loop starts from them when they are all
+valid and complete, reading from the oldest position they cover and skipping each job's records
+below its own snapshot's, which gives the states (and decisions) of a fold from offset 0.
 """
 
 from __future__ import annotations
@@ -32,13 +43,14 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import structlog
 
+from trainguard.agent._keystore import DaemonKeys, KeyStoreError
 from trainguard.agent.bus import Bus, BusError, Consumer, Record, TopicPartition, open_bus
-from trainguard.daemon._audit import config_entry, config_id, decision_entry
+from trainguard.daemon._audit import config_entry, config_id, decision_entry, refusal_entry
 from trainguard.daemon._decisions import (
     Anomaly,
     Committed,
@@ -54,21 +66,28 @@ from trainguard.daemon._inputs import Observed
 from trainguard.daemon._intake import Refused, take
 from trainguard.daemon._machine import decide, next_deadline
 from trainguard.daemon._metrics import DaemonMetrics
+from trainguard.daemon._security import EventAuth
 from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon._snapshots import Rebuild, SnapshotKeys, Snapshots
 from trainguard.daemon._state import TERMINAL_PHASES, JobState, new_job
 from trainguard.schemas import (
     Abort,
     ClockTick,
     Command,
     JSONValue,
+    Manifest,
     Restore,
     Resume,
     SchemaError,
+    add_mac,
     decode,
     encode,
+    sign,
 )
 
 __all__ = ["DaemonService"]
+
+_Signed = TypeVar("_Signed", bound=Restore | Resume | Abort | Manifest)
 
 log = structlog.get_logger("trainguard.daemon")
 
@@ -95,6 +114,8 @@ class _Partition:
     position: int = 0  # next offset to process
     committed: int = 0  # last position committed
     jobs: set[str] = field(default_factory=set)
+    # job -> position its snapshot covers: its records below are in its state already
+    covered: dict[str, int] = field(default_factory=dict)
 
 
 class DaemonService:
@@ -106,6 +127,15 @@ class DaemonService:
             tick, never as an input to the machine.
         metrics: where to count what the service does; a fresh :class:`DaemonMetrics` (with
             a registry of its own) by default. ``trainguard daemon`` serves it over HTTP.
+        keys: the daemon's signing and data keys; without them (or with
+            ``config.snapshot_interval_s == 0``) no state snapshot is written or read.
+            Commands and manifests are signed with them; a
+            :class:`~trainguard.agent._keystore.DaemonKeys` (``trainguard daemon`` loads one
+            from the key directory) also holds the jobs' event keys, which intake checks
+            events with. Without keys nothing is signed or verified (insecure).
+
+    Raises:
+        ValueError: ``config.security.require_auth`` without a ``DaemonKeys``.
 
     ``await service.run(stop)`` returns after ``stop`` is set (and the consumed positions are
     committed). Raises :class:`~trainguard.agent.bus.BusError` if the bus fails for longer
@@ -117,6 +147,7 @@ class DaemonService:
         config: DaemonConfig,
         clock: Callable[[], int] = time.time_ns,
         metrics: DaemonMetrics | None = None,
+        keys: SnapshotKeys | None = None,
     ) -> None:
         self._c = config
         self._clock = clock
@@ -135,6 +166,15 @@ class DaemonService:
         self.counters: dict[str, int] = {"folded": 0, "rejected": 0, "commands": 0, "ticks": 0}
         self.metrics = metrics if metrics is not None else DaemonMetrics()
         self._metrics_due = 0.0
+        self._keys = keys
+        if config.security.require_auth and not isinstance(keys, DaemonKeys):
+            raise ValueError("[security] require_auth = true needs the daemon's key directory")
+        self._auth, self._rebuild_auth = self._event_auth()
+        self._keys_due = time.monotonic() + config.security.key_reload_s
+        self._snapshots = (
+            Snapshots(config.machine, self.metrics) if config.snapshot_interval_s > 0 else None
+        )
+        self._snapshot_due = time.monotonic() + config.snapshot_interval_s
 
     def not_ready_reason(self) -> str | None:
         """Why this instance is not ready, or ``None`` when it is: it owns partitions of
@@ -154,6 +194,11 @@ class DaemonService:
         async with open_bus(self._c.bus) as bus:
             consumer = await bus.subscribe(["events"], self._c.group)
             log.info("daemon started", group=self._c.group, bus=self._c.bus.url)
+            if self._snapshots is None or self._keys is None:
+                log.info(
+                    "snapshots off: every start folds the events log from offset 0",
+                    reason="no keys" if self._keys is None else "snapshot_interval_s = 0",
+                )
             try:
                 while not stop.is_set():
                     records = await consumer.getmany(timeout_s=self._c.poll_s, max_records=2000)
@@ -163,9 +208,13 @@ class DaemonService:
                             await self._process(bus, record)
                     await self._write_due_ticks(bus)
                     await self._commit(consumer)
+                    await self._write_snapshots(bus, consumer)
                     await self._update_gauges(bus)
+                    self._reload_keys()
             finally:
                 await self._commit(consumer, force=True)
+                if stop.is_set():  # a clean stop: the next start reads little of the log
+                    await self._write_snapshots(bus, consumer, force=True)
                 await consumer.close()
                 log.info("daemon stopped", folded=self.counters["folded"])
 
@@ -182,9 +231,12 @@ class DaemonService:
         """
         assigned = {tp.partition for tp in consumer.assignment() if tp.topic == "events"}
         for p in self._partitions.keys() - assigned:
-            for job in self._partitions.pop(p).jobs:
+            revoked = self._partitions.pop(p).jobs
+            for job in revoked:
                 self.jobs.pop(job, None)
                 self._job_partition.pop(job, None)
+            if self._snapshots is not None:
+                self._snapshots.forget(revoked)
             log.info("partition revoked", partition=p)
         fresh = assigned - self._partitions.keys()
         if fresh:
@@ -192,12 +244,27 @@ class DaemonService:
             # fresh partitions are being added.
             self.ready.clear()
             await self._load_sent_commands(bus)
+        committed = {p: await consumer.committed(TopicPartition("events", p)) or 0 for p in fresh}
+        rebuilds: dict[int, Rebuild] = {}
+        if self._snapshots is not None and self._keys is not None and fresh:
+            rebuilds = await self._snapshots.load(bus, committed, self._keys)
         for p in fresh:
-            tp = TopicPartition("events", p)
-            committed = await consumer.committed(tp) or 0
-            await consumer.seek(tp, 0)
-            self._partitions[p] = _Partition(replay_until=committed, committed=committed)
-            log.info("partition assigned", partition=p, replay_until=committed)
+            part = _Partition(replay_until=committed[p], committed=committed[p])
+            rebuild = rebuilds.get(p)
+            if rebuild is not None:
+                part.position = rebuild.start
+                part.covered = dict(rebuild.covered)
+                part.jobs = set(rebuild.states)
+                self.jobs.update(rebuild.states)
+                self._job_partition.update(dict.fromkeys(rebuild.states, p))
+            await consumer.seek(TopicPartition("events", p), part.position)
+            self._partitions[p] = part
+            log.info(
+                "partition assigned",
+                partition=p,
+                replay_until=part.replay_until,
+                start=part.position,
+            )
         if not self.ready.is_set() and self._caught_up():
             self.ready.set()
             log.info("daemon ready", partitions=sorted(self._partitions), jobs=len(self.jobs))
@@ -223,11 +290,15 @@ class DaemonService:
         if record.offset < part.position:
             return  # redelivered after a seek
         part.position = record.offset + 1
+        if record.key is not None and record.offset < part.covered.get(record.key, 0):
+            return  # folded into the job's snapshot already
         silent = record.offset < part.replay_until
-        taken = take(record)
+        taken = take(record, self._rebuild_auth if silent else self._auth)
         if isinstance(taken, Refused):
             if not silent:
                 self.metrics.refused(taken)
+                if taken.auth is not None:
+                    await self._audit_refusal(bus, record, taken)
                 await self._dead_letter(bus, record, taken.reason)
             return
         item, job = taken.input, taken.job_id
@@ -273,7 +344,7 @@ class DaemonService:
                 case Issue(command=command):
                     await self._issue(bus, job, command)
                 case Committed(manifest=manifest):
-                    await bus.publish("manifests", job, encode(manifest))
+                    await bus.publish("manifests", job, encode(self._sign(manifest)))
                     log.info(
                         "committed", job_id=job, snapshot=manifest.snapshot_id, step=manifest.step
                     )
@@ -310,7 +381,7 @@ class DaemonService:
         if sent is not None and _command_rank(sent) >= _command_rank(command):
             log.info("command already sent", job_id=job, generation=command.generation)
             return
-        await bus.publish("commands", job, encode(command))
+        await bus.publish("commands", job, encode(self._sign(command)))
         self._sent_commands[job] = command
         self.counters["commands"] += 1
         self.metrics.issued(command, self.jobs[job].incident)
@@ -320,6 +391,22 @@ class DaemonService:
             generation=command.generation,
             **({"reason": command.reason} if isinstance(command, Restore | Abort) else {}),
         )
+
+    async def _audit_refusal(self, bus: Bus, record: Record, refused: Refused) -> None:
+        """Record on ``audit`` that ``record`` was refused as not authentic, durably before
+        its position is committed: a replay (which holds no keys) refuses it from there."""
+        assert refused.auth is not None  # an authentication refusal
+        self._acted_since_commit = True
+        entry = refusal_entry(
+            record.key or "",
+            partition=record.partition,
+            offset=record.offset,
+            at_ms=record.timestamp_ms,
+            value=record.value or b"",
+            code=refused.auth,
+            reason=refused.reason,
+        )
+        await bus.publish("audit", record.key or "", orjson.dumps(entry))
 
     async def _dead_letter(self, bus: Bus, record: Record, reason: str) -> None:
         """Park ``record`` on ``dead-letter`` with ``reason``; values over
@@ -347,6 +434,70 @@ class DaemonService:
         delivery = await bus.send("dead-letter", record.key or "", orjson.dumps(entry))
         delivery.add_done_callback(_log_failed_delivery)
 
+    # -- snapshots ---------------------------------------------------------------------------
+
+    async def _write_snapshots(self, bus: Bus, consumer: Consumer, *, force: bool = False) -> None:
+        """Every ``snapshot_interval_s`` (or now, with ``force``): commit, then write a round of
+        snapshots for each partition whose state is at its committed position and caught up
+        (everything below it acted on); a partition whose commit failed waits for the next
+        round."""
+        keys = self._keys
+        if self._snapshots is None or keys is None:
+            return
+        if not (force or time.monotonic() >= self._snapshot_due):
+            return
+        self._snapshot_due = time.monotonic() + self._c.snapshot_interval_s
+        await self._commit(consumer, force=True)
+        for p, part in self._partitions.items():
+            if part.position != part.committed or part.position < part.replay_until:
+                continue
+            states = {job: self.jobs[job] for job in part.jobs}
+            try:
+                written = await self._snapshots.write(bus, p, part.position, states, keys)
+            except BusError as exc:
+                log.warning("snapshots not written", partition=p, error=str(exc))
+                continue
+            if written:
+                log.info("snapshots written", partition=p, offset=part.position, jobs=written)
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def _event_keys(self) -> DaemonKeys | None:
+        """The keys when they include the jobs' event keys (a key directory's), else ``None``."""
+        return self._keys if isinstance(self._keys, DaemonKeys) else None
+
+    def _event_auth(self) -> tuple[EventAuth, EventAuth]:
+        """Intake's authenticators for fresh records and for a rebuild (retired keys too)."""
+        keys, required = self._event_keys(), self._c.security.require_auth
+        return (
+            EventAuth(keys, require=required),
+            EventAuth(keys, require=required, rebuilding=True),
+        )
+
+    def _sign(self, message: _Signed) -> _Signed:
+        """``message`` signed with the current signing key, or as it is without keys."""
+        if self._keys is None:
+            return message
+        return sign(message, self._keys.signing_kid, self._keys.signing)
+
+    def _reload_keys(self) -> None:
+        """Every ``key_reload_s``: read the key directory again, so that rotations (a new
+        signing key, a job's new event key) and retirements take effect without a restart. A
+        directory that fails to load keeps the keys in use (logged)."""
+        keys = self._event_keys()
+        if keys is None or keys.store is None or time.monotonic() < self._keys_due:
+            return
+        self._keys_due = time.monotonic() + self._c.security.key_reload_s
+        try:
+            fresh = keys.store.load_daemon_keys()
+        except KeyStoreError as exc:
+            log.error("keys not reloaded: keeping the keys in use", error=str(exc))
+            return
+        if fresh.signing_kid != keys.signing_kid:
+            log.info("signing key rotated", kid=fresh.signing_kid, previous=keys.signing_kid)
+        self._keys = fresh
+        self._auth, self._rebuild_auth = self._event_auth()
+
     # -- time --------------------------------------------------------------------------------
 
     async def _write_due_ticks(self, bus: Bus) -> None:
@@ -369,6 +520,10 @@ class DaemonService:
                 seq=next(self._tick_seq),
                 daemon_id=self._c.machine.daemon_id,
             )
+            keys = self._event_keys()
+            event_key = keys.current_event_key(job) if keys is not None else None
+            if event_key is not None:
+                tick = add_mac(tick, *event_key)
             await bus.send("events", job, encode(tick))
             self.counters["ticks"] += 1
             self.metrics.tick_written()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -51,16 +52,40 @@ def version() -> None:
 
 @bus_app.command("check")
 def bus_check(
-    bus: BusURL = DEFAULT_BUS_URL,
+    bus: Annotated[
+        str | None,
+        typer.Option(
+            "--bus",
+            envvar="TRAINGUARD_BUS",
+            help=f"Bus URL; default: the config file's, else {DEFAULT_BUS_URL}.",
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="The daemon's TOML file, for its \\[bus] table (Kafka security, prefix)."
+        ),
+    ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the bus.")] = 15.0,
 ) -> None:
-    """Connect to the bus, create missing topics, and print each topic's end offsets."""
-    from trainguard.agent.bus import BusConfig, open_bus
+    """Connect to the bus, create missing topics, and print each topic's end offsets.
+
+    Kafka TLS/SASL settings: the config file's \\[bus.security] table, overridden key by key
+    by the TRAINGUARD_KAFKA_* variables (deploy/kafka/README.md).
+    """
+    from trainguard.agent.bus import open_bus
+    from trainguard.daemon._settings import load_daemon_config
+
+    try:
+        settings = load_daemon_config(config, bus_url=bus)
+    except (OSError, ValueError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    bus_config = replace(settings.bus, connect_timeout_s=timeout, client_id="trainguard-check")
 
     async def _check() -> None:
-        config = BusConfig(url=bus, connect_timeout_s=timeout)
-        async with open_bus(config) as b:
-            for spec in config.topics:
+        async with open_bus(bus_config) as b:
+            for spec in bus_config.topics:
                 ends = await b.end_offsets(spec.name)
                 total = sum(ends.values())
                 policy = "compact" if spec.compacted else "delete"
@@ -132,6 +157,23 @@ def daemon(
             "default: the config file's, else 9464.",
         ),
     ] = None,
+    keys: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="TRAINGUARD_KEYS",
+            help="Key directory (trainguard keys init); default: the config file's \\[security] "
+            "keys_dir, else ~/.config/trainguard/keys if initialised, else none (insecure).",
+        ),
+    ] = None,
+    require_auth: Annotated[
+        bool | None,
+        typer.Option(
+            "--require-auth/--no-require-auth",
+            envvar="TRAINGUARD_REQUIRE_AUTH",
+            help="Refuse to start without keys and refuse every unauthenticated event; "
+            "default: the config file's, else off.",
+        ),
+    ] = None,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
     """Run the daemon: fold every job's events, detect failures, coordinate restores.
@@ -139,8 +181,10 @@ def daemon(
     Serves Prometheus metrics on /metrics and readiness on /healthz (docs/operations.md).
     Stops cleanly on SIGTERM or SIGINT (consumed positions committed).
     """
+    from trainguard.agent._keystore import KeyStoreError
     from trainguard.daemon._http import HealthServer
     from trainguard.daemon._logging import configure_logging
+    from trainguard.daemon._security import load_keys
     from trainguard.daemon._service import DaemonService
     from trainguard.daemon._settings import load_daemon_config
 
@@ -155,14 +199,26 @@ def daemon(
     }
     try:
         settings = load_daemon_config(
-            config, bus_url=bus, machine=machine, metrics_port=metrics_port
+            config,
+            bus_url=bus,
+            machine=machine,
+            security_overrides={"keys_dir": keys, "require_auth": require_auth},
+            metrics_port=metrics_port,
         )
-    except (OSError, ValueError) as exc:
+        daemon_keys = load_keys(settings.security)
+    except (OSError, ValueError, KeyStoreError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     if topic_prefix is not None:
         settings = replace(settings, bus=replace(settings.bus, prefix=topic_prefix))
-    service = DaemonService(settings)
+    if daemon_keys is None:
+        import structlog
+
+        structlog.get_logger("trainguard.daemon").warning(
+            "no keys: commands and manifests unsigned, events unauthenticated, no snapshots "
+            "(insecure; trainguard keys init, docs/security.md)"
+        )
+    service = DaemonService(settings, keys=daemon_keys)
     with contextlib.ExitStack() as serving:
         if settings.metrics_port >= 0:
             server = HealthServer(
@@ -226,25 +282,38 @@ def run(
 ) -> None:
     """Supervise this node's workers: start COMMAND, report exits, restart on restore orders.
 
-    Example: trainguard run --job j1 --nproc-per-node 2 -- python train.py
+    Kafka TLS/SASL settings come from the TRAINGUARD_KAFKA_* variables, which the workers
+    inherit. Example: trainguard run --job j1 --nproc-per-node 2 -- python train.py
     """
     from trainguard.agent import AgentError
+    from trainguard.agent._keystore import agent_keys_from_env
     from trainguard.agent._manifests import fetch_manifest
     from trainguard.agent._supervisor import Supervisor, SupervisorConfig
-    from trainguard.agent.bus import BusConfig
+    from trainguard.agent.bus import BusConfig, load_kafka_security
     from trainguard.daemon._logging import configure_logging
 
     configure_logging(json=not console)
     try:
+        security = load_kafka_security()
+    except ValueError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    bus_config = BusConfig(
+        url=bus, prefix=topic_prefix, client_id=f"supervisor-{node_rank}", security=security
+    )
+    try:
+        # TRAINGUARD_DAEMON_PUBLIC_KEYS and TRAINGUARD_EVENT_KEY (docs/security.md); the
+        # workers inherit them.
+        keys = agent_keys_from_env(os.environ)
         env = {}
         if init_from is not None:
             # A mistyped snapshot would otherwise surface as workers failing, restarted by
             # the daemon until its crash-loop guard gives up.
-            fetch_manifest(BusConfig(url=bus, prefix=topic_prefix), init_from, timeout_s=60.0)
+            fetch_manifest(bus_config, init_from, timeout_s=60.0, verify_keys=keys.verify)
             env["TRAINGUARD_INIT_FROM"] = init_from
         config = SupervisorConfig(
             job_id=job,
-            bus=BusConfig(url=bus, prefix=topic_prefix, client_id=f"supervisor-{node_rank}"),
+            bus=bus_config,
             command=command,
             nproc_per_node=nproc_per_node,
             nnodes=nnodes,
@@ -254,6 +323,7 @@ def run(
             ranks=_parse_ranks(ranks),
             grace_s=grace,
             env=env,
+            keys=keys,
         )
         code = asyncio.run(_until_signalled(Supervisor(config).run))
     except (AgentError, BusError) as exc:
@@ -333,6 +403,14 @@ _register_report(app)
 from trainguard.daemon._cli_replay import register as _register_replay  # noqa: E402
 
 _register_replay(app)
+
+from trainguard.daemon._cli_keys import register as _register_keys  # noqa: E402
+
+_register_keys(app)
+
+from trainguard.daemon._cli_snapshots import register as _register_snapshots  # noqa: E402
+
+_register_snapshots(app)
 
 
 def main() -> None:

@@ -4,8 +4,11 @@ Every message is a frozen dataclass (``Heartbeat``, ``Checkpoint``, ... ``Manife
 ``SCHEMA`` class attribute ``"<type>/<major>.<minor>"`` naming its JSON Schema file
 (``json/<type>.v<major>.json``, draft 2020-12). ``encode(msg)`` gives canonical JSON bytes;
 ``decode(data, expect=...)`` validates bytes against the schema and returns the dataclass, or
-raises a :class:`SchemaError` subclass naming the field and the reason. ``docs/wire-contract.md``
-describes the messages, the version rule and the errors.
+raises a :class:`SchemaError` subclass naming the field and the reason. ``add_mac``/``sign``
+authenticate a message (events carry an HMAC-SHA256, commands and manifests the daemon's
+Ed25519 signature, in ``auth``); ``verify_mac``/``verify_signature`` check received bytes and
+raise :class:`Unauthenticated`. ``docs/wire-contract.md`` describes the messages, the version
+rule, authentication and the errors.
 
 Example::
 
@@ -16,6 +19,15 @@ Example::
     hb = decode(data, expect=Heartbeat)
 """
 
+from trainguard.schemas._auth import (
+    AuthFailure,
+    Unauthenticated,
+    add_mac,
+    canonical_bytes,
+    sign,
+    verify_mac,
+    verify_signature,
+)
 from trainguard.schemas._codec import DEFAULT_MAX_BYTES, decode, encode
 from trainguard.schemas._errors import (
     MessageTooLarge,
@@ -41,6 +53,7 @@ from trainguard.schemas._messages import (
     JSONValue,
     Lifecycle,
     LifecycleKind,
+    Mac,
     Manifest,
     MaybeNonFinite,
     Message,
@@ -50,6 +63,7 @@ from trainguard.schemas._messages import (
     RestoreMode,
     Resume,
     Shard,
+    Signature,
     StepRange,
 )
 from trainguard.schemas._schema_files import SCHEMA_BASE_URI, load_schema, schema_path
@@ -61,6 +75,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "SCHEMA_BASE_URI",
     "Abort",
+    "AuthFailure",
     "Checkpoint",
     "CheckpointMeta",
     "ClockTick",
@@ -72,6 +87,7 @@ __all__ = [
     "JSONValue",
     "Lifecycle",
     "LifecycleKind",
+    "Mac",
     "Manifest",
     "MaybeNonFinite",
     "Message",
@@ -87,11 +103,18 @@ __all__ = [
     "SchemaError",
     "SchemaViolation",
     "Shard",
+    "Signature",
     "StepRange",
+    "Unauthenticated",
     "UnexpectedMessage",
     "UnknownSchema",
+    "add_mac",
+    "canonical_bytes",
     "decode",
     "encode",
     "load_schema",
     "schema_path",
+    "sign",
+    "verify_mac",
+    "verify_signature",
 ]

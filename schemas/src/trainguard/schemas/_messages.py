@@ -17,6 +17,9 @@ Conventions shared by every message:
   ``"inf"`` and ``"-inf"``, because JSON has no literal for them.
 * Bounds (ranks < 65536, string lengths, ...) are those of the schema files; see
   ``docs/wire-contract.md``.
+* ``auth``: events (and ticks) may carry a :class:`Mac`, commands and manifests a
+  :class:`Signature`, over the message's canonical bytes (:mod:`trainguard.schemas._auth`);
+  ``None`` (left out on the wire) when the sender holds no key.
 """
 
 from __future__ import annotations
@@ -45,6 +48,43 @@ class NonFiniteAsString:
 
 MaybeNonFinite: TypeAlias = Annotated[float, NonFiniteAsString]
 """A float that may be non-finite on the wire (see :class:`NonFiniteAsString`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mac:
+    """An event's authentication (``auth`` of events and ticks, since their 1.x bump).
+
+    Attributes:
+        kid: id of the job's event key used (16 lowercase hex digits: the first 8 bytes of the
+            key's SHA-256).
+        mac: HMAC-SHA256 (RFC 2104, FIPS 180-4) under that key over the message's canonical
+            bytes, 32 bytes in standard base64 (RFC 4648 section 4, padded: 44 characters).
+    """
+
+    kid: str
+    mac: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Signature:
+    """The daemon's signature (``auth`` of commands and manifests, since their 1.x bump).
+
+    Attributes:
+        kid: id of the daemon's signing key (16 lowercase hex digits: the first 8 bytes of the
+            SHA-256 of the raw 32-byte public key).
+        sig: Ed25519 signature (RFC 8032) over the message's canonical bytes, 64 bytes in
+            standard base64 (padded: 88 characters).
+    """
+
+    kid: str
+    sig: str
+
+
+WIRE_OMIT_NONE = "trainguard.wire_omit_none"
+"""Field metadata key: the codec leaves the property out of the wire form when the value is
+``None`` (``auth``: an unauthenticated message looks exactly as before authentication existed)."""
+
+_OMIT_NONE = {WIRE_OMIT_NONE: True}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,7 +138,7 @@ class Heartbeat:
         world_size: world size the rank runs in, >= 1.
     """
 
-    SCHEMA: ClassVar[str] = "heartbeat/1.0"
+    SCHEMA: ClassVar[str] = "heartbeat/1.1"
     job_id: str
     generation: int
     ts: int
@@ -113,6 +153,7 @@ class Heartbeat:
     loss: MaybeNonFinite | None = None
     samples: int = 0
     param_checksum: str | None = None
+    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,7 +174,7 @@ class Checkpoint:
             also after restores, and the daemon copies it into the manifests it commits.
     """
 
-    SCHEMA: ClassVar[str] = "checkpoint/1.1"
+    SCHEMA: ClassVar[str] = "checkpoint/1.2"
     job_id: str
     generation: int
     ts: int
@@ -149,6 +190,7 @@ class Checkpoint:
     cursor: DataCursor
     metadata: CheckpointMeta = field(default_factory=CheckpointMeta)
     parent: str | None = None
+    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
 
     @property
     def data_version(self) -> str:
@@ -160,7 +202,7 @@ class Checkpoint:
 class DataCursorEvent:
     """A rank's data cursor after ``step`` (``data-cursor/1``)."""
 
-    SCHEMA: ClassVar[str] = "data-cursor/1.0"
+    SCHEMA: ClassVar[str] = "data-cursor/1.1"
     job_id: str
     generation: int
     ts: int
@@ -170,6 +212,7 @@ class DataCursorEvent:
     pid: int
     step: int
     cursor: DataCursor
+    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,7 +239,7 @@ class Lifecycle:
             restore. ``None`` otherwise.
     """
 
-    SCHEMA: ClassVar[str] = "lifecycle/1.1"
+    SCHEMA: ClassVar[str] = "lifecycle/1.2"
     job_id: str
     generation: int
     ts: int
@@ -214,6 +257,7 @@ class Lifecycle:
     snapshot_id: str | None = None
     message: str = ""
     missed_at_step: int | None = None
+    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -243,7 +287,7 @@ class Manifest:
             job carries the same parent (the job's origin, not the job's previous snapshot).
     """
 
-    SCHEMA: ClassVar[str] = "manifest/1.0"
+    SCHEMA: ClassVar[str] = "manifest/1.1"
     job_id: str
     snapshot_id: str
     generation: int
@@ -254,6 +298,7 @@ class Manifest:
     cursor: DataCursor
     metadata: CheckpointMeta = field(default_factory=CheckpointMeta)
     parent: str | None = None
+    auth: Signature | None = field(default=None, metadata=_OMIT_NONE)
 
     @property
     def data_version(self) -> str:
@@ -306,7 +351,7 @@ class Restore:
             ``None`` to replay the data exactly (since 1.1).
     """
 
-    SCHEMA: ClassVar[str] = "restore/1.1"
+    SCHEMA: ClassVar[str] = "restore/1.2"
     job_id: str
     generation: int
     ts: int
@@ -319,32 +364,35 @@ class Restore:
     attempt: int = 1
     at_step: int | None = None
     skip: StepRange | None = None
+    auth: Signature | None = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Resume:
     """Command: every rank acknowledged the restore of ``generation``; continue training."""
 
-    SCHEMA: ClassVar[str] = "resume/1.0"
+    SCHEMA: ClassVar[str] = "resume/1.1"
     job_id: str
     generation: int
     ts: int
     seq: int
     daemon_id: str
     step: int
+    auth: Signature | None = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Abort:
     """Command: stop the job for good (``abort/1``); ``reason`` says why."""
 
-    SCHEMA: ClassVar[str] = "abort/1.0"
+    SCHEMA: ClassVar[str] = "abort/1.1"
     job_id: str
     generation: int
     ts: int
     seq: int
     daemon_id: str
     reason: str
+    auth: Signature | None = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -357,12 +405,13 @@ class ClockTick:
     uses is the record's append timestamp on the bus; ``ts`` is informational.
     """
 
-    SCHEMA: ClassVar[str] = "tick/1.0"
+    SCHEMA: ClassVar[str] = "tick/1.1"
     job_id: str
     generation: int
     ts: int
     seq: int
     daemon_id: str
+    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
 
 
 Event: TypeAlias = Heartbeat | Checkpoint | DataCursorEvent | Lifecycle

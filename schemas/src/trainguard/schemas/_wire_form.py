@@ -14,6 +14,10 @@ A :class:`Plan` holds, for one dataclass, a converter per field in each directio
 * a dataclass: a nested JSON object (with its own ``schema`` property if the class has a
   ``SCHEMA``, like a manifest inside a restore).
 
+A field marked with :data:`~trainguard.schemas._messages.WIRE_OMIT_NONE` metadata (``auth``) is
+left out of the wire object when it is ``None``; reading, a missing property takes the field's
+default as for every optional field.
+
 Plans also know the property names of each object, for the tolerant reader (``prune``).
 """
 
@@ -28,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal
 
 from trainguard.schemas._errors import NestingTooDeep, SchemaViolation
-from trainguard.schemas._messages import MESSAGE_TYPES, NonFiniteAsString
+from trainguard.schemas._messages import MESSAGE_TYPES, WIRE_OMIT_NONE, NonFiniteAsString
 
 __all__ = [
     "MAX_FREEFORM_DEPTH",
@@ -216,6 +220,7 @@ class Plan:
         schema_name: the schema file (``"heartbeat.v1"``), ``""`` without a tag.
         known: property names a wire object of this class may have.
         encoders: ``(field name, encoder or None)`` for every field, in declaration order.
+        omit_none: fields left out of the wire object when ``None`` (``auth``).
         int_names: fields holding an int (or an optional int): integral floats become ints.
         decoders: ``(field name, decoder)`` for the other fields that need converting.
         nested: ``(field name, plan)`` for fields holding dataclasses (or tuples of them).
@@ -230,6 +235,7 @@ class Plan:
     schema_name: str
     known: frozenset[str]
     encoders: tuple[tuple[str, _Encoder | None], ...]
+    omit_none: tuple[str, ...]
     int_names: tuple[str, ...]
     decoders: tuple[tuple[str, _Decoder], ...]
     compiled: Callable[[Any], Any] | None
@@ -247,6 +253,7 @@ class Plan:
         "major",
         "minor",
         "nested",
+        "omit_none",
         "schema_name",
         "tag",
         "type_name",
@@ -267,6 +274,9 @@ class Plan:
         codecs = {f.name: _field_codec(hints[f.name]) for f in dataclasses.fields(cls)}
         self.known = frozenset(codecs) | ({"schema"} if self.tag else set())
         self.encoders = tuple((name, c.to_wire) for name, c in codecs.items())
+        self.omit_none = tuple(
+            f.name for f in dataclasses.fields(cls) if f.metadata.get(WIRE_OMIT_NONE)
+        )
         # Ints are the bulk of most messages: test them inline instead of calling a decoder.
         self.int_names = tuple(n for n, c in codecs.items() if c.from_wire is _int_from_wire)
         self.decoders = tuple(
@@ -290,6 +300,9 @@ class Plan:
             wire[name] = (
                 field_value if encode_field is None else encode_field(field_value, join(path, name))
             )
+        for name in self.omit_none:
+            if wire[name] is None:
+                del wire[name]
         return wire
 
     def from_wire(self, wire: dict[str, Any]) -> Any:

@@ -9,8 +9,10 @@ from __future__ import annotations
 from trainguard.agent.bus._config import (
     DEFAULT_BUS_URL,
     DEFAULT_TOPICS,
+    SECURITY_ENVIRONMENT,
     BusConfig,
     KafkaSecurity,
+    load_kafka_security,
     parse_bus_url,
 )
 from trainguard.agent.bus._errors import (
@@ -25,6 +27,7 @@ from trainguard.agent.bus._port import Bus, Consumer, Delivery, Record, TopicPar
 __all__ = [
     "DEFAULT_BUS_URL",
     "DEFAULT_TOPICS",
+    "SECURITY_ENVIRONMENT",
     "Bus",
     "BusClosed",
     "BusConfig",
@@ -38,6 +41,7 @@ __all__ = [
     "Record",
     "TopicPartition",
     "TopicSpec",
+    "load_kafka_security",
     "open_bus",
     "parse_bus_url",
 ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -11,7 +13,15 @@ from urllib.parse import unquote, urlsplit
 from trainguard.agent.bus._errors import BusURLError
 from trainguard.agent.bus._port import TopicSpec
 
-__all__ = ["DEFAULT_BUS_URL", "DEFAULT_TOPICS", "BusConfig", "KafkaSecurity", "parse_bus_url"]
+__all__ = [
+    "DEFAULT_BUS_URL",
+    "DEFAULT_TOPICS",
+    "SECURITY_ENVIRONMENT",
+    "BusConfig",
+    "KafkaSecurity",
+    "load_kafka_security",
+    "parse_bus_url",
+]
 
 DEFAULT_BUS_URL = "sqlite:trainguard-bus.db"
 """The bus every party uses when none is configured: an embedded bus in the working folder."""
@@ -29,15 +39,35 @@ DEFAULT_TOPICS: tuple[TopicSpec, ...] = (
 job's records of every kind sit on the same partition number (co-partitioning)."""
 
 
+_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
 @dataclass(frozen=True, slots=True)
 class KafkaSecurity:
     """Kafka transport security, passed straight to aiokafka (see its ``AIOKafkaClient`` docs).
 
+    Build it with :func:`load_kafka_security` (a ``[bus.security]`` table and the
+    ``TRAINGUARD_KAFKA_*`` variables); ``KafkaSecurity()`` is plaintext without authentication.
+
     Attributes:
         protocol: ``PLAINTEXT``, ``SSL``, ``SASL_PLAINTEXT`` or ``SASL_SSL``.
-        sasl_mechanism: ``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512`` (with a SASL protocol).
-        sasl_username, sasl_password: SASL credentials; never logged (``repr`` hides them).
-        ssl_cafile, ssl_certfile, ssl_keyfile: PEM files for TLS (server CA, client cert/key).
+        sasl_mechanism: ``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512`` (SASL protocols only;
+            ``None`` there means ``PLAIN``). ``PLAIN`` sends the password itself: use it over
+            ``SASL_SSL`` only.
+        sasl_username, sasl_password: SASL credentials, both required by the SASL protocols.
+            The password never appears in ``repr``/``str`` (shown as ``'***'``) nor in any error
+            message of this package.
+        ssl_cafile: PEM file of the CA(s) that signed the brokers' certificates; ``None`` trusts
+            the system's CAs. Broker host names are always checked.
+        ssl_certfile, ssl_keyfile: PEM client certificate (chain) and its private key, for
+            brokers that authenticate clients by TLS certificate; ``None`` sends none.
+
+    Raises:
+        ValueError: an unknown protocol or mechanism, a SASL protocol without username and
+            password, or SASL/TLS settings given with a protocol that would ignore them (a
+            ``sasl_username`` under ``PLAINTEXT`` would otherwise connect unauthenticated
+            without a word).
     """
 
     protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
@@ -47,6 +77,150 @@ class KafkaSecurity:
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.protocol not in _PROTOCOLS:
+            raise ValueError(
+                f"Kafka security protocol {self.protocol!r}: expected one of {_PROTOCOLS}"
+            )
+        sasl = self.protocol.startswith("SASL")
+        tls = self.protocol in ("SSL", "SASL_SSL")
+        if sasl:
+            if self.sasl_mechanism is not None and self.sasl_mechanism not in _MECHANISMS:
+                raise ValueError(
+                    f"SASL mechanism {self.sasl_mechanism!r}: expected one of {_MECHANISMS}"
+                )
+            if not self.sasl_username or not self.sasl_password:
+                raise ValueError(
+                    f"Kafka security protocol {self.protocol} needs sasl_username and "
+                    "sasl_password (or a password file)"
+                )
+        else:
+            given = [
+                name
+                for name in ("sasl_mechanism", "sasl_username", "sasl_password")
+                if getattr(self, name) is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} set, but protocol {self.protocol} does not authenticate "
+                    "with SASL; use SASL_SSL (or SASL_PLAINTEXT on a trusted network)"
+                )
+        if not tls:
+            given = [
+                name
+                for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+                if getattr(self, name) is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} set, but protocol {self.protocol} does not use TLS; "
+                    "use SSL or SASL_SSL"
+                )
+
+    def __repr__(self) -> str:
+        password = None if self.sasl_password is None else "***"
+        return (
+            f"KafkaSecurity(protocol={self.protocol!r}, sasl_mechanism={self.sasl_mechanism!r}, "
+            f"sasl_username={self.sasl_username!r}, sasl_password={password!r}, "
+            f"ssl_cafile={self.ssl_cafile!r}, ssl_certfile={self.ssl_certfile!r}, "
+            f"ssl_keyfile={self.ssl_keyfile!r})"
+        )
+
+    __str__ = __repr__
+
+
+SECURITY_ENVIRONMENT: Mapping[str, str] = MappingProxyType(
+    {
+        "protocol": "TRAINGUARD_KAFKA_SECURITY_PROTOCOL",
+        "sasl_mechanism": "TRAINGUARD_KAFKA_SASL_MECHANISM",
+        "sasl_username": "TRAINGUARD_KAFKA_SASL_USERNAME",
+        "sasl_password": "TRAINGUARD_KAFKA_SASL_PASSWORD",
+        "sasl_password_file": "TRAINGUARD_KAFKA_SASL_PASSWORD_FILE",
+        "ssl_cafile": "TRAINGUARD_KAFKA_SSL_CAFILE",
+        "ssl_certfile": "TRAINGUARD_KAFKA_SSL_CERTFILE",
+        "ssl_keyfile": "TRAINGUARD_KAFKA_SSL_KEYFILE",
+    }
+)
+"""``[bus.security]`` key -> the environment variable that sets it."""
+
+
+def load_kafka_security(
+    table: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> KafkaSecurity:
+    """Kafka security from a ``[bus.security]`` table and the ``TRAINGUARD_KAFKA_*`` variables.
+
+    The one loader every party uses (daemon, supervisor, agent, command line), so that they all
+    read the same settings the same way.
+
+    Keys and variables (:data:`SECURITY_ENVIRONMENT`): ``protocol``, ``sasl_mechanism``,
+    ``sasl_username``, ``sasl_password`` or ``sasl_password_file`` (a file holding the
+    password, as a Kubernetes secret mount provides; one trailing line break is dropped),
+    ``ssl_cafile``, ``ssl_certfile``, ``ssl_keyfile``. Per setting, a non-empty variable beats
+    the table; the password and its file are one setting, so a password file in the
+    environment replaces a password in the table. Protocol and mechanism are case-insensitive.
+
+    Args:
+        table: the TOML table, or ``None``.
+        env: the environment; ``None`` reads ``os.environ``.
+
+    Raises:
+        ValueError: an unknown key, a value that is not a string, both forms of the password
+            in one source, an unreadable or empty password file, or a combination
+            :class:`KafkaSecurity` refuses. Messages name keys, variables and files, never a
+            password.
+    """
+    env = os.environ if env is None else env
+    values = dict(table or {})
+    unknown = values.keys() - SECURITY_ENVIRONMENT.keys()
+    if unknown:
+        raise ValueError(
+            f"[bus.security]: unknown key(s) {sorted(unknown)}; known: "
+            f"{sorted(SECURITY_ENVIRONMENT)}"
+        )
+    for key, value in values.items():
+        if not isinstance(value, str):
+            raise ValueError(f"[bus.security] {key}: expected a string, got {type(value).__name__}")
+    _one_password_form(values, "[bus.security] sasl_password and sasl_password_file")
+    from_env = {key: env[var] for key, var in SECURITY_ENVIRONMENT.items() if env.get(var)}
+    _one_password_form(
+        from_env,
+        f"{SECURITY_ENVIRONMENT['sasl_password']} and {SECURITY_ENVIRONMENT['sasl_password_file']}",
+    )
+    if from_env.keys() & {"sasl_password", "sasl_password_file"}:
+        values.pop("sasl_password", None)
+        values.pop("sasl_password_file", None)
+    values.update(from_env)
+    password_file = values.pop("sasl_password_file", None)
+    if password_file is not None:
+        values["sasl_password"] = _read_password(Path(password_file).expanduser())
+    for key in ("protocol", "sasl_mechanism"):
+        if key in values:
+            values[key] = values[key].strip().upper()
+    return KafkaSecurity(**values)
+
+
+def _one_password_form(values: Mapping[str, str], what: str) -> None:
+    if "sasl_password" in values and "sasl_password_file" in values:
+        raise ValueError(f"{what} are both set; give one")
+
+
+def _read_password(path: Path) -> str:
+    """The password in ``path`` without one trailing line break (``\\n`` or ``\\r\\n``).
+
+    Raises:
+        ValueError: the file cannot be read (names the path and the OS error) or is empty.
+    """
+    try:
+        text = path.read_bytes().decode("utf-8")  # bytes as they are: no newline translation
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        # Not chained: a UnicodeDecodeError carries the file's bytes, the secret itself.
+        raise ValueError(f"Kafka SASL password file {path}: {reason}") from None
+    password = text.removesuffix("\n").removesuffix("\r")
+    if not password:
+        raise ValueError(f"Kafka SASL password file {path} is empty")
+    return password
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +244,8 @@ class BusConfig:
         idle_poll_s: embedded bus only: longest sleep, in seconds, of an idle consumer between
             looks at the file (it starts at 2 ms after each delivery and doubles up to this).
             The worst-case delivery latency of an idle consumer; Kafka long-polls instead.
-        security: Kafka TLS/SASL settings; ignored by the embedded bus.
+        security: Kafka TLS/SASL settings (built by :func:`load_kafka_security`); ignored by
+            the embedded bus.
         kafka_options: extra keyword arguments for aiokafka producers/consumers (expert use).
     """
 

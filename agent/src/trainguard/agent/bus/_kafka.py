@@ -15,6 +15,9 @@ issues cited inline):
   ``max_poll_interval_ms`` makes the group evict the member and rebalance endlessly (#848).
 * The partition of a record is computed by :func:`partition_for`, the same murmur2 function
   as Kafka's default partitioner, so the embedded bus and Kafka agree on it.
+* A failed first connection names its cause (refused, TLS handshake, SASL credentials):
+  aiokafka's bootstrap only logs it and raises "Unable to bootstrap", so the adapter connects
+  once more by hand to find it (:meth:`KafkaBus._connect_failure`).
 * Topics are created on start-up with ``message.timestamp.type=LogAppendTime``: a record's
   timestamp is the broker's append time, which is what the daemon's state machine uses as its
   clock (sender clocks may be skewed).
@@ -30,7 +33,8 @@ from typing import Any, TypeVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka import TopicPartition as KafkaTP
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError
+from aiokafka.conn import create_conn
+from aiokafka.errors import KafkaConnectionError, KafkaError, SaslAuthenticationFailed
 from aiokafka.helpers import create_ssl_context
 
 from trainguard.agent.bus._config import BusConfig
@@ -74,11 +78,12 @@ class KafkaBus(Bus):
     def _logical(self, full: str) -> str:
         return full[len(self._config.prefix) :]
 
-    def _client_kwargs(self) -> dict[str, Any]:
-        """Connection settings common to producer, consumers and admin client."""
+    def _client_kwargs(self, *, servers: bool = True) -> dict[str, Any]:
+        """Connection settings common to producer, consumers and admin client (with
+        ``servers=False``, those of one connection: no ``bootstrap_servers``)."""
         sec = self._config.security
-        kwargs: dict[str, Any] = {
-            "bootstrap_servers": self._servers,
+        kwargs: dict[str, Any] = {"bootstrap_servers": self._servers} if servers else {}
+        kwargs |= {
             "client_id": self._config.client_id,
             "security_protocol": sec.protocol,
             "request_timeout_ms": int(self._config.send_timeout_s * 1000),
@@ -117,7 +122,15 @@ class KafkaBus(Bus):
         timeout = self._config.connect_timeout_s
         admin = AIOKafkaAdminClient(**self._client_kwargs())
         try:
-            await self._bounded("connecting (admin)", admin.start(), timeout)
+            try:
+                await self._bounded("connecting (admin)", admin.start(), timeout)
+            except BusUnavailable as exc:
+                if not isinstance(exc.__cause__, KafkaConnectionError):
+                    raise
+                reason = await self._connect_failure(timeout)
+                if reason is None:
+                    raise
+                raise BusUnavailable(f"Kafka at {self._servers}: {reason}") from exc
             await self._bounded("creating topics", self._create_topics(admin), timeout)
         finally:
             await _close_quietly(admin.close(), timeout)
@@ -139,6 +152,34 @@ class KafkaBus(Bus):
             await _close_quietly(meta.stop(), timeout)
             raise
         self._producer, self._meta = producer, meta
+
+    async def _connect_failure(self, timeout_s: float) -> str | None:
+        """Why a connection to the first bootstrap server fails, or ``None`` if it succeeds.
+
+        One connection with the bus's settings, including the SASL handshake, bounded by
+        ``timeout_s``. The reason names the user and mechanism for refused credentials, never
+        the password.
+        """
+        first = self._servers.split(",")[0]
+        host, _, port = first.rpartition(":")
+        # The message is prefixed with every bootstrap server; name the one tried if several.
+        to = f" to {first}" if first != self._servers else ""
+        try:
+            conn = await asyncio.wait_for(
+                create_conn(host, int(port), **self._client_kwargs(servers=False)), timeout_s
+            )
+        except SaslAuthenticationFailed as exc:
+            sec = self._config.security
+            return (
+                f"SASL authentication as {sec.sasl_username!r} ({sec.sasl_mechanism or 'PLAIN'}) "
+                f"refused by the broker: {exc}"
+            )
+        except TimeoutError:
+            return f"connecting{to} took longer than {timeout_s:g} s"
+        except (OSError, KafkaError) as exc:
+            return f"connecting{to} failed: {type(exc).__name__}: {exc}"
+        conn.close()
+        return None
 
     async def _create_topics(self, admin: AIOKafkaAdminClient) -> None:
         existing = set(await admin.list_topics())

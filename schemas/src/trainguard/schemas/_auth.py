@@ -1,0 +1,242 @@
+"""Authentication of wire messages: HMAC-SHA256 on events, Ed25519 signatures on commands and
+manifests, both over the message's canonical bytes (``docs/wire-contract.md``,
+Authentication; ARCHITECTURE.md section 6).
+
+**Canonical bytes** of a message: its wire object without the top-level ``auth`` property,
+serialised as orjson does with sorted keys (no whitespace, keys sorted by code point at every
+level, shortest round-trip floats). The ``schema`` tag is part of it, so a MAC or signature
+cannot be moved to a message of another type or version. A sender computes them from the
+message it encodes (:func:`canonical_bytes`: ``encode`` of the message without ``auth``); a
+receiver from the bytes it received: parsed, ``auth`` removed, serialised again. So a receiver
+verifies exactly what it decodes (duplicate keys included: the last one wins in both), also
+properties that its tolerant reader drops from a newer minor version.
+
+**Keys** are passed in by the caller (``trainguard.agent._keystore`` loads them): an event key
+is 32 random bytes, a signing key an Ed25519 key pair (``cryptography``). A key id (``kid``)
+names the key a MAC or signature was made with, so that keys can rotate.
+
+Every failure is an :class:`Unauthenticated` (a :class:`~trainguard.schemas.SchemaError` on
+the field ``auth``) whose ``code`` says why; its text names the key id, never a key.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import hmac
+from collections.abc import Mapping
+from typing import Any, Literal, TypeAlias, TypeVar
+
+import orjson
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from trainguard.schemas._codec import encode
+from trainguard.schemas._errors import NestingTooDeep, NotJSON, SchemaError
+from trainguard.schemas._messages import (
+    Abort,
+    Checkpoint,
+    ClockTick,
+    DataCursorEvent,
+    Heartbeat,
+    Lifecycle,
+    Mac,
+    Manifest,
+    Message,
+    Restore,
+    Resume,
+    Signature,
+)
+
+__all__ = [
+    "AuthFailure",
+    "Unauthenticated",
+    "add_mac",
+    "canonical_bytes",
+    "received_canonical_bytes",
+    "sign",
+    "verify_mac",
+    "verify_signature",
+]
+
+AuthFailure: TypeAlias = Literal["missing", "unknown_kid", "bad_mac", "bad_signature"]
+"""Why a message is not authentic: no ``auth`` (or not the kind expected), a key id the
+verifier does not hold, a MAC or a signature that does not verify."""
+
+_Mac = TypeVar("_Mac", bound=Heartbeat | Checkpoint | DataCursorEvent | Lifecycle | ClockTick)
+_Signed = TypeVar("_Signed", bound=Restore | Resume | Abort | Manifest)
+
+
+class Unauthenticated(SchemaError):
+    """A message's ``auth`` is missing, names an unknown key, or does not verify.
+
+    Permanent for the keys the verifier holds: the same bytes fail the same way, so a receiver
+    ignores or dead-letters them.
+
+    Attributes:
+        code: the :data:`AuthFailure`.
+        kid: the key id the message named, or ``None`` when it named none.
+        field: always ``"auth"``.
+        reason: human-readable explanation (names the key id, never key material).
+    """
+
+    def __init__(self, code: AuthFailure, reason: str, kid: str | None = None) -> None:
+        super().__init__("auth", reason)
+        self.args = (code, reason, kid)  # so that the error pickles as it was made
+        self.code: AuthFailure = code
+        self.kid = kid
+
+
+def canonical_bytes(message: Message) -> bytes:
+    """The bytes a MAC or signature of ``message`` covers: ``encode`` of the message without
+    ``auth`` (module docstring).
+
+    Raises:
+        SchemaError: ``message`` breaks the wire contract (as :func:`~trainguard.schemas.encode`).
+    """
+    return encode(dataclasses.replace(message, auth=None))
+
+
+def received_canonical_bytes(data: bytes | bytearray | memoryview) -> tuple[bytes, Any]:
+    """The canonical bytes of a received message, and its ``auth`` property as received.
+
+    Args:
+        data: the message as received (call it on bytes that
+            :func:`~trainguard.schemas.decode` accepted, which bounds their size).
+
+    Returns:
+        ``(canonical bytes, auth)``; ``auth`` is the parsed property (a dict when well formed),
+        or ``None`` when absent.
+
+    Raises:
+        NotJSON: ``data`` is not a JSON object.
+        NestingTooDeep: it nests deeper than orjson writes (254 levels), which only unknown
+            properties of a newer minor version can (the codec bounds the known ones): such a
+            message has no canonical bytes, so it never verifies.
+    """
+    try:
+        wire = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise NotJSON(None, f"not JSON: {exc.msg}") from None
+    if type(wire) is not dict:
+        raise NotJSON(None, "a message is a JSON object")
+    auth = wire.pop("auth", None)
+    try:
+        return orjson.dumps(wire, option=orjson.OPT_SORT_KEYS), auth
+    except orjson.JSONEncodeError:
+        raise NestingTooDeep(None, "too deeply nested to have canonical bytes") from None
+
+
+def add_mac(message: _Mac, kid: str, key: bytes) -> _Mac:
+    """``message`` (an event or a tick) with ``auth`` set to its HMAC-SHA256 under ``key``.
+
+    Args:
+        message: a heartbeat, checkpoint, data-cursor, lifecycle or tick message.
+        kid: the key's id (16 lowercase hex digits).
+        key: the job's event key, 32 bytes.
+
+    Raises:
+        SchemaError: ``message`` breaks the wire contract.
+    """
+    tag = hmac.new(key, canonical_bytes(message), hashlib.sha256).digest()
+    return dataclasses.replace(message, auth=Mac(kid=kid, mac=base64.b64encode(tag).decode()))
+
+
+def sign(message: _Signed, kid: str, key: Ed25519PrivateKey) -> _Signed:
+    """``message`` (a command or a manifest) with ``auth`` set to its Ed25519 signature.
+
+    Args:
+        message: a restore, resume, abort or manifest.
+        kid: the signing key's id.
+        key: the daemon's Ed25519 private key.
+
+    Raises:
+        SchemaError: ``message`` breaks the wire contract.
+    """
+    signature = key.sign(canonical_bytes(message))
+    return dataclasses.replace(
+        message, auth=Signature(kid=kid, sig=base64.b64encode(signature).decode())
+    )
+
+
+def verify_mac(data: bytes | bytearray | memoryview, keys: Mapping[str, bytes]) -> str:
+    """Check the HMAC-SHA256 of a received event or tick (constant-time comparison).
+
+    Args:
+        data: the message as received (decoded successfully before).
+        keys: the event keys of the message's job that are accepted, by key id.
+
+    Returns:
+        The key id that verified.
+
+    Raises:
+        Unauthenticated: ``missing`` (no ``auth``, or no ``mac`` in it), ``unknown_kid`` (not
+            in ``keys``), ``bad_mac`` (also for bytes that have no canonical form).
+    """
+    canonical, auth = _canonical(data, "bad_mac")
+    kid, given = _auth_parts(auth, "mac")
+    key = keys.get(kid)
+    if key is None:
+        raise Unauthenticated("unknown_kid", f"MAC under unknown event key {kid}", kid)
+    expected = hmac.new(key, canonical, hashlib.sha256).digest()
+    if not hmac.compare_digest(expected, _base64(given, "bad_mac", kid)):
+        raise Unauthenticated("bad_mac", f"MAC under event key {kid} does not verify", kid)
+    return kid
+
+
+def verify_signature(
+    data: bytes | bytearray | memoryview, keys: Mapping[str, Ed25519PublicKey]
+) -> str:
+    """Check the Ed25519 signature of a received command or manifest.
+
+    Args:
+        data: the message as received (decoded successfully before).
+        keys: the daemon's public keys that are accepted, by key id.
+
+    Returns:
+        The key id that verified.
+
+    Raises:
+        Unauthenticated: ``missing`` (no ``auth``, or no ``sig`` in it), ``unknown_kid``,
+            ``bad_signature`` (also for bytes that have no canonical form).
+    """
+    canonical, auth = _canonical(data, "bad_signature")
+    kid, given = _auth_parts(auth, "sig")
+    key = keys.get(kid)
+    if key is None:
+        raise Unauthenticated("unknown_kid", f"signed with unknown daemon key {kid}", kid)
+    try:
+        key.verify(_base64(given, "bad_signature", kid), canonical)
+    except InvalidSignature:
+        raise Unauthenticated(
+            "bad_signature", f"signature of daemon key {kid} does not verify", kid
+        ) from None
+    return kid
+
+
+def _canonical(data: bytes | bytearray | memoryview, failure: AuthFailure) -> tuple[bytes, Any]:
+    try:
+        return received_canonical_bytes(data)
+    except SchemaError as exc:
+        raise Unauthenticated(failure, f"cannot be authenticated: {exc.reason}") from None
+
+
+def _auth_parts(auth: Any, name: str) -> tuple[str, str]:
+    """``(kid, value)`` of an ``auth`` object holding ``name`` (``mac`` or ``sig``)."""
+    if not isinstance(auth, dict) or not isinstance(auth.get(name), str):
+        what = "MAC" if name == "mac" else "signature"
+        raise Unauthenticated("missing", f"no {what}: the message carries no auth.{name}")
+    kid = auth.get("kid")
+    if not isinstance(kid, str):
+        raise Unauthenticated("missing", "auth names no key id")
+    # Bounded so that a hostile kid cannot flood a log line (the schema allows 16 hex digits).
+    return kid[:32], auth[name]
+
+
+def _base64(text: str, failure: AuthFailure, kid: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise Unauthenticated(failure, f"auth under key {kid} is not base64", kid) from None

@@ -1,0 +1,293 @@
+"""Every trainguard party on a Kafka broker that requires SASL/SCRAM-SHA-512.
+
+The module starts its own broker (``kafka-dev start --scram``, its own port and directory) and
+stops it at the end. With the right credentials, given only as ``TRAINGUARD_KAFKA_*``
+variables, ``bus check``, the daemon, the supervisor (``trainguard run``) and the agent in the
+worker it starts all work, and ``replay`` verifies what the daemon decided. A wrong password
+ends ``bus check`` and the daemon with an error that says so, long before their connect
+timeout; the agent keeps training and reports the refusal. No password ever shows in any
+output of any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import NamedTuple, NoReturn
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from structlog.testing import capture_logs
+
+from trainguard.agent import Agent, AgentConfig
+from trainguard.daemon._rehearsal import start_daemon, supervise
+
+pytestmark = pytest.mark.kafka
+
+KAFKA_DEV = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka-dev"
+CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
+USER = "trainguard-test"
+# Seconds: broker start (a cold JVM on a loaded 2-core machine), then one run of the job.
+BROKER_START_TIMEOUT_S = 120.0
+JOB_TIMEOUT_S = 120.0
+# The connect timeout the wrong-password runs are given; they must end well before it.
+CONNECT_TIMEOUT_S = 30.0
+
+WORKER = textwrap.dedent(
+    """
+    import time
+    from trainguard.agent import Agent, AgentConfig
+
+    with Agent(AgentConfig.resolve(heartbeat_interval_s=0.2)) as agent:
+        agent.restore_target()
+        agent.ready(0)
+        for step in range(1, 21):
+            agent.step(step, loss=1.0, samples=4)
+            time.sleep(0.05)
+    """
+)
+
+
+class ScramBroker(NamedTuple):
+    """A running SCRAM broker: its ``kafka://`` URL, the user's password, and the run dir."""
+
+    url: str
+    password: str
+    run_dir: Path
+
+
+def _unavailable(reason: str) -> NoReturn:
+    """Skip, or fail under ``CI=true`` (a Kafka test never silently skips in CI)."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"SCRAM broker unavailable (CI=true, so not skipping): {reason}", pytrace=False)
+    pytest.skip(f"SCRAM broker unavailable: {reason}")
+
+
+def _kafka_dev(*args: str | Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(KAFKA_DEV), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+async def _authenticated_round_trip(bootstrap: str, password: str) -> None:
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap,
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_plain_username=USER,
+        sasl_plain_password=password,
+        request_timeout_ms=5000,
+    )
+    try:
+        async with asyncio.timeout(10):
+            await admin.start()
+            await admin.describe_cluster()
+    finally:
+        async with asyncio.timeout(10):
+            await admin.close()
+
+
+@pytest.fixture(scope="module")
+def scram_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScramBroker]:
+    """A KRaft broker whose only client listener requires SCRAM-SHA-512 as :data:`USER`."""
+    run_dir = tmp_path_factory.mktemp("kafka-scram")
+    # Characters that need escaping in Java properties, JAAS and kafka-storage's parser.
+    password = f'pw-{uuid.uuid4().hex},=]"\\é'
+    try:
+        try:
+            started = _kafka_dev(
+                "start",
+                "--port",
+                "0",
+                "--dir",
+                run_dir,
+                "--timeout",
+                str(BROKER_START_TIMEOUT_S),
+                "--scram",
+                f"{USER}:{password}",
+                timeout=BROKER_START_TIMEOUT_S + 480,  # a cold Maven fetch included
+            )
+        except subprocess.TimeoutExpired:
+            _unavailable("kafka-dev start --scram timed out")
+        if started.returncode != 0:
+            _unavailable(started.stderr.strip() or f"kafka-dev exited {started.returncode}")
+        bootstrap = started.stdout.strip()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                asyncio.run(_authenticated_round_trip(bootstrap, password))
+                break
+            except (KafkaError, OSError, TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    _unavailable(f"{bootstrap} refused {USER}: {exc!r} (log {run_dir}/kafka.log)")
+                time.sleep(0.5)
+        yield ScramBroker(f"kafka://{bootstrap}", password, run_dir)
+    finally:
+        _kafka_dev("stop", "--dir", run_dir, "--timeout", "30", timeout=60)
+
+
+def _environment(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment without any ``TRAINGUARD_*`` variable, plus ``extra``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    return {**base, **extra}
+
+
+def _sasl_variables(password_file: Path) -> dict[str, str]:
+    return {
+        "TRAINGUARD_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+        "TRAINGUARD_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "TRAINGUARD_KAFKA_SASL_USERNAME": USER,
+        "TRAINGUARD_KAFKA_SASL_PASSWORD_FILE": str(password_file),
+    }
+
+
+def _cli(args: list[str], env: Mapping[str, str], timeout: float = 90.0) -> tuple[int, str, float]:
+    """Run ``trainguard ARGS``; return its exit code, stdout+stderr and duration (seconds)."""
+    began = time.monotonic()
+    done = subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, env=dict(env), timeout=timeout, check=False
+    )
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - began
+
+
+def _stop(process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    """SIGTERM ``process`` (its whole session), SIGKILL after ``timeout`` seconds."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.wait()
+
+
+def test_every_party_works_with_the_right_credentials(
+    scram_broker: ScramBroker, tmp_path: Path
+) -> None:
+    password_file = tmp_path / "kafka-password"
+    password_file.write_text(scram_broker.password + "\n")
+    prefix = f"t-{uuid.uuid4().hex[:8]}."
+    job = "sasl-job"
+    env = _environment(
+        {**_sasl_variables(password_file), "TRAINGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    )
+    outputs: dict[str, str] = {}
+
+    code, outputs["bus check"], _ = _cli(["bus", "check", "--bus", scram_broker.url], env)
+    assert code == 0, outputs["bus check"]
+    assert "dead-letter" in outputs["bus check"]
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    daemon_log, run_log = tmp_path / "daemon.log", tmp_path / "run.log"
+    daemon = start_daemon(scram_broker.url, prefix=prefix, log_path=daemon_log, env=env)
+    try:
+        supervisor = supervise(
+            job,
+            [sys.executable, str(worker)],
+            bus_url=scram_broker.url,
+            prefix=prefix,
+            nproc_per_node=1,
+            log_path=run_log,
+            env=env,
+        )
+        try:
+            assert supervisor.wait(JOB_TIMEOUT_S) == 0, run_log.read_text()
+        finally:
+            _stop(supervisor)
+        # The daemon audits the job's finish; replay checks every recorded decision.
+        deadline = time.monotonic() + 60
+        while True:
+            code, outputs["replay"], _ = _cli(
+                ["replay", job, "--bus", scram_broker.url, "--topic-prefix", prefix], env
+            )
+            if (code == 0 and "finished" in outputs["replay"]) or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        assert code == 0, outputs["replay"] + daemon_log.read_text()
+        assert "finished" in outputs["replay"]
+    finally:
+        assert _stop(daemon) == 0, daemon_log.read_text()
+    outputs["daemon"], outputs["run"] = daemon_log.read_text(), run_log.read_text()
+    assert '"daemon stopped"' in outputs["daemon"]
+    for name, text in outputs.items():
+        assert scram_broker.password not in text, f"the password appears in the {name} output"
+
+
+def test_a_wrong_password_fails_at_once_and_says_why(
+    scram_broker: ScramBroker, tmp_path: Path
+) -> None:
+    wrong = f"wrong-{uuid.uuid4().hex}"
+    env = _environment(
+        {
+            **_sasl_variables(tmp_path / "unused"),
+            "TRAINGUARD_KAFKA_SASL_PASSWORD_FILE": "",
+            "TRAINGUARD_KAFKA_SASL_PASSWORD": wrong,
+        }
+    )
+    refused = f"SASL authentication as '{USER}' (SCRAM-SHA-512) refused by the broker"
+
+    code, output, took = _cli(
+        ["bus", "check", "--bus", scram_broker.url, "--timeout", str(CONNECT_TIMEOUT_S)], env
+    )
+    assert code == 2, output
+    assert refused in output
+    assert took < CONNECT_TIMEOUT_S
+
+    config = tmp_path / "daemon.toml"
+    config.write_text(f"[bus]\nconnect_timeout_s = {CONNECT_TIMEOUT_S}\n")
+    code, daemon_output, took = _cli(
+        ["daemon", "--bus", scram_broker.url, "--config", str(config), "--metrics-port", "-1"], env
+    )
+    assert code == 2, daemon_output
+    assert refused in daemon_output
+    assert took < CONNECT_TIMEOUT_S
+
+    for text in (output, daemon_output):
+        assert wrong not in text
+        assert scram_broker.password not in text
+
+
+def test_an_agent_with_a_wrong_password_trains_on_and_reports_the_refusal(
+    scram_broker: ScramBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    wrong = f"wrong-{uuid.uuid4().hex}"
+    env = {
+        **_sasl_variables(tmp_path / "unused"),
+        "TRAINGUARD_KAFKA_SASL_PASSWORD_FILE": "",
+        "TRAINGUARD_KAFKA_SASL_PASSWORD": wrong,
+        "TRAINGUARD_BUS": scram_broker.url,
+        "TRAINGUARD_JOB": "refused-job",
+        "TRAINGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+    }
+    with capture_logs() as logs:
+        agent = Agent(AgentConfig.resolve(env=env, heartbeat_interval_s=0.05))
+        began = time.monotonic()
+        with agent:
+            agent.ready(0)
+            for step in range(1, 11):
+                agent.step(step, loss=1.0)
+            stepped = time.monotonic() - began
+            deadline = time.monotonic() + CONNECT_TIMEOUT_S
+            while agent.stats.last_error is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stats = agent.stats
+            agent.close(timeout_s=2.0)
+    assert stepped < 1.0  # training never waits for the bus
+    assert not stats.connected
+    assert stats.last_error is not None
+    assert "SASL authentication as 'trainguard-test' (SCRAM-SHA-512) refused" in stats.last_error
+    troubles = [entry for entry in logs if entry["event"] == "bus_trouble"]
+    assert troubles
+    assert "refused by the broker" in troubles[0]["error"]
+    captured = repr(logs) + caplog.text
+    assert wrong not in captured
+    assert scram_broker.password not in captured
