@@ -465,6 +465,21 @@ def test_invalid_events_are_rejected(change: dict[str, object], code: str) -> No
     assert [d.code for d in of_type(decisions, Rejected)] == [code]
 
 
+def test_an_event_stamped_far_in_the_future_is_rejected() -> None:
+    sim = Sim()
+    state, _ = running_job(sim, 3)
+    beat = sim.heartbeat(1, 3, T0 + 4 * S)
+    within = dataclasses.replace(beat.event, ts=beat.at_ns + 300 * S)
+    _, decisions = decide(state, Observed(beat.at_ns, None, within), CFG)
+    assert of_type(decisions, Rejected) == []
+    ahead = dataclasses.replace(beat.event, ts=beat.at_ns + 301 * S)
+    new_state, decisions = decide(state, Observed(beat.at_ns, None, ahead), CFG)
+    assert new_state is state
+    [rejected] = of_type(decisions, Rejected)
+    assert rejected.code == "future_timestamp"
+    assert "max_clock_skew_s" in rejected.reason
+
+
 def test_clock_never_goes_back() -> None:
     sim = Sim()
     state, _ = run(sim.start(T0 + 10 * S))

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
+from trainguard.agent.bus import BusError
+from trainguard.daemon._cli_options import ConfiguredBus
 
 if TYPE_CHECKING:
     from trainguard.agent.bus import Record
@@ -43,14 +44,7 @@ def report(
         str | None,
         typer.Argument(metavar="JOB", help="The job's id (default with --file: the file's job)."),
     ] = None,
-    bus: Annotated[
-        str | None,
-        typer.Option(
-            "--bus",
-            envvar="TRAINGUARD_BUS",
-            help=f"Bus URL; default: the config file's, else {DEFAULT_BUS_URL}.",
-        ),
-    ] = None,
+    bus: ConfiguredBus = None,
     config: Annotated[
         Path | None,
         typer.Option(

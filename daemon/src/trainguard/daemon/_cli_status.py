@@ -12,7 +12,8 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
+from trainguard.agent.bus import BusError
+from trainguard.daemon._cli_options import ConfiguredBus, ConfiguredPrefix
 
 __all__ = ["register"]
 
@@ -36,14 +37,7 @@ def status(
             metavar="[JOB]", help="Show this job's ranks; default: a table of all jobs."
         ),
     ] = None,
-    bus: Annotated[
-        str | None,
-        typer.Option(
-            "--bus",
-            envvar="TRAINGUARD_BUS",
-            help=f"Bus URL; default: the config file's, else {DEFAULT_BUS_URL}.",
-        ),
-    ] = None,
+    bus: ConfiguredBus = None,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -51,13 +45,7 @@ def status(
             "settings decide the state)."
         ),
     ] = None,
-    topic_prefix: Annotated[
-        str | None,
-        typer.Option(
-            envvar="TRAINGUARD_TOPIC_PREFIX",
-            help="Bus topic prefix; default: the config file's, else trainguard.",
-        ),
-    ] = None,
+    topic_prefix: ConfiguredPrefix = None,
     output: Annotated[
         OutputFormat, typer.Option("--format", help="table (rich) or json (for tools).")
     ] = OutputFormat.table,

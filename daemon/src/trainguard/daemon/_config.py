@@ -109,6 +109,9 @@ class MachineConfig:
             (data parallelism outermost, as torch ``DeviceMesh(("dp", ...))`` and Megatron-LM
             number ranks); 1 for pure data parallelism.
         max_step_lag: ranks further apart than this many steps are an incident.
+        max_clock_skew_s: an event whose sender time ``ts`` is more than this many seconds
+            ahead of its bus append time is rejected (a sender with a broken clock, or a forged
+            event claiming a far-future time).
         allow_data_version_change: restore across a change of the data version (a target
             written on another dataset version than the one the job runs now) instead of
             refusing it and failing the job.
@@ -157,6 +160,7 @@ class MachineConfig:
     loss_spike_persist: int = 4
     model_parallel_size: int = 1
     max_step_lag: int = 100
+    max_clock_skew_s: float = 300.0
     allow_data_version_change: bool = False
     heartbeat_timeout_ns: int = field(init=False, repr=False, compare=False)
     heartbeat_interval_ns: int = field(init=False, repr=False, compare=False)
@@ -165,6 +169,7 @@ class MachineConfig:
     progress_floor_ns: int = field(init=False, repr=False, compare=False)
     progress_ceiling_ns: int = field(init=False, repr=False, compare=False)
     startup_allowance_ns: int = field(init=False, repr=False, compare=False)
+    max_clock_skew_ns: int = field(init=False, repr=False, compare=False)
     phase_limits_ns: Mapping[Phase, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -203,6 +208,7 @@ class MachineConfig:
             "progress_floor",
             "progress_ceiling",
             "startup_allowance",
+            "max_clock_skew",
         ):
             seconds = f"{name}_s"
             object.__setattr__(self, f"{name}_ns", _to_ns(seconds, getattr(self, seconds)))

@@ -21,6 +21,7 @@ RejectCode: TypeAlias = Literal[
     "wrong_job",
     "stale_generation",
     "future_generation",
+    "future_timestamp",
     "duplicate",
     "world_size_conflict",
     "rank_out_of_range",

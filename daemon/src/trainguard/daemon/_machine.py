@@ -76,7 +76,7 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
         return _at_rest(state, item)
     match item:
         case Observed(at_ns=at_ns, event=event):
-            rejected = _screen(state, event)
+            rejected = _screen(state, event) or _from_the_future(event, at_ns, config)
             if rejected is not None:
                 return state, (rejected,)
             if (
@@ -154,6 +154,19 @@ def _stated_world_size(event: Event) -> int | None:
     if isinstance(event, DataCursorEvent):
         return None
     return event.world_size
+
+
+def _from_the_future(event: Event, at_ns: int, config: MachineConfig) -> Rejected | None:
+    """A rejection when ``event``'s sender time is more than ``max_clock_skew_s`` ahead of
+    its bus append time ``at_ns`` (ns), else ``None``."""
+    ahead = event.ts - at_ns
+    if ahead <= config.max_clock_skew_ns:
+        return None
+    return Rejected(
+        code="future_timestamp",
+        reason=f"{_sender(event)} is timestamped {seconds_text(ahead)} after the bus received "
+        f"it (at most {seconds_text(config.max_clock_skew_ns)} allowed: max_clock_skew_s)",
+    )
 
 
 def _screen(state: JobState, event: Event) -> Rejected | None:

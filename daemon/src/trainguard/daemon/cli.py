@@ -19,6 +19,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
+from trainguard.daemon._cli_options import ConfiguredBus, ConfiguredPrefix
 
 __all__ = ["app", "main"]
 
@@ -52,14 +53,7 @@ def version() -> None:
 
 @bus_app.command("check")
 def bus_check(
-    bus: Annotated[
-        str | None,
-        typer.Option(
-            "--bus",
-            envvar="TRAINGUARD_BUS",
-            help=f"Bus URL; default: the config file's, else {DEFAULT_BUS_URL}.",
-        ),
-    ] = None,
+    bus: ConfiguredBus = None,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -121,14 +115,7 @@ async def _until_signalled(main: Callable[[asyncio.Event], Awaitable[_T]]) -> _T
 
 @app.command()
 def daemon(
-    bus: Annotated[
-        str | None,
-        typer.Option(
-            "--bus",
-            envvar="TRAINGUARD_BUS",
-            help=f"Bus URL; default: the config file's, else {DEFAULT_BUS_URL}.",
-        ),
-    ] = None,
+    bus: ConfiguredBus = None,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -142,13 +129,7 @@ def daemon(
     restore_timeout: Annotated[
         float | None, typer.Option(help="Seconds for all ranks to acknowledge a restore.")
     ] = None,
-    topic_prefix: Annotated[
-        str | None,
-        typer.Option(
-            envvar="TRAINGUARD_TOPIC_PREFIX",
-            help="Bus topic prefix; default: the config file's, else trainguard.",
-        ),
-    ] = None,
+    topic_prefix: ConfiguredPrefix = None,
     metrics_port: Annotated[
         int | None,
         typer.Option(
