@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from trainguard.agent import parse_faults
+from trainguard.agent import ConfigError, parse_faults
 from trainguard.daemon._rehearsal import (
     JobRecord,
     charlm_command,
@@ -80,8 +80,28 @@ class DemoOptions:
     step_sleep: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.fault is not None:
-            parse_faults(self.fault)
+        if self.step_sleep < 0:
+            raise ConfigError(f"--step-sleep must be >= 0 seconds, got {self.step_sleep}")
+        least = self.checkpoint_every + 26  # room for the random kill step and what follows
+        if self.steps < least:
+            raise ConfigError(f"--steps must be at least {least}, got {self.steps}")
+        if self.fault is None:
+            return
+        faults = parse_faults(self.fault)
+        if not faults:
+            raise ConfigError(
+                "--fault is empty: give at least one fault, e.g. 'nan@step=50,rank=1'"
+            )
+        for fault in faults:
+            if fault.rank is not None and fault.rank >= WORLD_SIZE:
+                raise ConfigError(
+                    f"--fault {fault.kind}@step={fault.step}: rank {fault.rank} does not exist "
+                    f"(the demo runs ranks 0-{WORLD_SIZE - 1})"
+                )
+            if fault.step >= self.steps:
+                raise ConfigError(
+                    f"--fault {fault.kind}@step={fault.step}: the job ends at step {self.steps}"
+                )
 
 
 def find_example() -> Path:
@@ -223,8 +243,8 @@ def _story(
             for d in decisions:
                 if d["decision"] == "incident_opened":
                     say(
-                        f"[yellow]⚑ incident {d['incident_id']}: {d['cause']} on ranks "
-                        f"{', '.join(map(str, d['ranks']))}"
+                        f"[yellow]⚑ incident {d['incident_id']}: {d['cause']} on "
+                        f"{'ranks ' + ', '.join(map(str, d['ranks'])) if d['ranks'] else 'every rank'}"
                     )
         case Heartbeat(step=step, generation=g):
             progress.update(task, completed=step, description=f"generation {g}")
