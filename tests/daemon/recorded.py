@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from tests.buses import BusFactory
+from tests.daemon.service_support import eventually, running
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, Record
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon._settings import DaemonConfig
@@ -47,28 +46,6 @@ def daemon_config(factory: BusFactory, daemon_id: str) -> DaemonConfig:
         group_id=factory.group("daemon"),
         poll_s=0.02,
     )
-
-
-@asynccontextmanager
-async def running(service: DaemonService) -> AsyncIterator[DaemonService]:
-    """Run ``service`` in the background; stop it gracefully on exit."""
-    stop = asyncio.Event()
-    task = asyncio.ensure_future(service.run(stop))
-    try:
-        yield service
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
-
-
-async def eventually(check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def _head(rank: int, seq: int, generation: int = 0) -> dict[str, Any]:

@@ -10,8 +10,6 @@ import dataclasses
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import orjson
 import pytest
 
 from tests.buses import BusFactory
+from tests.daemon.service_support import eventually, read_all, running
 from trainguard.agent._command_gate import CommandGate, Ignored
 from trainguard.agent._keystore import (
     DaemonKeys,
@@ -88,41 +87,6 @@ def config(setup: Setup, *, require_auth: bool = False, **machine: Any) -> Daemo
         snapshot_interval_s=0,
         security=SecurityConfig(require_auth=require_auth),
     )
-
-
-@asynccontextmanager
-async def running(service: DaemonService) -> AsyncIterator[DaemonService]:
-    stop = asyncio.Event()
-    task = asyncio.ensure_future(service.run(stop))
-    try:
-        yield service
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
-
-
-async def eventually(check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s} s")
-
-
-async def read_all(bus: Bus, topic: str) -> list[bytes]:
-    ends = await bus.end_offsets(topic)
-    pending = {tp for tp, end in ends.items() if end > 0}
-    values: list[bytes] = []
-    if pending:
-        async with await bus.assign(dict.fromkeys(pending, 0)) as consumer:
-            seen = dict.fromkeys(pending, 0)
-            while any(seen[tp] < ends[tp] for tp in pending):
-                for record in await consumer.getmany(timeout_s=1.0):
-                    seen[record.tp] = record.offset + 1
-                    values.append(record.value or b"")
-    return values
 
 
 def head(rank: int | None, seq: int, job: str = JOB) -> dict[str, Any]:

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from tests.buses import BusFactory
-from tests.daemon.test_service import daemon_config, eventually, publish, running, shard, started
+from tests.daemon.service_support import eventually, running
+from tests.daemon.test_service import daemon_config, publish, shard, started
 from trainguard.agent._manifests import read_manifests
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService

@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
 import pytest
 
 from tests.buses import BusFactory
+from tests.daemon.service_support import eventually, read_all, running
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon import DaemonService, MachineConfig
@@ -47,47 +46,9 @@ def daemon_config(factory: BusFactory, **machine: Any) -> DaemonConfig:
     )
 
 
-@asynccontextmanager
-async def running(service: DaemonService) -> AsyncIterator[DaemonService]:
-    """Run ``service`` in the background; stop it (gracefully) on exit."""
-    stop = asyncio.Event()
-    task = asyncio.ensure_future(service.run(stop))
-    try:
-        yield service
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
-
-
 async def publish(bus: Bus, *events: Event) -> None:
     for event in events:
         await bus.publish("events", event.job_id, encode(event))
-
-
-async def read_all(bus: Bus, topic: str) -> list[Any]:
-    """Every record of ``topic`` from offset 0 (values only, in partition order)."""
-    ends = await bus.end_offsets(topic)
-    pending = {tp for tp, end in ends.items() if end > 0}
-    values: list[Any] = []
-    if not pending:
-        return values
-    async with await bus.assign(dict.fromkeys(pending, 0)) as consumer:
-        seen = dict.fromkeys(pending, 0)
-        while any(seen[tp] < ends[tp] for tp in pending):
-            for record in await consumer.getmany(timeout_s=1.0):
-                seen[record.tp] = record.offset + 1
-                values.append(record.value)
-    return values
-
-
-async def eventually(check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def _sender(rank: int | None, seq: int) -> dict[str, Any]:

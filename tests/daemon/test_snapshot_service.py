@@ -11,8 +11,6 @@ import asyncio
 import dataclasses
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.buses import BusFactory
+from tests.daemon.service_support import eventually, running
 from tests.daemon.snapshot_keys import make_keys
 from trainguard.agent._keystore import DaemonKeys
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, TopicPartition
@@ -71,28 +70,6 @@ def daemon_config(factory: BusFactory, daemon_id: str, interval_s: float = 3600.
         poll_s=0.02,
         snapshot_interval_s=interval_s,
     )
-
-
-@asynccontextmanager
-async def running(service: DaemonService) -> AsyncIterator[DaemonService]:
-    """Run ``service`` until the block ends, then stop it cleanly (which writes a round)."""
-    stop = asyncio.Event()
-    task = asyncio.ensure_future(service.run(stop))
-    try:
-        yield service
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
-
-
-async def eventually(check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 _SEQ = itertools.count(1)
@@ -171,7 +148,7 @@ async def first_daemon(factory: BusFactory, bus: Bus, keys: SnapshotKeys) -> dic
     events = first_phase()
     await publish(bus, events)
     async with running(DaemonService(daemon_config(factory, "daemon-a"), keys=keys)) as a:
-        await eventually(lambda: _folded(a, len(events)))
+        await eventually(lambda: _folded(a, len(events)), timeout_s=60.0)
         states = dict(a.jobs)
     headers = await latest_headers(bus)
     assert set(headers) == {A, B, C, E}
@@ -200,8 +177,8 @@ async def test_a_daemon_restarted_from_snapshots_holds_and_decides_what_a_full_f
 
         b = DaemonService(daemon_config(bus_factory, "daemon-b"), keys=keys)
         async with running(b):
-            await eventually(lambda: _restores(bus))
-            await eventually(lambda: _folded(b, len(later)))
+            await eventually(lambda: _restores(bus), timeout_s=60.0)
+            await eventually(lambda: _folded(b, len(later)), timeout_s=60.0)
             states = dict(b.jobs)
         # It read only what came after the snapshots.
         assert b.counters["folded"] == len(later) == await total_records(bus) - covered
@@ -239,7 +216,7 @@ async def test_a_job_whose_snapshot_is_older_than_the_others_costs_only_its_own_
         first = training(A, range(12, 16))
         await publish(bus, first)
         async with running(DaemonService(daemon_config(bus_factory, "daemon-b"), keys=keys)) as b:
-            await eventually(lambda: _folded(b, len(first)))
+            await eventually(lambda: _folded(b, len(first)), timeout_s=60.0)
         headers = await latest_headers(bus)
         assert headers[C].offset == headers[B].offset < headers[A].offset
         assert headers[A].round_jobs == 3
@@ -248,7 +225,7 @@ async def test_a_job_whose_snapshot_is_older_than_the_others_costs_only_its_own_
         await publish(bus, second)
         c = DaemonService(daemon_config(bus_factory, "daemon-c"), keys=keys)
         async with running(c):
-            await eventually(lambda: _folded(c, len(second)))
+            await eventually(lambda: _folded(c, len(second)), timeout_s=60.0)
             states = dict(c.jobs)
         assert c.counters["folded"] == len(second)  # not A's records between P1 and P2
         full = DaemonService(daemon_config(bus_factory, "daemon-d"))
@@ -271,7 +248,7 @@ async def test_a_state_too_large_for_a_record_is_not_written_and_said_so(
         await publish(bus, events)
         with capture_logs() as logs:
             async with running(DaemonService(small, keys=keys)) as a:
-                await eventually(lambda: _folded(a, len(events)))
+                await eventually(lambda: _folded(a, len(events)), timeout_s=60.0)
         assert await bus.latest_per_key("snapshots") == {}
     warned = {e["job_id"] for e in logs if e["event"] == "snapshot not written"}
     assert warned == {A, B, C, E}
@@ -369,13 +346,13 @@ async def test_rotated_keys_read_old_snapshots_and_write_new_ones_while_the_job_
             await asyncio.wait_for(b.ready.wait(), 60)
             assert fallbacks(b, "unknown_kid") == 0  # the old snapshots were read
             await publish(bus, training(A, range(12, 16)))
-            await eventually(lambda: written_under(second_keys))
+            await eventually(lambda: written_under(second_keys), timeout_s=60.0)
 
             admin.rotate("signing")  # while the daemon runs and the job trains
             admin.rotate("data")
             third_keys = admin.store.load_daemon_keys()
             await publish(bus, training(A, range(16, 20)))
-            await eventually(lambda: written_under(third_keys))
+            await eventually(lambda: written_under(third_keys), timeout_s=60.0)
         assert b.counters["folded"] == 16 == await total_records(bus) - covered
         headers = await latest_headers(bus)
         # The finished job's unchanged state was written again too, under the newest ids.

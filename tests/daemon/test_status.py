@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 
 from tests.buses import BusFactory
+from tests.daemon.service_support import eventually, running
 from tests.daemon.test_service import (
     JOB,
     beat,
     daemon_config,
-    eventually,
     killed,
     publish,
-    running,
     shard,
     started,
 )
