@@ -188,9 +188,10 @@ class Agent:
         # never sees a step with another step's loss.
         self._progress: tuple[int, float | None, int, float | None] = (0, None, 0, None)
         self._last_step_at: float | None = None
-        self._faults = FaultInjector(
-            parse_faults(c.faults), c.rank, self._root / c.job_id / ".faults-fired"
-        )
+        faults = parse_faults(c.faults)
+        self._faults = FaultInjector(faults, c.rank, self._root / c.job_id / ".faults-fired")
+        # step() skips the injector's hooks altogether in a job without faults (the usual one).
+        self._faults_armed = bool(faults)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._pending: Future[Checkpoint] | None = None
         self._written = 0
@@ -504,7 +505,8 @@ class Agent:
         """
         now = time.monotonic()
         last = self._last_step_at
-        if self._faults.pace(step, 0.0 if last is None else now - last):
+        armed = self._faults_armed
+        if armed and self._faults.pace(step, 0.0 if last is None else now - last):
             now = time.monotonic()
         with self._gate:
             self._last_step_at = now
@@ -520,10 +522,12 @@ class Agent:
             else:
                 request = None
         self._phase = "train"
-        self._faults.after_step(step)
-        every = self.config.checksum_every
-        if self._watched is not None and every and step % every == 0:
-            self._send_checksum(self._watched)
+        if armed:
+            self._faults.after_step(step)
+        if self._watched is not None:
+            every = self.config.checksum_every
+            if every and step % every == 0:
+                self._send_checksum(self._watched)
         if request is not None:
             self._stop(request, step)
 
