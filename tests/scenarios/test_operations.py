@@ -59,7 +59,12 @@ def test_health_turns_ready_and_the_counters_move_with_a_recovery(job_run: JobRu
 
     job_run.start_job(faults)
     job_run.wait_for("the resume", lambda m: isinstance(m, Resume))
-    after = _scrape(url)
+    # The daemon counts a command once the bus has acknowledged it, which a reader of the bus
+    # (as wait_for is) can see a moment earlier: give the counter that moment.
+    deadline = time.monotonic() + 10
+    while _value(after := _scrape(url), "trainguard_commands_total", type="resume") < 1:
+        assert time.monotonic() < deadline, f"resume never counted {job_run.describe()}"
+        time.sleep(0.05)
     assert _value(after, "trainguard_incidents_total", **exited) == 1, job_run.describe()
     assert _value(after, "trainguard_restores_total", **exited, mode="restart") == 1
     assert _value(after, "trainguard_commands_total", type="resume") == 1
