@@ -31,12 +31,14 @@ DEFAULT_TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec("commands", partitions=6, compacted=True),
     TopicSpec("snapshots", partitions=6, compacted=True),
     TopicSpec("manifests", partitions=6),
-    TopicSpec("audit", partitions=6),
+    TopicSpec("audit", partitions=6, retention_ms=-1),
     TopicSpec("dead-letter", partitions=1),
 )
 """trainguard's topics (ARCHITECTURE.md section 3). ``events``, ``commands``, ``snapshots``,
 ``manifests`` and ``audit`` are keyed by job id and share one partition count so that one
-job's records of every kind sit on the same partition number (co-partitioning)."""
+job's records of every kind sit on the same partition number (co-partitioning). ``audit`` is
+kept forever (``retention.ms=-1``): it is the record a replay verifies against; the others keep
+the broker's retention."""
 
 
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")

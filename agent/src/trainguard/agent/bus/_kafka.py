@@ -202,6 +202,8 @@ class KafkaBus(Bus):
             "message.timestamp.type": "LogAppendTime",
             "max.message.bytes": str(self._config.max_message_bytes + _FRAMING_BYTES),
         }
+        if spec.retention_ms is not None and not spec.compacted:
+            configs["retention.ms"] = str(spec.retention_ms)
         return NewTopic(self._full(spec.name), spec.partitions, replication, topic_configs=configs)
 
     async def close(self) -> None:

@@ -89,11 +89,17 @@ class TopicSpec:
             keys to other partitions and break per-job order.
         compacted: ``cleanup.policy=compact`` (keep at least the latest record per key) instead
             of time-based deletion.
+        retention_ms: Kafka's ``retention.ms`` for a topic that is not compacted: ``None``
+            leaves the broker's default (``log.retention.hours``, 7 days unless configured),
+            ``-1`` keeps every record forever. Set when the topic is created only (change a
+            live topic with ``kafka-configs.sh --alter``). The embedded bus keeps the records of
+            every topic that is not compacted forever.
     """
 
     name: str
     partitions: int = 1
     compacted: bool = False
+    retention_ms: int | None = None
 
 
 class Consumer(abc.ABC):
