@@ -29,12 +29,17 @@ anyway.
 checkpoint shards every 100 steps, all committed, checksums, lifecycle events and the ticks a
 daemon would write at the deadlines) as records of ``events`` (append time = arrival time),
 encoded once without and once with MACs under the job's event key. Each record goes through
-the daemon's per-record path, ``take`` (decode, job-id check, :class:`EventAuth`) then
+the daemon's per-record path, ``take`` (decode, job-id check, :class:`EventAuth`; below) then
 ``decide``, exactly as ``DaemonService._process`` calls them but without a bus:
 
 * ``off``: unauthenticated records, a daemon without keys (``EventAuth(None)``);
 * ``on``: MACed records, ``EventAuth`` with a real ``DaemonKeys`` (a key directory made by
-  ``KeyAdmin.init``) holding the job's event key;
+  ``KeyAdmin.init``) holding the job's event key: the daemon's path, on which ``take`` checks
+  the MAC on the record's raw bytes (``split_mac``, ``EventAuth.mac_keys``,
+  ``verify_raw_mac``) and decodes only its canonical bytes (``decode_maced``);
+* ``full``: as ``on``, but every record through the full path (:class:`FullPath`: decode the
+  whole record, then ``EventAuth.refuse`` and ``verify_mac``), which records of other layouts
+  and records failing the raw-bytes check take (and every record did before it existed);
 * ``context``: MACed records taken by a daemon without keys (the cost of the larger record and
   of decoding its ``auth`` member, without checking it).
 
@@ -44,11 +49,14 @@ append times) into an embedded bus and folded by a real ``DaemonService`` (fresh
 per round, snapshots off, ticks off: its clock is frozen), timed from the first batch folded to
 the last; commands and manifests it issues are signed when it has keys.
 
-**Where the time goes**: on every 10th record, the per-record cost of each piece of
-authentication: decoding a MACed against a plain record, ``EventAuth.refuse``, and inside it
-``verify_mac``, the canonical bytes it rebuilds, its HMAC, its base64 decoding; and, as a what-if,
-:func:`sketch_take` (not the daemon's code): the MAC checked on the raw bytes, with the ``auth``
-member cut out textually, before decoding only what it covers.
+**Where the time goes**: on every 10th record, ``take`` of a MACed record by a daemon with the
+key against ``take`` of a plain record by one without, and the pieces of the difference:
+``split_mac`` (layout, and the check that the rest is canonical: a parse and a sorted
+serialisation), ``EventAuth.mac_keys``, ``verify_raw_mac`` (next to a one-shot ``hmac.digest``
+of the same bytes, which keys the HMAC anew), ``decode_maced`` (it builds the message from the
+object ``split_mac`` parsed, and consumes it: measured as ``split_mac`` + ``decode_maced`` minus
+``split_mac``) against ``decode`` of the plain record (the same bytes). Next to them the full path: ``take`` through :class:`FullPath`,
+``decode`` of the whole MACed record, and ``EventAuth.refuse``.
 
 Each part runs ``--rounds`` times (3), interleaved (fold variants in alternating order); a
 figure keeps its least CPU time and, apart, its least wall time over the rounds. Rates per
@@ -62,11 +70,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import binascii
 import dataclasses
 import gc
-import hashlib
 import hmac
 import itertools
 import json
@@ -78,7 +83,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -94,7 +99,14 @@ from trainguard.daemon import DaemonService
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import Committed
 from trainguard.daemon._inputs import Observed
-from trainguard.daemon._intake import INPUT_TYPES, Refused, take
+from trainguard.daemon._intake import (
+    INPUT_TYPES,
+    Authenticator,
+    AuthRefusal,
+    RawRecord,
+    Refused,
+    take,
+)
 from trainguard.daemon._keys_admin import KeyAdmin
 from trainguard.daemon._logging import configure_logging
 from trainguard.daemon._machine import decide
@@ -115,17 +127,20 @@ from trainguard.schemas import (
     Event,
     Heartbeat,
     Manifest,
+    RawMac,
     Restore,
     Resume,
     add_mac,
     canonical_bytes,
     decode,
+    decode_maced,
     encode,
     sign,
+    split_mac,
     verify_mac,
+    verify_raw_mac,
     verify_signature,
 )
-from trainguard.schemas._auth import received_canonical_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -556,7 +571,26 @@ def _event_key(keys: DaemonKeys) -> tuple[str, bytes]:
 # ------------------------------------------------------------------------------------- fold
 
 
-def fold(records: Iterable[Record], auth: EventAuth, config: MachineConfig) -> JobState:
+class FullPath:
+    """An :class:`EventAuth` without the MAC check on raw bytes: intake decodes every record
+    whole, then :meth:`EventAuth.refuse` judges it (the path records of other layouts, and
+    records failing the raw-bytes check, take; the only one before it existed)."""
+
+    def __init__(self, auth: EventAuth) -> None:
+        self.auth = auth
+
+    def refuse(
+        self, record: RawRecord, message: Event | ClockTick
+    ) -> tuple[AuthRefusal, str] | None:
+        """:meth:`EventAuth.refuse`."""
+        return self.auth.refuse(record, message)
+
+    def mac_keys(self, record: RawRecord) -> None:
+        """``None``: no record is judged on its raw bytes."""
+        return None
+
+
+def fold(records: Iterable[Record], auth: Authenticator, config: MachineConfig) -> JobState:
     """Take in and fold ``records`` as ``DaemonService._process`` does, without a bus.
 
     Raises:
@@ -571,10 +605,11 @@ def fold(records: Iterable[Record], auth: EventAuth, config: MachineConfig) -> J
     return state
 
 
-FOLD_VARIANTS = ("off", "on", "context")
+FOLD_VARIANTS = ("off", "on", "full", "context")
 FOLD_LABELS = {
     "off": "off: plain records, daemon without keys",
     "on": "on: MACed records, daemon with the job's event key",
+    "full": "full path: as on, every record decoded whole, then EventAuth.refuse",
     "context": "context: MACed records, daemon without keys",
 }
 
@@ -588,9 +623,10 @@ def bench_fold(
 ) -> dict[str, JobState]:
     """One round of the in-process fold, variants in alternating order; returns each
     variant's final state."""
-    setups = {
+    setups: dict[str, tuple[list[Record], Authenticator]] = {
         "off": (stream.plain, EventAuth(None, require=False)),
         "on": (stream.maced, EventAuth(keys, require=False)),
+        "full": (stream.maced, FullPath(EventAuth(keys, require=False))),
         "context": (stream.maced, EventAuth(None, require=False)),
     }
     order = FOLD_VARIANTS if round_index % 2 == 0 else FOLD_VARIANTS[::-1]
@@ -605,66 +641,46 @@ def bench_fold(
     return states
 
 
-_AUTH_HEAD = b'{"auth":{"kid":"'
-_MAC_HEAD = b'","mac":"'
-_AUTH_TAIL = b'"},'
-_KID_LEN, _MAC_LEN = 16, 44  # hex digits of a kid; base64 characters of a 32-byte MAC
-_MAC_AT = len(_AUTH_HEAD) + _KID_LEN + len(_MAC_HEAD)
-_REST_AT = _MAC_AT + _MAC_LEN + len(_AUTH_TAIL)
-
-
-def sketch_take(value: bytes, keys: Mapping[str, bytes]) -> Event | ClockTick | None:
-    """A sketch, not the daemon's code: authenticate a record on its raw bytes, then decode
-    only what the MAC covers.
-
-    The codec writes a MACed message as its canonical bytes with the ``auth`` member first
-    (keys sorted: ``{"auth":{"kid":K,"mac":M},...}``), so the canonical bytes are the record
-    with that member cut out: no second parse and serialisation, and no ``auth`` member to
-    validate and build. Returns ``None`` for a record of another layout or whose MAC does not
-    verify (a daemon would then take today's path, which gives the verdict).
-    """
-    if (
-        not value.startswith(_AUTH_HEAD)
-        or value[_MAC_AT - len(_MAC_HEAD) : _MAC_AT] != _MAC_HEAD
-        or value[_REST_AT - len(_AUTH_TAIL) : _REST_AT] != _AUTH_TAIL
-    ):
-        return None
-    key = keys.get(value[len(_AUTH_HEAD) : len(_AUTH_HEAD) + _KID_LEN].decode())
-    if key is None:
-        return None
-    canonical = b"{" + value[_REST_AT:]
-    given = binascii.a2b_base64(value[_MAC_AT : _MAC_AT + _MAC_LEN], strict_mode=True)
-    if not hmac.compare_digest(hmac.digest(key, canonical, "sha256"), given):
-        return None
-    return cast("Event | ClockTick", decode(canonical, expect=INPUT_TYPES))
-
-
 def bench_components(figures: Figures, stream: Stream, keys: DaemonKeys) -> None:
-    """One round of the per-record cost breakdown, on every ``COMPONENT_STRIDE``-th record."""
-    plain = [r.value or b"" for r in stream.plain[::COMPONENT_STRIDE]]
-    records = stream.maced[::COMPONENT_STRIDE]
-    maced = [r.value or b"" for r in records]
-    taken = [
-        (r, cast("Event | ClockTick", decode(v, expect=INPUT_TYPES)))
-        for r, v in zip(records, maced, strict=True)
-    ]
-    canonical = [received_canonical_bytes(v)[0] for v in maced]
-    macs = [m.auth.mac for _, m in taken if m.auth is not None]
+    """One round of the per-record cost breakdown, on every ``COMPONENT_STRIDE``-th record.
+
+    Raises:
+        RuntimeError: a MACed record is not laid out as ``encode`` writes it, or the raw-bytes
+            path does not give the message decoding the whole record gives.
+    """
+    plain_records = stream.plain[::COMPONENT_STRIDE]
+    maced_records = stream.maced[::COMPONENT_STRIDE]
+    plain = [r.value or b"" for r in plain_records]
+    maced = [r.value or b"" for r in maced_records]
+    cut = [split_mac(v) for v in maced]
+    raws = [r for r in cut if r is not None]
+    decoded = [cast("Event | ClockTick", decode(v, expect=INPUT_TYPES)) for v in maced]
+    if len(raws) < len(cut) or any(
+        decode_maced(r) != m for r, m in zip(raws, decoded, strict=True)
+    ):
+        raise RuntimeError("the raw-bytes path does not take the records as decode does")
     kid, key = _event_key(keys)
     accepted = {kid: key}
-    auth = EventAuth(keys, require=False)
+    with_keys, without = EventAuth(keys, require=False), EventAuth(None, require=False)
+    full = FullPath(EventAuth(keys, require=False))
+    figures.measure("part/take_plain", lambda r: take(r, without), plain_records)
+    figures.measure("part/take_maced", lambda r: take(r, with_keys), maced_records)
+    figures.measure("part/split_mac", split_mac, maced)
+    figures.measure("part/mac_keys", with_keys.mac_keys, maced_records)
+    figures.measure("part/verify_raw_mac", lambda r: verify_raw_mac(r, accepted), raws)
+    figures.measure("part/hmac", lambda r: hmac.digest(key, r.canonical, "sha256"), raws)
     figures.measure("part/decode_plain", lambda v: decode(v, expect=INPUT_TYPES), plain)
-    figures.measure("part/decode_maced", lambda v: decode(v, expect=INPUT_TYPES), maced)
-    figures.measure("part/refuse", lambda t: auth.refuse(*t), taken)
-    figures.measure("part/verify_mac", lambda v: verify_mac(v, accepted), maced)
-    figures.measure("part/canonical", received_canonical_bytes, maced)
-    figures.measure("part/hmac_new", lambda c: hmac.new(key, c, hashlib.sha256).digest(), canonical)
-    figures.measure("part/hmac_digest", lambda c: hmac.digest(key, c, "sha256"), canonical)
-    figures.measure("part/b64decode", lambda t: base64.b64decode(t, validate=True), macs)
-    unsigned = [dataclasses.replace(m, auth=None) for _, m in taken]
-    if any(sketch_take(v, accepted) != m for v, m in zip(maced, unsigned, strict=True)):
-        raise RuntimeError("the sketch does not take the records as decode does")
-    figures.measure("part/sketch", lambda v: sketch_take(v, accepted), maced)
+    # decode_maced consumes what split_mac parsed: measured together, split_mac subtracted.
+    figures.measure(
+        "part/split_decode", lambda v: decode_maced(cast("RawMac", split_mac(v))), maced
+    )
+    figures.measure("part/take_full", lambda r: take(r, full), maced_records)
+    figures.measure("part/decode_whole", lambda v: decode(v, expect=INPUT_TYPES), maced)
+    figures.measure(
+        "part/refuse",
+        lambda t: with_keys.refuse(*t),
+        list(zip(maced_records, decoded, strict=True)),
+    )
 
 
 # ---------------------------------------------------------------------------- embedded bus
@@ -938,29 +954,43 @@ def fold_table(report: Report, figures: Figures, stream: Stream) -> str:
 
 
 def component_table(report: Report, figures: Figures) -> None:
-    """Where authentication's per-record time goes."""
+    """Where authentication's per-record time goes, on the raw-bytes path and on the full one."""
     us = {n.removeprefix("part/"): f.cpu_us for n, f in figures.items() if n.startswith("part/")}
-    decode_extra = us["decode_maced"] - us["decode_plain"]
-    verify_rest = us["verify_mac"] - us["canonical"] - us["hmac_new"] - us["b64decode"]
-    added = decode_extra + us["refuse"]
+    added = us["take_maced"] - us["take_plain"]
+    mac_set = us["split_decode"] - us["split_mac"] - us["decode_plain"]
+    parts = us["split_mac"] + us["mac_keys"] + us["verify_raw_mac"] + mac_set
+    full = us["take_full"] - us["take_plain"]
     off = figures.us("fold/off")
-    sketch = us["sketch"] - us["decode_plain"]
     rows = [
-        ["decode (validates), plain record", f"{us['decode_plain']:.2f}", ""],
-        ["decode (validates), MACed record", f"{us['decode_maced']:.2f}", ""],
-        ["  difference: the auth member", f"{decode_extra:.2f}", "larger record, validated, Mac"],
-        ["EventAuth.refuse", f"{us['refuse']:.2f}", "job's keys, then verify_mac"],
-        ["  verify_mac", f"{us['verify_mac']:.2f}", ""],
+        ["take, plain record, daemon without keys", f"{us['take_plain']:.2f}", "decode, job check"],
         [
-            "    canonical bytes again",
-            f"{us['canonical']:.2f}",
-            "orjson.loads, drop auth, orjson.dumps sorted",
+            "take, MACed record, daemon with the key",
+            f"{us['take_maced']:.2f}",
+            "MAC on the raw bytes, then decode_maced",
         ],
-        ["    HMAC-SHA256 as verify_mac", f"{us['hmac_new']:.2f}", "hmac.new(...).digest()"],
-        ["    base64 of the MAC", f"{us['b64decode']:.2f}", "b64decode(validate=True)"],
-        ["    rest of verify_mac", f"{verify_rest:.2f}", "auth parts, key lookup, compare"],
-        ["  EventAuth's own", f"{us['refuse'] - us['verify_mac']:.2f}", "key lookups, calls"],
-        ["authentication per record, in all", f"{added:.2f}", "decode difference + refuse"],
+        ["authentication per record", f"{added:.2f}", "the difference"],
+        [
+            "  split_mac",
+            f"{us['split_mac']:.2f}",
+            "layout; canonical check: orjson.loads, orjson.dumps sorted",
+        ],
+        ["  EventAuth.mac_keys", f"{us['mac_keys']:.2f}", "the job's keys (cached)"],
+        [
+            "  verify_raw_mac",
+            f"{us['verify_raw_mac']:.2f}",
+            "base64, HMAC-SHA256 from the keyed state, compare",
+        ],
+        [
+            "    context: one-shot hmac.digest",
+            f"{us['hmac']:.2f}",
+            "the same HMAC, keyed anew (as verify_mac)",
+        ],
+        [
+            "  decode_maced - decode of a plain record",
+            f"{mac_set:.2f}",
+            "no parse (split_mac's object); Mac set",
+        ],
+        ["  rest", f"{added - parts:.2f}", "calls, take's own"],
         ["fold without authentication", f"{off:.2f}", "from the fold table"],
         [
             "predicted rate with / without",
@@ -968,17 +998,18 @@ def component_table(report: Report, figures: Figures) -> None:
             f"fold table: {off / figures.us('fold/on'):.0%} (parts alone run in tight loops)",
         ],
         [
-            "context: one-shot hmac.digest",
-            f"{us['hmac_digest']:.2f}",
-            "the same HMAC without an hmac object",
+            "full path: take, MACed record",
+            f"{us['take_full']:.2f}",
+            "other layouts, failed checks: decode whole, refuse",
         ],
+        ["  authentication per record", f"{full:.2f}", "take_full - take of a plain record"],
         [
-            "sketch: MAC on the raw bytes, then decode",
-            f"{us['sketch']:.2f}",
-            "not daemon code: bench/crypto.py sketch_take",
+            "    decode of the whole MACed record",
+            f"{us['decode_whole'] - us['decode_plain']:.2f}",
+            "minus decode of a plain record: the auth member",
         ],
-        ["  its authentication per record", f"{sketch:.2f}", "sketch - decode of a plain record"],
-        ["  predicted rate with / without", f"{off / (off + sketch):.0%}", ""],
+        ["    EventAuth.refuse", f"{us['refuse']:.2f}", "keys, verify_mac (parse, dumps, HMAC)"],
+        ["  predicted rate with / without", f"{off / (off + full):.0%}", ""],
     ]
     report.tables.append(
         (

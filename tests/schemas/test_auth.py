@@ -17,9 +17,10 @@ from typing import Any
 import orjson
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.schemas.mac_mutations import auth_first, auth_member, mac_of, maced_records
 from tests.schemas.support import (
     REPO,
     STRATEGIES,
@@ -29,6 +30,7 @@ from tests.schemas.support import (
     same_message,
 )
 from trainguard.schemas import (
+    DEFAULT_MAX_BYTES,
     Abort,
     Checkpoint,
     ClockTick,
@@ -37,6 +39,8 @@ from trainguard.schemas import (
     Lifecycle,
     Mac,
     Manifest,
+    Message,
+    MessageTooLarge,
     Restore,
     Resume,
     SchemaError,
@@ -45,11 +49,15 @@ from trainguard.schemas import (
     add_mac,
     canonical_bytes,
     decode,
+    decode_maced,
     encode,
     sign,
+    split_mac,
     verify_mac,
+    verify_raw_mac,
     verify_signature,
 )
+from trainguard.schemas._auth import received_canonical_bytes
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -60,6 +68,9 @@ EVENT_KEY = bytes(range(32))
 EVENT_KID = hashlib.sha256(EVENT_KEY).digest()[:8].hex()
 SIGNING = Ed25519PrivateKey.from_private_bytes(bytes(range(32, 64)))
 SIGNING_KID = "24f6ed6acbfe1009"
+
+
+OTHER_KEY = bytes(range(64, 96))
 
 
 def kid_of(key: bytes) -> str:
@@ -216,6 +227,83 @@ def test_both_validators_accept_auth_objects_and_null() -> None:
         assert reference_validator("resume.v1").is_valid(wire)
         codec_validator("resume.v1")(wire)
     assert decode(orjson.dumps(signed), expect=Resume).auth == Signature(**signed["auth"])
+
+
+# -- the MAC on raw bytes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", MACED, ids=lambda c: c.__name__)
+@settings(SETTINGS, max_examples=150)
+@given(data=st.data())
+def test_the_mac_on_raw_bytes_agrees_with_verify_mac_and_decode(
+    cls: Any, data: st.DataObject
+) -> None:
+    """Whatever split_mac cuts is what verify_mac works on (same canonical bytes, kid, MAC),
+    verify_raw_mac gives verify_mac's verdict, and decode_maced the message decode gives for
+    the whole (or fails alike); what encode writes is cut."""
+    msg = data.draw(STRATEGIES[cls])
+    canonical = canonical_bytes(msg)
+    how, value = data.draw(
+        maced_records(canonical, EVENT_KID, EVENT_KEY, (kid_of(OTHER_KEY), OTHER_KEY))
+    )
+    raw = split_mac(value)
+    event(f"{how}: {'cut' if raw else 'not cut'}")
+    if how == "same/sent":
+        assert value == encode(add_mac(msg, EVENT_KID, EVENT_KEY))
+        assert raw is not None
+    if raw is None:
+        return
+    assert received_canonical_bytes(value) == (raw.canonical, {"kid": raw.kid, "mac": raw.mac})
+    for keys in ({EVENT_KID: EVENT_KEY}, {kid_of(OTHER_KEY): OTHER_KEY}, {}):
+        try:
+            verdict = verify_mac(value, keys) == raw.kid
+        except Unauthenticated:
+            verdict = False
+        assert verify_raw_mac(raw, keys) == verdict
+    try:
+        whole: Message | None = decode(value)
+    except SchemaError:
+        whole = None
+    try:
+        part: Message | None = decode_maced(raw)
+    except SchemaError:
+        part = None
+    assert (whole is None) == (part is None)
+    if whole is not None and part is not None:
+        assert same_message(whole, part)
+
+
+def test_only_canonical_bytes_with_the_mac_first_are_cut() -> None:
+    """Bytes a key holder MACed as they are, but which are not canonical, are not cut, though
+    their MAC verifies on them: verify_mac refuses them, or takes them by another MAC."""
+    canonical = canonical_bytes(Heartbeat(**_hb_fields()))
+    sent = auth_member(EVENT_KID, mac_of(canonical, EVENT_KEY))
+    assert split_mac(auth_first(canonical, sent)) is not None
+    remaced = {
+        "space": canonical.replace(b",", b", ", 1),
+        "unsorted": orjson.dumps(dict(reversed(orjson.loads(canonical).items()))),
+        "duplicate": canonical[:-1] + b',"step":999}',
+        "escape": canonical.replace(b'"host"', b'"h\\u006fst"'),
+        "trailing": canonical + b" ",
+        "empty": b"{}",
+    }
+    for name, body in remaced.items():
+        value = auth_first(body, auth_member(EVENT_KID, mac_of(body, EVENT_KEY)))
+        assert split_mac(value) is None, name
+        with pytest.raises((Unauthenticated, SchemaError)):
+            verify_mac(value, {EVENT_KID: EVENT_KEY})
+    # The second auth member wins: verify_mac takes this by its (valid) MAC of the canonical
+    # bytes, whatever the first says.
+    body = auth_first(canonical, sent)
+    value = auth_first(body, auth_member(EVENT_KID, mac_of(body, EVENT_KEY)))
+    assert split_mac(value) is None
+    assert verify_mac(value, {EVENT_KID: EVENT_KEY}) == EVENT_KID
+    newer = orjson.loads(canonical) | {"schema": "heartbeat/1.9", "x": "x" * DEFAULT_MAX_BYTES}
+    body = orjson.dumps(newer, option=orjson.OPT_SORT_KEYS)
+    too_large = auth_first(body, auth_member(EVENT_KID, mac_of(body, EVENT_KEY)))
+    assert split_mac(too_large) is None
+    with pytest.raises(MessageTooLarge):
+        decode(too_large)
 
 
 # -- the documentation --------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import orjson
 
@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # _intake imports this module
     from ._intake import AuthRefusal, RawRecord
 
 __all__ = [
+    "AuditRecord",
     "AuditTrail",
     "Group",
     "InputKey",
@@ -64,6 +65,7 @@ __all__ = [
     "config_fields",
     "config_id",
     "decision_entry",
+    "entries_by_job",
     "input_id",
     "input_key",
     "machine_config",
@@ -262,6 +264,11 @@ class AuditTrail:
             return None
         return self.refused.get((hashlib.sha256(record.value).hexdigest(), record.timestamp_ms))
 
+    def mac_keys(self, record: RawRecord) -> None:
+        """``None``: a replay holds no keys, so :meth:`refuse` judges every record (after
+        decoding it whole)."""
+        return None
+
     def machine(self, config: str) -> MachineConfig:
         """The recorded configuration with id ``config``.
 
@@ -316,6 +323,55 @@ def read_trail(entries: Iterable[Mapping[str, Any]]) -> AuditTrail:
             what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise MalformedAudit(f"audit entry {n}: {what}") from exc
     return AuditTrail(configs=configs, groups=tuple(groups), refused=refused)
+
+
+class AuditRecord(Protocol):
+    """What :func:`entries_by_job` reads of a record of ``audit``
+    (:class:`~trainguard.agent.bus.Record` has it)."""
+
+    @property
+    def key(self) -> str | None:
+        """The record key (the job id)."""
+
+    @property
+    def value(self) -> bytes | None:
+        """The entry as JSON, ``None`` for a tombstone."""
+
+    @property
+    def partition(self) -> int:
+        """The partition it sits on."""
+
+    @property
+    def offset(self) -> int:
+        """Its position in the partition."""
+
+
+def entries_by_job(records: Iterable[AuditRecord]) -> dict[str, list[dict[str, Any]]]:
+    """The entries of ``audit`` records (in bus order) as dicts, by job (the record key), each
+    job's in the order read: what :func:`read_trail` parses, and every reader of the audit
+    trail (replay, status, report, the checkpoint catalog) starts from. Tombstones and
+    records without a key are skipped.
+
+    Raises:
+        MalformedAudit: a value that is not a JSON object (named by partition and offset).
+    """
+    out: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        if record.value is None or record.key is None:
+            continue
+        try:
+            entry = orjson.loads(record.value)
+        except orjson.JSONDecodeError as exc:
+            raise MalformedAudit(
+                f"audit record at partition {record.partition}, offset {record.offset}: {exc}"
+            ) from exc
+        if not isinstance(entry, dict):
+            raise MalformedAudit(
+                f"audit record at partition {record.partition}, offset {record.offset}: not a "
+                "JSON object"
+            )
+        out.setdefault(record.key, []).append(entry)
+    return out
 
 
 def _text(value: object) -> str:

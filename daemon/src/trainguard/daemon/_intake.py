@@ -12,10 +12,21 @@ Authentication is the one verdict that depends on more than the record: the daem
 with the keys it holds (:mod:`trainguard.daemon._security`) and records every refusal in the
 audit trail; a replay takes the verdicts from there (:class:`~trainguard.daemon._audit.AuditTrail`
 is an :class:`Authenticator`), so it folds exactly what the daemon folded, without any key.
+
+A MACed record laid out as ``encode`` writes it (``auth`` first) is checked before it is
+decoded: when its MAC verifies on the raw bytes under one of the keys the authenticator holds
+for the record key's job (:meth:`Authenticator.mac_keys`;
+:func:`~trainguard.schemas.split_mac`, :func:`~trainguard.schemas.verify_raw_mac`), only its
+canonical bytes are decoded (:func:`~trainguard.schemas.decode_maced`), and the ``job_id``
+check follows. That gives the verdict and the message the full path gives (decode, then
+:meth:`Authenticator.refuse`), without validating the ``auth`` member or parsing the record a
+second time to rebuild its canonical bytes; every other record, and every record that fails
+there, takes the full path, which gives the verdict.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeAlias, cast
 
@@ -29,6 +40,9 @@ from trainguard.schemas import (
     Lifecycle,
     SchemaError,
     decode,
+    decode_maced,
+    split_mac,
+    verify_raw_mac,
 )
 
 from ._audit import input_id
@@ -78,6 +92,12 @@ class Authenticator(Protocol):
         """``None`` for an authentic record, else why not: a code and a reason for people
         (naming key ids, never keys). ``message`` is the record's decoded value."""
 
+    def mac_keys(self, record: RawRecord) -> Mapping[str, bytes] | None:
+        """The event keys under which a MAC on ``record``'s raw bytes is the verdict
+        :meth:`refuse` would give (authentic), before the record is decoded; ``None`` or none
+        when only :meth:`refuse` can judge it. Asked for every record with a value, before
+        anything else (so it must be cheap: a cached lookup by the record key)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Taken:
@@ -87,13 +107,17 @@ class Taken:
         job_id: the job it belongs to (message ``job_id`` = record key).
         input: what the state machine folds.
         message: the decoded message (the event, or the ``ClockTick``).
-        input_id: its identity for the audit trail (:func:`trainguard.daemon._audit.input_id`).
     """
 
     job_id: str
     input: Input
     message: Event | ClockTick
-    input_id: dict[str, JSONValue]
+
+    @property
+    def input_id(self) -> dict[str, JSONValue]:
+        """Its identity for the audit trail (:func:`trainguard.daemon._audit.input_id`), built
+        on demand: only inputs that decide something (or that a replay matches) need one."""
+        return input_id(self.message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,20 +150,41 @@ def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refuse
     """
     if record.value is None:
         return Refused("tombstone on the events topic", "tombstone")
-    try:
-        # ``expect`` admits only these types.
-        message = cast("Event | ClockTick", decode(record.value, expect=INPUT_TYPES))
-    except SchemaError as exc:
-        return Refused(str(exc), "schema", exc)
-    if message.job_id != record.key:
-        return Refused(
-            f"job_id {message.job_id!r} does not match record key {record.key!r}", "key_mismatch"
-        )
-    if auth is not None and (refusal := auth.refuse(record, message)) is not None:
-        code, reason = refusal
-        return Refused(reason, "auth", auth=code)
+    message = None if auth is None else _verified(record, record.value, auth)
+    if message is None:
+        try:
+            # ``expect`` admits only these types.
+            message = cast("Event | ClockTick", decode(record.value, expect=INPUT_TYPES))
+        except SchemaError as exc:
+            return Refused(str(exc), "schema", exc)
+        if message.job_id != record.key:
+            return Refused(
+                f"job_id {message.job_id!r} does not match record key {record.key!r}",
+                "key_mismatch",
+            )
+        if auth is not None and (refusal := auth.refuse(record, message)) is not None:
+            code, reason = refusal
+            return Refused(reason, "auth", auth=code)
     at_ns = record.timestamp_ms * _NS_PER_MS
     item: Input = (
         Tick(at_ns) if isinstance(message, ClockTick) else Observed(at_ns, record.offset, message)
     )
-    return Taken(message.job_id, item, message, input_id(message))
+    return Taken(message.job_id, item, message)
+
+
+def _verified(record: RawRecord, value: bytes, auth: Authenticator) -> Event | ClockTick | None:
+    """The message of a record whose MAC verifies on its raw bytes, decoded from its canonical
+    bytes (module docstring); ``None`` when the full path must judge the record."""
+    # Keys first: a replay's authenticator (the audit trail) and a job without keys have none,
+    # and then cutting the record would be wasted.
+    keys = auth.mac_keys(record)
+    if not keys:
+        return None
+    raw = split_mac(value)
+    if raw is None or not verify_raw_mac(raw, keys):
+        return None
+    try:
+        message = decode_maced(raw)  # an event or a tick, as INPUT_TYPES
+    except SchemaError:
+        return None  # decoding the whole record fails too, and says how
+    return message if message.job_id == record.key else None

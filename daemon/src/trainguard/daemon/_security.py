@@ -24,6 +24,12 @@ MAC that does not verify                     ``bad_mac``
 MAC under a live key of the job              authentic
 ==========================================  ============================================
 
+Intake asks :meth:`EventAuth.mac_keys` first for a record laid out as ``encode`` writes a MACed
+event, and takes it without decoding the ``auth`` member when the MAC verifies on the raw bytes
+under one of them (:mod:`trainguard.daemon._intake`): the last row of the table, reached
+without decoding the record whole first. Any other record, and any that does not verify there,
+comes to :meth:`EventAuth.refuse`, which applies the whole table (and the refresh below).
+
 A daemon rebuilding state (folding records it has acted on before) accepts the job's retired
 keys too: those records were judged when they arrived, and a key retired since must not drop
 them (a committed step would be lost). Key lookups are cached per job; a job's keys are read
@@ -140,6 +146,21 @@ class EventAuth:
             except Unauthenticated as again:
                 return _REFUSALS[again.code], again.reason
         return None
+
+    def mac_keys(self, record: RawRecord) -> Mapping[str, bytes] | None:
+        """The event keys a MAC on ``record``'s raw bytes may verify under (the ones
+        :meth:`refuse` verifies with: live keys, retired ones too when rebuilding), looked up
+        by the record key (the job id: intake takes the record only if its ``job_id`` is the
+        same); ``None`` without keys or record key, empty for a job without event keys. Never
+        refreshes: a miss goes to :meth:`refuse`, which does.
+
+        Raises:
+            KeyStoreError: the job's key files became unreadable or malformed.
+        """
+        keys = self._keys
+        if keys is None or record.key is None:
+            return None
+        return self._accepted(keys, record.key)
 
     def _accepted(self, keys: DaemonKeys, job: str) -> Mapping[str, bytes]:
         live = keys.event_keys(job) or {}

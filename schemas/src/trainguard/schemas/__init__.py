@@ -7,8 +7,9 @@ Every message is a frozen dataclass (``Heartbeat``, ``Checkpoint``, ... ``Manife
 raises a :class:`SchemaError` subclass naming the field and the reason. ``add_mac``/``sign``
 authenticate a message (events carry an HMAC-SHA256, commands and manifests the daemon's
 Ed25519 signature, in ``auth``); ``verify_mac``/``verify_signature`` check received bytes and
-raise :class:`Unauthenticated`. ``docs/wire-contract.md`` describes the messages, the version
-rule, authentication and the errors.
+raise :class:`Unauthenticated`; ``split_mac``/``verify_raw_mac``/``decode_maced`` check the MAC
+of an event laid out as ``encode`` writes it before decoding it. ``docs/wire-contract.md``
+describes the messages, the version rule, authentication and the errors.
 
 Example::
 
@@ -21,11 +22,15 @@ Example::
 
 from trainguard.schemas._auth import (
     AuthFailure,
+    RawMac,
     Unauthenticated,
     add_mac,
     canonical_bytes,
+    decode_maced,
     sign,
+    split_mac,
     verify_mac,
+    verify_raw_mac,
     verify_signature,
 )
 from trainguard.schemas._codec import DEFAULT_MAX_BYTES, decode, encode
@@ -97,6 +102,7 @@ __all__ = [
     "NotJSON",
     "NotUTF8",
     "Phase",
+    "RawMac",
     "Restore",
     "RestoreMode",
     "Resume",
@@ -111,10 +117,13 @@ __all__ = [
     "add_mac",
     "canonical_bytes",
     "decode",
+    "decode_maced",
     "encode",
     "load_schema",
     "schema_path",
     "sign",
+    "split_mac",
     "verify_mac",
+    "verify_raw_mac",
     "verify_signature",
 ]

@@ -56,7 +56,7 @@ from trainguard.schemas._messages import Message
 from trainguard.schemas._schema_files import subschema_validator, validator
 from trainguard.schemas._wire_form import PLAN_BY_TAG, PLAN_BY_TYPE, PLANS, TAG, Plan, join
 
-__all__ = ["DEFAULT_MAX_BYTES", "decode", "encode"]
+__all__ = ["DEFAULT_MAX_BYTES", "decode", "decode_parsed", "encode"]
 
 DEFAULT_MAX_BYTES: Final = 65536
 """Default limit on an encoded message, in bytes (``encode`` and ``decode``)."""
@@ -168,6 +168,18 @@ def decode(
         wire = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise _parse_error(data, exc) from None
+    return decode_parsed(wire, expect=expect)
+
+
+def decode_parsed(
+    wire: Any,
+    *,
+    expect: type[Any] | tuple[type[Any], ...] | types.UnionType | None = None,
+) -> Message:
+    """:func:`decode` of a message already parsed by ``orjson.loads`` (for a caller that had
+    to parse the bytes anyway: :func:`~trainguard.schemas.split_mac`); the size check on the
+    bytes is the caller's. ``wire`` may be changed (properties of a newer minor version are
+    dropped from it). Raises as :func:`decode`, parse errors apart."""
     if type(wire) is not dict:
         raise SchemaViolation(None, f"a message is a JSON object, not {_json_kind(wire)}")
     tag = wire.get("schema")
