@@ -1,5 +1,5 @@
 """The checkpoint catalog's pure core over synthetic manifests: selection, lineage across jobs,
-and the compatibility verdict with every reason."""
+the snapshots restores abandoned, and the compatibility verdict with every reason."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from trainguard.daemon._catalog import Catalog, SeedRequest, compat, lookup
+from trainguard.daemon._report_record import AuditDigest, Opened, Restored
 from trainguard.schemas import CheckpointMeta, DataCursor, JSONValue, Manifest, Shard
 
 S = 1_000_000_000
@@ -224,3 +225,66 @@ def test_lookup_takes_a_key_itself_before_a_dotted_path() -> None:
     assert lookup(values, "a.c.d") == (True, 3)
     assert lookup(values, "a.x") == (False, None)
     assert lookup(values, "a.b.c") == (False, None)
+
+
+# -- abandoned snapshots --------------------------------------------------------------------------
+
+
+def restored(generation: int, target: tuple[int, int] | None, incident: str) -> Restored:
+    """The restore starting ``generation`` of job ``run`` to ``(generation, step)``."""
+    return Restored(
+        incident_id=incident,
+        generation=generation,
+        target_step=None if target is None else target[1],
+        target_generation=None if target is None else target[0],
+        snapshot_id=None if target is None else f"run/g{target[0]}/s{target[1]}",
+        mode="restart",
+        at_ms=0,
+    )
+
+
+def test_a_restore_abandons_the_older_generations_snapshots_past_its_target() -> None:
+    run = [
+        *(manifest("run", s, at=s) for s in (100, 120)),  # a bitflip at 110 ...
+        *(manifest("run", s, generation=1, at=s + 100) for s in (120, 140)),  # ... restored
+        manifest("run", 160, generation=2, at=300),
+    ]
+    audit = AuditDigest()
+    audit.restores = {
+        1: restored(1, (0, 100), "run/i1"),
+        2: restored(2, (1, 140), "run/i2"),
+        3: restored(3, None, "run/i3"),  # back to the job's initial state
+    }
+    audit.opened["run/i1"] = Opened(
+        incident_id="run/i1",
+        cause="checksum_mismatch",
+        generation=0,
+        ranks=(1,),
+        hosts=("h0",),
+        reason="rank 1's parameters differ",
+        onset_after_step=110,
+        measures={},
+        at_ms=0,
+    )
+    catalog = Catalog.of([*run, *PRE], {"run": audit})
+    by = {sid: gone.generation for sid, gone in catalog.abandoned.items()}
+    assert by == {
+        "run/g0/s120": 1,  # the first restore that dropped it
+        "run/g0/s100": 3,
+        "run/g1/s120": 3,
+        "run/g1/s140": 3,
+        "run/g2/s160": 3,
+    }
+    first = catalog.abandoned["run/g0/s120"]
+    assert (first.target, first.target_step, first.incident_id) == ("run/g0/s100", 100, "run/i1")
+    assert first.reason == (
+        "abandoned: the restore of generation 1 to run/g0/s100 (step 100), for incident run/i1 "
+        "(checksum_mismatch, onset after step 110), rolled the job back past it, so its state "
+        "and data cursor are off the job's timeline"
+    )
+    assert (
+        "to the job's initial state, for incident run/i3,"
+        in catalog.abandoned["run/g2/s160"].reason
+    )
+    verdict = compat(run[1], SeedRequest(), abandoned_by=first)
+    assert verdict.refusals == (first.reason,)

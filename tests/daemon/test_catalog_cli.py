@@ -14,11 +14,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from tests.daemon.machine_scenarios import DAEMON, T0, S, Sim, config
+from tests.daemon.machine_scenarios import JOB as SIM_JOB
 from tests.daemon.test_catalog import manifest
+from trainguard.agent._keystore import KeyStore, public_key_id
 from trainguard.agent.bus import BusConfig, open_bus
-from trainguard.schemas import Manifest, Shard, encode
+from trainguard.daemon._audit import config_entry, config_id, decision_entry, input_id
+from trainguard.daemon._decisions import Committed
+from trainguard.daemon._inputs import Observed
+from trainguard.daemon._keys_admin import KeyAdmin
+from trainguard.daemon._machine import decide
+from trainguard.daemon._state import new_job
+from trainguard.schemas import JSONValue, Manifest, Shard, encode, sign
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 
@@ -68,13 +79,20 @@ def catalog_bus(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def checkpoints(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``trainguard checkpoints ARGS`` on ``url``, with no daemon key to be found but those
+    ``--keys`` names (a home folder without any, no key variables)."""
+    home = Path(url.removeprefix("sqlite://")).parent / "home"
+    env = {k: v for k, v in os.environ.items() if k not in _KEY_VARIABLES}
     return subprocess.run(
         [*CLI, "checkpoints", *args, "--bus", url],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "COLUMNS": "250"},  # rich wraps at the width it is given
+        env={**env, "HOME": str(home), "COLUMNS": "250"},  # rich wraps at the width it is given
     )
+
+
+_KEY_VARIABLES = ("TRAINGUARD_KEYS", "TRAINGUARD_DAEMON_PUBLIC_KEYS")
 
 
 def as_json(done: subprocess.CompletedProcess[str]) -> Any:
@@ -148,7 +166,9 @@ def test_compat_exits_0_when_compatible_and_1_with_every_reason(catalog_bus: str
     data, shard = verdict["refusals"]
     assert "data version 'other' differs" in data
     assert shard.startswith("shard of rank 1 is missing")
-    assert verdict["warnings"] == ["hyperparameter model.d_model: snapshot 64, new job 128"]
+    hyper, unchecked = verdict["warnings"]
+    assert hyper == "hyperparameter model.d_model: snapshot 64, new job 128"
+    assert unchecked.startswith("signatures not checked: no daemon public key found")
     # Rank 1 would not load anything on world size 1: its lost shard does not matter then.
     shrunk = checkpoints(catalog_bus, "compat", "pre/g0/s20", "--world-size", "1")
     assert shrunk.returncode == 0, shrunk.stdout
@@ -191,3 +211,148 @@ def test_run_refuses_an_unknown_init_from_before_starting_workers(
     assert done.returncode == 2
     assert "no committed snapshot 'pre/g0/s99'" in done.stderr
     assert not marker.exists()
+
+
+# -- signatures and abandoned snapshots -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RolledBack:
+    """A bus holding job ``job`` as a daemon with keys recorded it: commits at steps 10, 20 and
+    30 of generation 0, then a checksum mismatch with its onset after step 20 and a restore to
+    step 20 (so step 30 is abandoned); plus three manifests the daemon did not sign."""
+
+    url: str
+    keys: Path
+
+
+FORGED = ("job/g1/s90", "job/g1/s91", "job/g1/s95")
+"""Manifests signed by another key, under the daemon's key id by another key, and unsigned."""
+
+
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory: pytest.TempPathFactory) -> RolledBack:
+    root = tmp_path_factory.mktemp("rolled-back")
+    admin = KeyAdmin(root / "keys")
+    admin.init([])
+    keys = KeyStore(admin.path).load_daemon_keys()
+    sim, cfg = Sim(), config()
+    inputs = [*sim.start(T0), *sim.train(range(36), start=T0 + S)]
+    inputs += [sim.checksum(r, 20, T0 + 37 * S) for r in range(4)]
+    inputs += [sim.checksum(r, 35, T0 + 38 * S, odd=r == 3) for r in range(4)]
+    # What the daemon writes (DaemonService._act): its config entry, then one entry per input
+    # that decided something, and each committed manifest, signed.
+    audit: list[dict[str, Any]] = [config_entry(SIM_JOB, cfg)]
+    manifests: list[Manifest] = []
+    state = new_job(SIM_JOB)
+    for offset, item in enumerate(inputs):
+        state, decisions = decide(state, item, cfg)
+        if not decisions:
+            continue
+        manifests += [d.manifest for d in decisions if isinstance(d, Committed)]
+        identity: dict[str, JSONValue] = (
+            input_id(item.event)
+            if isinstance(item, Observed)
+            else {"type": "tick", "daemon_id": DAEMON, "seq": offset}
+        )
+        audit.append(
+            decision_entry(
+                SIM_JOB,
+                partition=0,
+                offset=offset,
+                at_ms=item.at_ns // 1_000_000,
+                identity=identity,
+                config=config_id(cfg),
+                decisions=decisions,
+            )
+        )
+    stranger = Ed25519PrivateKey.generate()
+    values = [encode(sign(m, keys.signing_kid, keys.signing)) for m in manifests]
+    values += [
+        encode(
+            sign(
+                manifest(SIM_JOB, 90, generation=1), public_key_id(stranger.public_key()), stranger
+            )
+        ),
+        encode(sign(manifest(SIM_JOB, 91, generation=1), keys.signing_kid, stranger)),
+        encode(manifest(SIM_JOB, 95, generation=1)),
+    ]
+    url = f"sqlite://{root / 'bus.db'}"
+
+    async def _publish() -> None:
+        async with open_bus(BusConfig(url=url)) as bus:
+            for value in values:
+                await bus.publish("manifests", SIM_JOB, value)
+            for entry in audit:
+                await bus.publish("audit", SIM_JOB, orjson.dumps(entry))
+
+    asyncio.run(_publish())
+    return RolledBack(url, admin.path)
+
+
+def test_with_the_daemons_keys_manifests_it_did_not_sign_are_left_out_and_named(
+    rolled_back: RolledBack,
+) -> None:
+    keys = ("--keys", str(rolled_back.keys))
+    listed = checkpoints(rolled_back.url, "list", *keys, "--format", "json")
+    rows = as_json(listed)
+    assert [(r["snapshot_id"], r["signature"]) for r in rows] == [
+        ("job/g0/s10", "verified"),
+        ("job/g0/s20", "verified"),
+        ("job/g0/s30", "verified"),
+    ]
+    for snapshot in FORGED:
+        assert f"manifest of {snapshot} left out: its manifest is not signed" in listed.stderr
+    text = checkpoints(rolled_back.url, "list", *keys)
+    assert f"signatures checked with 1 daemon public key(s) of {rolled_back.keys}" in text.stdout
+    for snapshot in FORGED:
+        refused = checkpoints(rolled_back.url, "compat", snapshot, "--no-check-files", *keys)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "refused  its manifest is not signed by the daemon's keys" in refused.stdout
+        shown = checkpoints(rolled_back.url, "show", snapshot, *keys)
+        assert shown.returncode == 2
+        assert "is not signed by the daemon's keys" in shown.stderr
+
+
+def test_without_keys_every_manifest_is_listed_and_said_unchecked(
+    rolled_back: RolledBack,
+) -> None:
+    rows = as_json(checkpoints(rolled_back.url, "list", "--format", "json"))
+    assert len(rows) == 6
+    assert {r["signature"] for r in rows} == {"unchecked"}
+    assert "signatures not checked" in checkpoints(rolled_back.url, "list").stdout
+    judged = as_json(
+        checkpoints(rolled_back.url, "compat", "job/g1/s90", "--no-check-files", "--format", "json")
+    )
+    assert judged["compatible"] is True
+    [warning] = judged["warnings"]
+    assert warning.startswith("signatures not checked")
+
+
+def test_a_snapshot_a_restore_rolled_back_is_abandoned_and_refused(
+    rolled_back: RolledBack,
+) -> None:
+    keys = ("--keys", str(rolled_back.keys))
+    rows = as_json(checkpoints(rolled_back.url, "list", *keys, "--format", "json"))
+    gone = {r["snapshot_id"]: r["abandoned"] for r in rows}
+    assert gone["job/g0/s10"] is None
+    assert gone["job/g0/s20"] is None
+    dropped = gone["job/g0/s30"]
+    assert (dropped["generation"], dropped["target"], dropped["cause"]) == (
+        1,
+        "job/g0/s20",
+        "checksum_mismatch",
+    )
+    assert dropped["onset_after_step"] == 20
+    shown = checkpoints(rolled_back.url, "show", "job/g0/s30", *keys)
+    assert shown.returncode == 0, shown.stderr
+    assert "abandoned: the restore of generation 1 to job/g0/s20 (step 20)" in shown.stdout
+    refused = as_json(
+        checkpoints(
+            rolled_back.url, "compat", "job/g0/s30", "--no-check-files", *keys, "--format", "json"
+        )
+    )
+    assert refused["compatible"] is False
+    assert refused["refusals"] == [dropped["reason"]]
+    kept = checkpoints(rolled_back.url, "compat", "job/g0/s20", "--no-check-files", *keys)
+    assert kept.returncode == 0, kept.stdout + kept.stderr

@@ -19,6 +19,8 @@ import pytest
 
 from tests.buses import BusFactory
 from tests.daemon.test_report import JOB, killed_once
+from tests.daemon.test_service import JOB as FORGED_JOB
+from tests.daemon.test_status import record_forgery
 from trainguard.agent.bus import DEFAULT_TOPICS, open_bus
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon._export import ExportHeader, dump
@@ -158,3 +160,13 @@ def test_the_report_of_an_export_file(recorded: BusFactory, tmp_path: Path) -> N
     assert from_file.returncode == 0, from_file.stderr
     from_bus = report(recorded, JOB, "--format", "json")
     assert orjson.loads(from_file.stdout) == orjson.loads(from_bus.stdout)
+
+
+def test_the_report_leaves_out_what_the_daemon_refused(tmp_path: Path) -> None:
+    """A forged heartbeat the daemon refused (its audit trail says so) counts for nothing."""
+    forged_bus, _ = asyncio.run(record_forgery(tmp_path))
+    done = report(forged_bus, FORGED_JOB, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    # Folded, the forged heartbeat would make step 10,000 the final timeline's last.
+    assert (doc["ended"], doc["final_step"], doc["world_size"]) == ("running", 4, 2)

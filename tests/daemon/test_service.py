@@ -5,12 +5,15 @@ restart without deciding anything twice."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import hashlib
 import time
 from typing import Any
 
 import orjson
 import pytest
+import structlog
 
 from tests.buses import BusFactory
 from tests.daemon.service_support import eventually, read_all, running
@@ -217,6 +220,71 @@ async def test_bad_input_is_parked_with_its_reason_and_changes_nothing(
     assert any("duplicate" in r for r in reasons)
     assert state.ranks[0].step == 4
     assert state.ranks[1].step == 4
+
+
+async def test_a_huge_record_key_is_echoed_bounded_and_its_entry_lands(
+    bus_factory: BusFactory,
+) -> None:
+    huge = "k" * 600_000
+    config = daemon_config(bus_factory)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await bus.publish("events", huge, encode(beat(0, 1, 4)))  # key says another job
+        await publish(bus, started(0), started(1), beat(0, 1, 4), beat(1, 1, 4))
+        with structlog.testing.capture_logs() as logs:
+            async with running(DaemonService(config)) as service:
+                [entry] = await eventually(lambda: _parked(bus))
+                await eventually(lambda: _folded(service, 4))
+                assert service.jobs[JOB].ranks[1].step == 4  # the daemon folds on
+    assert entry["key"] == huge[:256]
+    assert (entry["key_chars"], entry["key_truncated"]) == (600_000, True)
+    assert entry["key_sha256"] == hashlib.sha256(huge.encode()).hexdigest()
+    assert entry["reason"].startswith(f"job_id {JOB!r} does not match record key 'kkk")
+    assert entry["reason"].endswith("more characters cut)")
+    assert len(entry["reason"]) < 2_100
+    assert orjson.loads(base64.b64decode(entry["value_b64"]))["step"] == 4
+    [said] = [e for e in logs if e["event"] == "input rejected"]
+    assert len(said["key"]) == 256
+    assert len(said["reason"]) < 2_100
+
+
+async def test_late_reports_of_a_finished_job_are_counted_not_parked(
+    bus_factory: BusFactory,
+) -> None:
+    supervisor: dict[str, Any] = {"rank": None, "pid": 500, "ranks": (0, 1)}
+    finished = [
+        Lifecycle(**_sender(r, 2), rank=r, pid=100 + r, kind="finished", step=4) for r in (0, 1)
+    ]
+    config = daemon_config(bus_factory)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(
+            bus,
+            Lifecycle(**_sender(None, 0), **supervisor, kind="started"),
+            started(0),
+            started(1),
+            beat(0, 1, 4),
+            beat(1, 1, 4),
+            *finished,
+            # The supervisor reports its ranks' exit after they finished: routine.
+            Lifecycle(**_sender(None, 1), **supervisor, kind="exited", exit_code=0),
+            # A process the job never had, under its id: a new run, worth a look.
+            Lifecycle(**_sender(0, 0), rank=0, pid=900, kind="started", world_size=2),
+        )
+        async with running(DaemonService(config)) as service:
+            [entry] = await eventually(lambda: _parked(bus))
+            late = service.metrics.registry.get_sample_value(
+                "trainguard_late_inputs_total", {"type": "lifecycle"}
+            )
+            ended = service.metrics.registry.get_sample_value(
+                "trainguard_rejected_inputs_total", {"reason": "ended_job"}
+            )
+            assert service.jobs[JOB].phase == "finished"
+    assert "has finished (generation 0)" in entry["reason"]
+    assert orjson.loads(base64.b64decode(entry["value_b64"]))["pid"] == 900
+    assert (late, ended) == (1.0, 1.0)
+
+
+async def _parked(bus: Bus) -> list[dict[str, Any]]:
+    return [orjson.loads(v) for v in await read_all(bus, "dead-letter")]
 
 
 async def _restores(bus: Bus) -> list[Restore]:

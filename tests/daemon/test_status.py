@@ -1,4 +1,5 @@
-"""``trainguard status``: jobs folded from the bus, the same states the daemon holds."""
+"""``trainguard status``: jobs folded from the bus, the same states the daemon holds, leaving
+out what the daemon refused as not authentic."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 from tests.buses import BusFactory
-from tests.daemon.service_support import eventually, running
+from tests.daemon.service_support import eventually, read_all, running
 from tests.daemon.test_service import (
     JOB,
     beat,
@@ -23,10 +25,13 @@ from tests.daemon.test_service import (
     shard,
     started,
 )
+from trainguard.agent._keystore import KeyStore
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService
+from trainguard.daemon._keys_admin import KeyAdmin
+from trainguard.daemon._state import JobState
 from trainguard.daemon._status import read_status
-from trainguard.schemas import Event
+from trainguard.schemas import Event, add_mac, encode
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 OTHER = "other-job"
@@ -114,3 +119,53 @@ def test_the_status_command_shows_jobs_and_one_jobs_ranks(sqlite_bus: BusFactory
     unknown = status(sqlite_bus, "no-such-job")
     assert unknown.returncode == 2
     assert "no events of job 'no-such-job'" in unknown.stderr
+
+
+FORGED_STEP = 10_000
+
+
+async def record_forgery(folder: Path) -> tuple[BusFactory, JobState]:
+    """A daemon with keys folds ``JOB``'s MACed events (both ranks at step 4) and refuses a
+    heartbeat of rank 0 at step :data:`FORGED_STEP` whose MAC is made with another key; return
+    the bus and the job's state as the daemon holds it."""
+    admin = KeyAdmin(folder / "keys")
+    admin.init([JOB])
+    keys = KeyStore(admin.path).load_daemon_keys()
+    event_key = keys.current_event_key(JOB)
+    assert event_key is not None
+    factory = BusFactory("sqlite", f"sqlite://{folder / 'bus.db'}", "f.")
+    config = dataclasses.replace(daemon_config(factory), snapshot_interval_s=0)
+    async with factory.open(topics=DEFAULT_TOPICS) as bus:
+        for event in (started(0), started(1), beat(0, 1, 4), beat(1, 1, 4)):
+            await bus.publish("events", JOB, encode(add_mac(event, *event_key)))
+        forged = add_mac(beat(0, 2, FORGED_STEP), event_key[0], os.urandom(32))
+        await bus.publish("events", JOB, encode(forged))
+        async with running(DaemonService(config, keys=keys)) as service:
+
+            async def refused() -> bool:
+                entries = [orjson.loads(v) for v in await read_all(bus, "audit")]
+                return any(e["entry"] == "refused" for e in entries)
+
+            await eventually(refused)
+            await eventually(lambda: _folded(service, 4))
+            held = service.jobs[JOB]
+    return factory, held
+
+
+async def _folded(service: DaemonService, n: int) -> bool:
+    return service.counters["folded"] >= n
+
+
+@pytest.mark.anyio
+async def test_status_leaves_out_what_the_daemon_refused(tmp_path: Path) -> None:
+    factory, held = await record_forgery(tmp_path)
+    config = daemon_config(factory)
+    for only in (None, JOB):
+        [found] = (await read_status(config.bus, config.machine, only)).values()
+        assert found.state == held
+        assert found.refused == 1
+        assert found.last_incident is None  # the forged step would be a step_lag incident
+    shown = json.loads(status(factory, JOB, "--format", "json").stdout)
+    assert (shown["step"], shown["refused"], shown["last_incident"]) == (4, 1, None)
+    text = status(factory, JOB)
+    assert "1 record(s) left out: the daemon refused them as not authentic" in text.stdout

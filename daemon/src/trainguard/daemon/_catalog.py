@@ -2,9 +2,20 @@
 whether one can seed a new job (``trainguard checkpoints``; ``docs/catalog.md``).
 
 Pure: built from manifests already read (the bus's ``manifests`` topic keeps one per committed
-step, :func:`trainguard.agent._manifests.read_manifests`); no I/O, no clock. A job started
+step, :func:`trainguard.agent._manifests.read_manifests`) and the jobs' audit trails digested
+(:func:`trainguard.daemon._report_record.read_audit`); no I/O, no clock. A job started
 from another job's snapshot (the agent's ``init_from``) records it as the ``parent`` of every
 snapshot it commits, so ancestry is a walk from parent to parent, across jobs.
+
+**Abandoned snapshots** (:func:`abandoned`). A restore rolls its job back to its target, the
+latest committed step before the fault's onset: the job's timeline continues from there, and
+every snapshot committed before the restore at a later step is off it (committed at step 120
+when a bitflip at step 110 made the daemon restore to step 100). Fencing makes "before the
+restore" exact: a generation's snapshots all precede the restore that starts the next one. So
+restore R, which starts generation G with target step T (none: the job's initial state),
+abandons every snapshot of its job of a generation below G and a step above T. Such a snapshot
+may hold state the fault already corrupted, and its data cursor sits past samples the job
+then trained again: it is listed as ``abandoned``, and :func:`compat` refuses it.
 """
 
 from __future__ import annotations
@@ -17,13 +28,17 @@ import orjson
 
 from trainguard.schemas import JSONValue, Manifest
 
+from ._report_record import AuditDigest
+
 __all__ = [
+    "Abandoned",
     "Ancestor",
     "Catalog",
     "Compat",
     "DescendantJob",
     "Lineage",
     "SeedRequest",
+    "abandoned",
     "compat",
     "lookup",
 ]
@@ -74,6 +89,88 @@ class Lineage:
     descendants: tuple[DescendantJob, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Abandoned:
+    """A committed snapshot off its job's timeline: a restore rolled the job back past it
+    (module docstring).
+
+    Attributes:
+        snapshot_id: the snapshot.
+        generation: the generation the restore started.
+        target: the snapshot the restore went back to, ``None`` for the job's initial state.
+        target_step: the target's step, ``None`` with ``target``.
+        incident_id: the incident the restore answered.
+        cause: that incident's cause (the detector), ``None`` when the trail does not hold it.
+        onset_after_step: the last step the incident's evidence shows sound, ``None`` when
+            unknown.
+    """
+
+    snapshot_id: str
+    generation: int
+    target: str | None
+    target_step: int | None
+    incident_id: str
+    cause: str | None = None
+    onset_after_step: int | None = None
+
+    @property
+    def reason(self) -> str:
+        """Why the snapshot is abandoned, in a sentence."""
+        back = (
+            f"to {self.target} (step {self.target_step})"
+            if self.target is not None
+            else "to the job's initial state"
+        )
+        why = f"incident {self.incident_id}"
+        if self.cause is not None:
+            onset = (
+                f", onset after step {self.onset_after_step}"
+                if self.onset_after_step is not None
+                else ""
+            )
+            why += f" ({self.cause}{onset})"
+        return (
+            f"abandoned: the restore of generation {self.generation} {back}, for {why}, rolled "
+            "the job back past it, so its state and data cursor are off the job's timeline"
+        )
+
+
+def abandoned(
+    manifests: Iterable[Manifest], audits: Mapping[str, AuditDigest]
+) -> dict[str, Abandoned]:
+    """The snapshots among ``manifests`` that a restore abandoned (module docstring), each with
+    the first restore (lowest generation) that did.
+
+    Args:
+        manifests: committed snapshots, of any jobs.
+        audits: job id -> its audit trail digested (its restores and incidents); a job
+            without one has no restore on record, so none of its snapshots is abandoned.
+    """
+    out: dict[str, Abandoned] = {}
+    for manifest in manifests:
+        audit = audits.get(manifest.job_id)
+        if audit is None or manifest.snapshot_id in out:
+            continue
+        for generation in sorted(audit.restores):
+            restore = audit.restores[generation]
+            if manifest.generation >= generation:
+                continue
+            if restore.target_step is not None and manifest.step <= restore.target_step:
+                continue
+            opened = audit.opened.get(restore.incident_id)
+            out[manifest.snapshot_id] = Abandoned(
+                snapshot_id=manifest.snapshot_id,
+                generation=generation,
+                target=restore.snapshot_id,
+                target_step=restore.target_step,
+                incident_id=restore.incident_id,
+                cause=None if opened is None else opened.cause,
+                onset_after_step=None if opened is None else opened.onset_after_step,
+            )
+            break
+    return out
+
+
 def _order(manifest: Manifest) -> tuple[int, str]:
     """Commit time, then id: the catalog's order (bus order is per partition only)."""
     return manifest.ts, manifest.snapshot_id
@@ -84,16 +181,22 @@ class Catalog:
     """Every committed snapshot the bus holds, by id.
 
     Build it with :meth:`of`. ``snapshots`` maps id to manifest in commit order (``ts``,
-    then id).
+    then id); ``abandoned`` maps the ids of the snapshots a restore abandoned to how
+    (:func:`abandoned`).
     """
 
     snapshots: Mapping[str, Manifest]
     _children: Mapping[str, tuple[Manifest, ...]] = field(repr=False, compare=False)
+    abandoned: Mapping[str, Abandoned] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, manifests: Iterable[Manifest]) -> Catalog:
+    def of(
+        cls, manifests: Iterable[Manifest], audits: Mapping[str, AuditDigest] | None = None
+    ) -> Catalog:
         """The catalog of ``manifests`` (bus order). A snapshot published twice (a commit the
-        daemon re-derived after a restart) is kept once, as first published."""
+        daemon re-derived after a restart) is kept once, as first published. ``audits``
+        (job id -> its audit trail digested) tells which snapshots restores abandoned; none:
+        no snapshot is marked."""
         unique: dict[str, Manifest] = {}
         for manifest in manifests:
             unique.setdefault(manifest.snapshot_id, manifest)
@@ -105,6 +208,7 @@ class Catalog:
         return cls(
             {m.snapshot_id: m for m in ordered},
             {parent: tuple(kids) for parent, kids in children.items()},
+            abandoned(ordered, audits or {}),
         )
 
     def get(self, snapshot_id: str) -> Manifest | None:
@@ -229,10 +333,18 @@ def lookup(values: Mapping[str, JSONValue], path: str) -> tuple[bool, JSONValue]
     return False, None
 
 
-def compat(manifest: Manifest, request: SeedRequest, shard_problems: Sequence[str] = ()) -> Compat:
+def compat(
+    manifest: Manifest,
+    request: SeedRequest,
+    shard_problems: Sequence[str] = (),
+    abandoned_by: Abandoned | None = None,
+) -> Compat:
     """Judge whether ``manifest`` can seed a job with ``request``'s settings.
 
-    What the agent and the data cursor do on a restore decides it (``docs/catalog.md``):
+    A snapshot a restore abandoned (``abandoned_by``, from :attr:`Catalog.abandoned`) is
+    refused whatever the settings (module docstring).
+    Otherwise what the agent and the data cursor do on a restore decides it
+    (``docs/catalog.md``):
 
     * world size: every rank loads its own shard (``Agent.load``: rank r takes shard r,
       ``ShardMissing`` otherwise), and trainguard does not reshard; so a larger world size is
@@ -247,7 +359,7 @@ def compat(manifest: Manifest, request: SeedRequest, shard_problems: Sequence[st
       one is refused;
     * ``shard_problems``: what the caller found wrong with the shard files, each refused.
     """
-    refusals: list[str] = []
+    refusals: list[str] = [] if abandoned_by is None else [abandoned_by.reason]
     warnings: list[str] = []
     size, new_size = manifest.world_size, request.world_size
     if new_size is not None and new_size != size:

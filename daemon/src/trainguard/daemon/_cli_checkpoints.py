@@ -1,8 +1,16 @@
 """``trainguard checkpoints list|show|lineage|compat``: the checkpoint catalog, read from the
 bus's ``manifests`` topic (``docs/catalog.md``).
 
+Every command also reads the ``audit`` topic, for the restores that abandoned snapshots
+(:func:`trainguard.daemon._catalog.abandoned`), and checks each manifest's Ed25519 signature
+when the daemon's public keys are found (:func:`_public_keys`): a manifest that is unsigned or
+whose signature does not verify is left out of the catalog (as the agent's ``init_from``
+refuses it) and named on stderr; without keys, the output says the signatures were not
+checked.
+
 Exit status: 0 done (``compat``: the snapshot can seed the job), 1 ``compat`` refuses, 2 a
-usage error, an unknown snapshot or an unreachable bus.
+usage error, an unknown snapshot, unreadable keys, a malformed audit trail or an unreachable
+bus.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ import asyncio
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -23,9 +31,13 @@ import typer
 from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, BusError
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
     from rich.console import Console
 
-    from trainguard.daemon._catalog import Catalog, Compat, DescendantJob, Lineage
+    from trainguard.agent._manifests import ManifestLog
+    from trainguard.agent.bus import Record
+    from trainguard.daemon._catalog import Abandoned, Catalog, Compat, DescendantJob, Lineage
+    from trainguard.daemon._settings import DaemonConfig
     from trainguard.schemas import JSONValue, Manifest
 
 __all__ = ["register"]
@@ -69,6 +81,17 @@ Prefix = Annotated[
         help="Bus topic prefix; default: the config file's, else trainguard.",
     ),
 ]
+Keys = Annotated[
+    Path | None,
+    typer.Option(
+        "--keys",
+        envvar="TRAINGUARD_KEYS",
+        help="Key directory whose daemon public keys (live and retired) check the manifests' "
+        "signatures; default: the config file's \\[security] keys_dir, else "
+        "~/.config/trainguard/keys if it holds a signing key, else the keys in "
+        "TRAINGUARD_DAEMON_PUBLIC_KEYS, else none (signatures not checked).",
+    ),
+]
 Format = Annotated[OutputFormat, typer.Option("--format", help="text (rich) or json (for tools).")]
 Snapshot = Annotated[str, typer.Argument(metavar="SNAPSHOT", help="A snapshot id, JOB/gG/sS.")]
 
@@ -88,16 +111,20 @@ def list_(
     bus: Bus = None,
     config: Config = None,
     topic_prefix: Prefix = None,
+    keys: Keys = None,
     output: Format = OutputFormat.text,
 ) -> None:
     """List the committed snapshots, oldest commit first: id, parent, job, generation, step,
-    world size, data version, code version, commit time (UTC)."""
-    catalog, _ = _read(bus, config, topic_prefix)
+    world size, data version, code version, commit time (UTC), and whether a restore abandoned
+    it; and whether their signatures were checked."""
+    read = _read(bus, config, topic_prefix, keys)
+    catalog = read.catalog
     rows = catalog.select(job=job, data_version=data_version, code_version=code_version)
     if output is OutputFormat.json:
-        _echo_json([_summary(m) for m in rows])
+        _echo_json([_summary(m, read) for m in rows])
         return
     console = _console()
+    console.print(read.signatures, highlight=False, markup=False)
     if not rows:
         console.print(f"no committed snapshots{_filters(job, data_version, code_version)}")
         return
@@ -119,17 +146,22 @@ def list_(
             _short(m.data_version),
             _short(m.metadata.code_version) or "-",
             _when(m.ts),
+            "abandoned" if m.snapshot_id in catalog.abandoned else "",
         )
         for m in rows
     ]
     names = ("snapshot", "parent", "job", "gen", "step", "world", "data version", "code")
-    for i, name in enumerate((*names, "committed")):
+    for i, name in enumerate((*names, "committed", "timeline")):
         keep = name in ("snapshot", "parent", "gen", "step", "world")
         width = max(len(name), *(len(row[i]) for row in cells)) if keep else None
         table.add_column(name, no_wrap=True, min_width=width)
     for row in cells:
-        table.add_row(*row)
+        table.add_row(*row, style="dim" if row[-1] else None)
     console.print(table)
+    for m in rows:
+        gone = catalog.abandoned.get(m.snapshot_id)
+        if gone is not None:
+            console.print(f"{m.snapshot_id} {gone.reason}", highlight=False, markup=False)
 
 
 @checkpoints_app.command()
@@ -138,14 +170,24 @@ def show(
     bus: Bus = None,
     config: Config = None,
     topic_prefix: Prefix = None,
+    keys: Keys = None,
     output: Format = OutputFormat.text,
 ) -> None:
     """Everything about one snapshot: shards with sizes, digests and URIs, data cursor,
-    hyperparameters, topology, code version, parent."""
-    catalog, where = _read(bus, config, topic_prefix)
-    m = _known(catalog, snapshot, where)
+    hyperparameters, topology, code version, parent; whether its signature was checked, and
+    whether a restore abandoned it."""
+    read = _read(bus, config, topic_prefix, keys)
+    m = _known(read, snapshot)
+    gone = read.catalog.abandoned.get(m.snapshot_id)
     if output is OutputFormat.json:
-        _echo_json({**_wire(m), "committed_at": _iso(m.ts)})
+        _echo_json(
+            {
+                **_wire(m),
+                "committed_at": _iso(m.ts),
+                "signature": read.signature_state,
+                "abandoned": None if gone is None else _abandoned_json(gone),
+            }
+        )
         return
     from rich.markup import escape
     from rich.table import Table
@@ -169,6 +211,8 @@ def show(
         ("parent", m.parent or "- (the job started from scratch)"),
         ("hyperparameters", _compact(m.metadata.hyperparameters)),
         ("topology", _compact(m.metadata.topology)),
+        ("signature", f"{read.signature_state}: {read.signatures}"),
+        ("timeline", "on it" if gone is None else gone.reason),
     ):
         console.print(f"[bold]{name:<16}[/bold]{escape(value)}")
     total = _bytes(sum(s.size_bytes for s in m.shards))
@@ -186,17 +230,18 @@ def lineage(
     bus: Bus = None,
     config: Config = None,
     topic_prefix: Prefix = None,
+    keys: Keys = None,
     output: Format = OutputFormat.text,
 ) -> None:
     """A snapshot's ancestry across jobs (the snapshot its job started from, and so on up)
     and the jobs started from it (and from theirs)."""
-    catalog, where = _read(bus, config, topic_prefix)
-    _known(catalog, snapshot, where)
-    found = catalog.lineage(snapshot)
+    read = _read(bus, config, topic_prefix, keys)
+    _known(read, snapshot)
+    found = read.catalog.lineage(snapshot)
     if output is OutputFormat.json:
-        _echo_json(_lineage_json(snapshot, found))
+        _echo_json(_lineage_json(snapshot, found, read))
         return
-    _print_lineage(_console(), snapshot, found)
+    _print_lineage(_console(), snapshot, found, read)
 
 
 @checkpoints_app.command()
@@ -240,11 +285,13 @@ def compat(
     bus: Bus = None,
     config: Config = None,
     topic_prefix: Prefix = None,
+    keys: Keys = None,
     output: Format = OutputFormat.text,
 ) -> None:
     """Can SNAPSHOT seed a new job with these settings? Prints every reason it cannot, and
-    the differences it can live with; exits 0 when it can, 1 when it cannot."""
-    from trainguard.daemon._catalog import SeedRequest
+    the differences it can live with; exits 0 when it can, 1 when it cannot. A snapshot whose
+    manifest's signature does not verify, or that a restore abandoned, cannot."""
+    from trainguard.daemon._catalog import Compat, SeedRequest
     from trainguard.daemon._catalog import compat as judge
 
     request = SeedRequest(
@@ -255,10 +302,18 @@ def compat(
         allow_data_version_change=allow_data_version_change,
         exact=exact,
     )
-    catalog, where = _read(bus, config, topic_prefix)
-    manifest = _known(catalog, snapshot, where)
-    problems = _shard_problems(manifest, world_size, verify=verify) if check_files or verify else []
-    verdict = judge(manifest, request, problems)
+    read = _read(bus, config, topic_prefix, keys)
+    forged = read.refused.get(snapshot)
+    if forged is not None and read.catalog.get(snapshot) is None:
+        verdict = Compat(snapshot, (_unsigned_reason(forged),), ())
+    else:
+        manifest = _known(read, snapshot)
+        problems = (
+            _shard_problems(manifest, world_size, verify=verify) if check_files or verify else []
+        )
+        verdict = judge(manifest, request, problems, read.catalog.abandoned.get(snapshot))
+        if read.keys is None:
+            verdict = replace(verdict, warnings=(*verdict.warnings, read.signatures))
     if output is OutputFormat.json:
         _echo_json(
             {
@@ -276,54 +331,155 @@ def compat(
 # -- reading ---------------------------------------------------------------------------------
 
 
-def _read(bus: str | None, config: Path | None, prefix: str | None) -> tuple[Catalog, str]:
-    """The catalog of the bus's ``manifests`` topic and a description of the bus; exits 2 on
-    a bad config file or an unreachable bus."""
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """What the commands read: the catalog, where from, and how its signatures were checked.
+
+    Attributes:
+        catalog: the catalog (with keys, of the manifests whose signature verifies).
+        where: the bus and topic prefix, for messages.
+        keys: the daemon public keys the signatures were checked with, ``None``: unchecked.
+        signatures: one line on how the signatures were checked (or why not).
+        refused: snapshot id -> why its manifest's signature does not verify (with keys).
+    """
+
+    catalog: Catalog
+    where: str
+    keys: Mapping[str, Ed25519PublicKey] | None
+    signatures: str
+    refused: Mapping[str, str]
+
+    @property
+    def signature_state(self) -> str:
+        """``verified`` (a catalog snapshot's signature verified) or ``unchecked``."""
+        return "unchecked" if self.keys is None else "verified"
+
+
+def _read(bus: str | None, config: Path | None, prefix: str | None, keys: Path | None) -> _Read:
+    """The catalog of the bus's ``manifests`` topic with the restores its ``audit`` topic
+    records, the manifests' signatures checked when the daemon's public keys are found; exits
+    2 on a bad config file, unreadable keys, a malformed audit trail or an unreachable bus."""
     from trainguard.agent._manifests import read_manifests
     from trainguard.agent.bus import open_bus
+    from trainguard.daemon._audit import MalformedAudit, entries_by_job
     from trainguard.daemon._catalog import Catalog
+    from trainguard.daemon._report_record import AuditDigest, read_audit
     from trainguard.daemon._settings import load_daemon_config
+    from trainguard.daemon._status import read_topic
 
     try:
         settings = load_daemon_config(config, bus_url=bus)
     except (OSError, ValueError) as exc:
         _fail(str(exc))
-    bus_config: BusConfig = replace(settings.bus, client_id="trainguard-checkpoints")
+    public, signatures = _public_keys(keys, settings)
+    bus_config: BusConfig = replace(settings.bus, client_id="trainguard-checkpoints", create=False)
     if prefix is not None:
         bus_config = replace(bus_config, prefix=prefix)
 
-    async def _manifests() -> tuple[Manifest, ...]:
+    async def _from_bus() -> tuple[ManifestLog, list[Record]]:
         async with open_bus(bus_config) as connected:
-            log = await asyncio.wait_for(read_manifests(connected), 120)
-        if log.invalid:
-            typer.secho(
-                f"warning: {log.invalid} record(s) of the manifests topic skipped "
-                "(undecodable or inconsistent)",
-                fg=typer.colors.YELLOW,
-                err=True,
-            )
-        return log.manifests
+            log = await asyncio.wait_for(read_manifests(connected, verify_keys=public), 120)
+            audit = [r async for r in read_topic(connected, "audit")]
+        return log, audit
 
     try:
-        manifests = asyncio.run(_manifests())
+        log, audit = asyncio.run(_from_bus())
     except (BusError, TimeoutError) as exc:
-        _fail(f"cannot read the manifests topic of {bus_config.url}: {exc}")
-    return Catalog.of(manifests), f"{bus_config.url} (topic prefix {bus_config.prefix!r})"
+        _fail(f"cannot read the manifests and audit topics of {bus_config.url}: {exc}")
+    skipped = log.invalid - len(log.unauthenticated)
+    if skipped:
+        typer.secho(
+            f"warning: {skipped} record(s) of the manifests topic skipped "
+            "(undecodable or inconsistent)",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
+    for snapshot_id, reason in sorted(log.unauthenticated.items()):
+        typer.secho(
+            f"warning: manifest of {snapshot_id} left out: {_unsigned_reason(reason)}",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
+    jobs = {m.job_id for m in log.manifests}
+    audits: dict[str, AuditDigest] = {}
+    try:
+        for job, entries in entries_by_job(audit).items():
+            if job in jobs:
+                audits[job] = read_audit(entries)
+    except MalformedAudit as exc:
+        _fail(f"the audit trail on {bus_config.url} is malformed: {exc}")
+    except (KeyError, TypeError, ValueError) as exc:
+        _fail(f"the audit trail of job {job!r} on {bus_config.url} is malformed: {exc!r}")
+    return _Read(
+        catalog=Catalog.of(log.manifests, audits),
+        where=f"{bus_config.url} (topic prefix {bus_config.prefix!r})",
+        keys=public,
+        signatures=signatures,
+        refused=log.unauthenticated,
+    )
 
 
-def _known(catalog: Catalog, snapshot: str, where: str) -> Manifest:
-    """The snapshot's manifest; exits 2 naming what the catalog holds of its job."""
-    manifest = catalog.get(snapshot)
+def _public_keys(
+    keys: Path | None, settings: DaemonConfig
+) -> tuple[dict[str, Ed25519PublicKey] | None, str]:
+    """The daemon's public keys that check the manifests' signatures, and a line saying so.
+
+    Found as the daemon finds its keys (:func:`trainguard.daemon._security.load_keys`):
+    ``--keys`` / ``TRAINGUARD_KEYS``, else ``[security] keys_dir``, else
+    ``~/.config/trainguard/keys`` when it holds a current signing key; then, as agents get
+    them, ``TRAINGUARD_DAEMON_PUBLIC_KEYS``. Only public key files are read. Retired keys
+    count too: a manifest signed before a rotation stays the daemon's. ``(None, why not)``
+    when none is found; exits 2 when a named directory holds none or a key file is malformed.
+    """
+    from trainguard.agent._errors import ConfigError
+    from trainguard.agent._keystore import KeyStore, KeyStoreError, keys_dir, load_public_keys
+
+    explicit = keys or settings.security.keys_dir
+    store = KeyStore(keys_dir(explicit))
+    try:
+        if explicit is not None or store.current("signing") is not None:
+            found = {**store.public_keys(retired=True), **store.public_keys()}
+            if not found:
+                _fail(f"{store.path} holds no daemon public key (trainguard keys init)")
+            return found, (
+                f"signatures checked with {len(found)} daemon public key(s) of {store.path}"
+            )
+        spec = os.environ.get("TRAINGUARD_DAEMON_PUBLIC_KEYS")
+        if spec:
+            found = load_public_keys(spec)
+            return found, (
+                f"signatures checked with {len(found)} daemon public key(s) of "
+                "TRAINGUARD_DAEMON_PUBLIC_KEYS"
+            )
+    except (KeyStoreError, ConfigError) as exc:
+        _fail(str(exc))
+    return None, (
+        "signatures not checked: no daemon public key found (--keys, TRAINGUARD_KEYS, "
+        f"[security] keys_dir, {store.path} or TRAINGUARD_DAEMON_PUBLIC_KEYS)"
+    )
+
+
+def _unsigned_reason(reason: str) -> str:
+    """Why a manifest is refused, from why its signature does not verify."""
+    return f"its manifest is not signed by the daemon's keys ({reason})"
+
+
+def _known(read: _Read, snapshot: str) -> Manifest:
+    """The snapshot's manifest; exits 2 naming what the catalog holds of its job (or why its
+    manifest was left out)."""
+    manifest = read.catalog.get(snapshot)
     if manifest is not None:
         return manifest
+    if snapshot in read.refused:
+        _fail(f"snapshot {snapshot!r} on {read.where}: {_unsigned_reason(read.refused[snapshot])}")
     job = snapshot.partition("/")[0]
-    same = [m.snapshot_id for m in catalog.select(job=job)]
+    same = [m.snapshot_id for m in read.catalog.select(job=job)]
     detail = (
         f"job {job!r} has {len(same)}, the newest {', '.join(same[-3:])}"
         if same
-        else f"no snapshot of job {job!r}; {len(catalog.snapshots)} snapshot(s) of other jobs"
+        else f"no snapshot of job {job!r}; {len(read.catalog.snapshots)} snapshot(s) of other jobs"
     )
-    _fail(f"no committed snapshot {snapshot!r} on {where}: {detail}")
+    _fail(f"no committed snapshot {snapshot!r} on {read.where}: {detail}")
 
 
 def _shard_problems(manifest: Manifest, world_size: int | None, *, verify: bool) -> list[str]:
@@ -412,8 +568,9 @@ def _wire(manifest: Manifest) -> dict[str, Any]:
     return wire
 
 
-def _summary(m: Manifest) -> dict[str, Any]:
+def _summary(m: Manifest, read: _Read) -> dict[str, Any]:
     """One ``list`` row as JSON."""
+    gone = read.catalog.abandoned.get(m.snapshot_id)
     return {
         "snapshot_id": m.snapshot_id,
         "job_id": m.job_id,
@@ -425,6 +582,21 @@ def _summary(m: Manifest) -> dict[str, Any]:
         "committed_ns": m.ts,
         "committed_at": _iso(m.ts),
         "parent": m.parent,
+        "signature": read.signature_state,
+        "abandoned": None if gone is None else _abandoned_json(gone),
+    }
+
+
+def _abandoned_json(gone: Abandoned) -> dict[str, Any]:
+    """How a restore abandoned a snapshot, as JSON."""
+    return {
+        "generation": gone.generation,
+        "target": gone.target,
+        "target_step": gone.target_step,
+        "incident_id": gone.incident_id,
+        "cause": gone.cause,
+        "onset_after_step": gone.onset_after_step,
+        "reason": gone.reason,
     }
 
 
@@ -476,7 +648,7 @@ def _brief(m: Manifest) -> str:
     )
 
 
-def _print_lineage(console: Console, snapshot: str, found: Lineage) -> None:
+def _print_lineage(console: Console, snapshot: str, found: Lineage, read: _Read) -> None:
     from rich.markup import escape
     from rich.tree import Tree
 
@@ -485,6 +657,8 @@ def _print_lineage(console: Console, snapshot: str, found: Lineage) -> None:
         lead = "  " * depth + ("" if depth == 0 else "└─ started from ")
         m = ancestor.manifest
         detail = "not in the catalog (expired or on another bus)" if m is None else _brief(m)
+        if ancestor.snapshot_id in read.catalog.abandoned:
+            detail += " (abandoned by a restore)"
         console.print(f"{lead}[bold]{escape(ancestor.snapshot_id)}[/bold]  {escape(detail)}")
     last = found.ancestors[-1]
     pad = "  " * len(found.ancestors)
@@ -510,11 +684,11 @@ def _print_lineage(console: Console, snapshot: str, found: Lineage) -> None:
     console.print(tree)
 
 
-def _lineage_json(snapshot: str, found: Lineage) -> dict[str, Any]:
+def _lineage_json(snapshot: str, found: Lineage, read: _Read) -> dict[str, Any]:
     def ancestor(snapshot_id: str, m: Manifest | None) -> dict[str, Any]:
         if m is None:
             return {"snapshot_id": snapshot_id, "in_catalog": False}
-        return {**_summary(m), "in_catalog": True}
+        return {**_summary(m, read), "in_catalog": True}
 
     def job(d: DescendantJob) -> dict[str, Any]:
         return {

@@ -20,7 +20,6 @@ from trainguard.agent.bus import BusError
 from trainguard.daemon._cli_options import ConfiguredBus
 
 if TYPE_CHECKING:
-    from trainguard.agent.bus import Record
     from trainguard.daemon._joblog import JobLog
     from trainguard.daemon._report import JobReport
 
@@ -145,32 +144,38 @@ class _Stamped:
 
 
 def _record(log: JobLog) -> tuple[list[_Stamped], list[dict[str, Any]], list[_Stamped]]:
-    """The log's events and commands decoded (undecodable ones left out: the daemon
-    rejected them too) and its audit entries as dicts."""
-    import orjson
+    """The log's events as the daemon took them in, its audit entries as dicts, and its
+    commands decoded (undecodable ones left out); exits 2 on a malformed audit trail.
 
+    Events go through the daemon's intake (:func:`trainguard.daemon._intake.take`) with the
+    job's audit trail as the authenticator, as a replay does: a record the daemon refused (not
+    decodable, another job's, or not authentic, e.g. a forged heartbeat) is left out. A record
+    the daemon has not judged yet has no verdict in the trail and is taken as authentic, as a
+    daemon without keys takes it (``docs/forensics.md``).
+    """
+    from trainguard.daemon._audit import MalformedAudit, entries_by_job, read_trail
+    from trainguard.daemon._intake import Taken, take
     from trainguard.schemas import SchemaError, decode
 
-    def decoded(records: tuple[Record, ...]) -> list[_Stamped]:
-        out = []
-        for rec in records:
-            if rec.value is None:
-                continue
-            try:
-                out.append(_Stamped(rec.timestamp_ms, decode(rec.value)))
-            except SchemaError:
-                continue
-        return out
-
-    audit = []
-    for rec in log.audit:
+    try:
+        audit = entries_by_job(log.audit).get(log.job_id, [])
+        trail = read_trail(audit)
+    except MalformedAudit as exc:
+        _fail(f"{log.source}: {exc}")
+    events = [
+        _Stamped(rec.timestamp_ms, taken.message)
+        for rec in log.events
+        if isinstance(taken := take(rec, trail), Taken)
+    ]
+    commands = []
+    for rec in log.commands:
         if rec.value is None:
             continue
         try:
-            audit.append(orjson.loads(rec.value))
-        except orjson.JSONDecodeError:
-            _fail(f"audit record at offset {rec.offset} of {log.source} is not JSON")
-    return decoded(log.events), audit, decoded(log.commands)
+            commands.append(_Stamped(rec.timestamp_ms, decode(rec.value)))
+        except SchemaError:
+            continue
+    return events, audit, commands
 
 
 def _print(result: JobReport, source: str) -> None:

@@ -13,7 +13,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from trainguard.agent.bus import BusError
-from trainguard.daemon._cli_options import ConfiguredBus, ConfiguredPrefix
+from trainguard.daemon._cli_options import ConfiguredBus, ConfiguredPrefix, other_prefixes
 
 __all__ = ["register"]
 
@@ -54,11 +54,14 @@ def status(
     the latest incident; with JOB, that job's ranks.
 
     Read from the bus, not asked of a daemon: every job's events are folded through the
-    daemon's state machine (a full fold per job; docs/operations.md). Exits 2 for an unknown
-    JOB or an unreachable bus.
+    daemon's state machine (a full fold per job; docs/operations.md), leaving out the records
+    the daemon refused as not authentic (its audit trail says which); records it has not judged
+    yet are folded as authentic. Exits 2 for an unknown JOB, an unreachable bus or a malformed
+    audit trail.
     """
     import orjson
 
+    from trainguard.daemon._audit import MalformedAudit
     from trainguard.daemon._settings import load_daemon_config
     from trainguard.daemon._status import job_summary, rank_summaries, read_status
 
@@ -66,19 +69,19 @@ def status(
         settings = load_daemon_config(config, bus_url=bus)
     except (OSError, ValueError) as exc:
         _fail(str(exc))
-    bus_config = settings.bus
+    bus_config = replace(settings.bus, create=False)
     if topic_prefix is not None:
         bus_config = replace(bus_config, prefix=topic_prefix)
     try:
         jobs = asyncio.run(read_status(bus_config, settings.machine, job))
-    except (BusError, TimeoutError) as exc:
+    except (BusError, TimeoutError, MalformedAudit) as exc:
         _fail(str(exc))
     now = time.time_ns()
     where = f"{bus_config.url} (topic prefix {bus_config.prefix!r})"
     if job is not None:
         found = jobs.get(job)
         if found is None:
-            _fail(f"no events of job {job!r} on {where}")
+            _fail(f"no events of job {job!r} on {where}; {asyncio.run(other_prefixes(bus_config))}")
         summary = job_summary(found, now)
         ranks = rank_summaries(found, now)
         if output is OutputFormat.json:
@@ -90,7 +93,7 @@ def status(
     if output is OutputFormat.json:
         typer.echo(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     elif not rows:
-        typer.echo(f"no jobs on {where}")
+        typer.echo(f"no jobs on {where}; {asyncio.run(other_prefixes(bus_config))}")
     else:
         _print_jobs(rows)
 
@@ -145,6 +148,11 @@ def _print_job(summary: Mapping[str, object], ranks: Sequence[Mapping[str, objec
         )
     if summary["failure"]:
         console.print(f"[red]failed:[/red] {summary['failure']}", highlight=False)
+    if summary["refused"]:
+        console.print(
+            f"{summary['refused']} record(s) left out: the daemon refused them as not authentic",
+            highlight=False,
+        )
     if not ranks:
         console.print(f"no rank heard from in generation {summary['generation']} yet")
         return

@@ -23,12 +23,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-import orjson
-
 from trainguard.agent.bus import Bus, BusConfig, KafkaSecurity, Record, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
 
-from ._audit import AuditTrail, MalformedAudit, read_trail
+from ._audit import AuditTrail, entries_by_job, read_trail
 from ._export import ExportHeader, load
 
 __all__ = ["JobLog", "UnknownJob", "Window", "parse_time", "read_bus", "read_file"]
@@ -153,15 +151,7 @@ class JobLog:
         Raises:
             MalformedAudit: an entry is not JSON or not in the audit format (named by offset).
         """
-        entries = []
-        for record in self.audit:
-            if record.value is None:
-                continue
-            try:
-                entries.append(orjson.loads(record.value))
-            except orjson.JSONDecodeError as exc:
-                raise MalformedAudit(f"audit record at offset {record.offset}: {exc}") from exc
-        return read_trail(entries)
+        return read_trail(entries_by_job(self.audit).get(self.job_id, []))
 
 
 async def read_bus(
@@ -190,6 +180,7 @@ async def read_bus(
         client_id="trainguard-replay",
         connect_timeout_s=connect_timeout_s,
         security=security or KafkaSecurity(),
+        create=False,  # a read: a mistyped embedded-bus path must not become a new file
     )
     async with open_bus(config) as bus:
         partitions = await bus.partitions("events")

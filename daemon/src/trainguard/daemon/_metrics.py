@@ -80,8 +80,9 @@ required."""
 
 RejectClass: TypeAlias = IntakeRejectClass | RejectCode | Literal["ended_job"]
 """The label of ``trainguard_rejected_inputs_total``: an intake class, the state machine's
-:data:`~trainguard.daemon.RejectCode`, or ``ended_job`` (input for a finished or failed job,
-dead-lettered by the service)."""
+:data:`~trainguard.daemon.RejectCode`, or ``ended_job`` (input for a finished or failed job
+that is no late report of its final generation, dead-lettered by the service; late reports
+count in ``trainguard_late_inputs_total``)."""
 
 REJECT_CLASSES: Final[tuple[str, ...]] = (
     *get_args(IntakeRejectClass),
@@ -245,6 +246,13 @@ class DaemonMetrics:
             ["reason"],
             registry=r,
         )
+        self._late = Counter(
+            "trainguard_late_inputs",
+            "Events for a finished or failed job from a sender of its final generation (a "
+            "supervisor's exit after the ranks finished): ignored, not dead-lettered, by type.",
+            ["type"],
+            registry=r,
+        )
         self._ticks = Counter(
             "trainguard_ticks_written",
             "Clock ticks written into the events topic.",
@@ -282,6 +290,7 @@ class DaemonMetrics:
         # Children resolved once: folding is the hot path.
         self._folded_by_type = {t: self._folded.labels(name) for t, name in _EVENT_TYPES}
         self._folded_ticks = self._folded.labels("tick")
+        self._late_by_type = {t: self._late.labels(name) for t, name in _EVENT_TYPES}
         for cause in _CAUSES:
             self._incidents.labels(cause)
             for mode in _MODES:
@@ -326,6 +335,10 @@ class DaemonMetrics:
                     self._resume.labels(before.incident.mode).observe(took_ns / _NS_PER_S)
                 case _:
                     pass
+
+    def late(self, item: Observed) -> None:
+        """Count one late report for an ended job, ignored without dead-lettering it."""
+        self._late_by_type[type(item.event)].inc()
 
     def rejected(self, reason: RejectClass) -> None:
         """Count one input rejected before it reached the state machine."""

@@ -10,7 +10,10 @@ One loop per daemon process:
    act on the decisions: publish commands on ``commands``, committed training snapshots on
    ``manifests``, the decisions with the input's position and identity on ``audit`` (after
    the machine configuration, once per job and process: :mod:`trainguard.daemon._audit`);
-   rejected input goes to ``dead-letter`` with its reason;
+   rejected input goes to ``dead-letter`` with its reason (sender-controlled text bounded:
+   :meth:`DaemonService._dead_letter`), except a routine late report of an ended job's final
+   generation (a supervisor's ``exited`` after its ranks finished), which is counted
+   (``trainguard_late_inputs_total``) and logged at debug level only;
 3. when a job's :func:`next_deadline` has passed, append a ``ClockTick`` to the job's event
    stream (so the timeout is decided when the tick is folded, and a replay of the log decides
    it at the same place);
@@ -93,6 +96,14 @@ log = structlog.get_logger("trainguard.daemon")
 
 _DEAD_LETTER_VALUE_BYTES = 32 * 1024
 """Most bytes of a rejected value kept in its dead-letter entry (base64 grows it by 4/3)."""
+
+_ECHO_KEY_CHARS = 256
+"""Most characters of a rejected record's key echoed in its dead-letter entry, as that
+entry's record key, and in the log (a job id has at most 128)."""
+
+_ECHO_REASON_CHARS = 2048
+"""Most characters of a rejection's reason written to ``dead-letter`` and the log: reasons
+may quote what the sender wrote (a record key, say), which nothing else bounds."""
 
 _METRICS_INTERVAL_S = 2.0
 """Seconds between two updates of the gauges (consumer lag costs a round trip to the bus)."""
@@ -308,15 +319,28 @@ class DaemonService:
             part.jobs.add(job)
             self._job_partition[job] = record.partition
         if state.phase in TERMINAL_PHASES and isinstance(item, Observed) and not silent:
-            # The machine ignores input for an ended job; say so, since the usual cause is a
-            # new run started under an old job id.
-            self.metrics.rejected("ended_job")
-            await self._dead_letter(
-                bus,
-                record,
-                f"job {job!r} has {state.phase} (generation {state.generation}): input for it is "
-                "ignored; a new run needs a new job id",
-            )
+            # The machine ignores input for an ended job. Late reports of the job's own final
+            # generation (a supervisor's exit after its ranks finished) are routine: counted.
+            # Anything else is parked and said, since the usual cause is a new run started
+            # under an old job id.
+            if _late_report(state, item):
+                self.metrics.late(item)
+                log.debug(
+                    "late input for an ended job ignored",
+                    job_id=job,
+                    phase=state.phase,
+                    generation=state.generation,
+                    rank=item.event.rank,
+                    offset=record.offset,
+                )
+            else:
+                self.metrics.rejected("ended_job")
+                await self._dead_letter(
+                    bus,
+                    record,
+                    f"job {job!r} has {state.phase} (generation {state.generation}): input for "
+                    "it is ignored; a new run needs a new job id",
+                )
         new_state, decisions = decide(state, item, self._c.machine)
         self.jobs[job] = new_state
         self.counters["folded"] += 1
@@ -409,16 +433,28 @@ class DaemonService:
         await bus.publish("audit", record.key or "", orjson.dumps(entry))
 
     async def _dead_letter(self, bus: Bus, record: Record, reason: str) -> None:
-        """Park ``record`` on ``dead-letter`` with ``reason``; values over
-        :data:`_DEAD_LETTER_VALUE_BYTES` are cut (their size and sha256 are kept), so that an
-        oversized input cannot make its own dead-letter entry undeliverable."""
+        """Park ``record`` on ``dead-letter`` with ``reason``.
+
+        Everything the sender controls is bounded, so that an oversized input cannot make its
+        own dead-letter entry undeliverable (over the bus's ``max_message_bytes``) nor flood
+        the log: a value over :data:`_DEAD_LETTER_VALUE_BYTES` is cut, its record key over
+        :data:`_ECHO_KEY_CHARS` likewise (both with their full size and SHA-256 kept, so the
+        original stays identifiable), and the reason over :data:`_ECHO_REASON_CHARS`. An entry
+        is then at most about 60 KiB.
+        """
         value = record.value or b""
+        key = record.key or ""
+        short_key = key[:_ECHO_KEY_CHARS]
+        said = _cut(reason, _ECHO_REASON_CHARS)
         entry = {
-            "reason": reason,
+            "reason": said,
             "topic": record.topic,
             "partition": record.partition,
             "offset": record.offset,
-            "key": record.key,
+            "key": None if record.key is None else short_key,
+            "key_chars": len(key),
+            "key_sha256": hashlib.sha256(key.encode(errors="surrogatepass")).hexdigest(),
+            "key_truncated": len(key) > _ECHO_KEY_CHARS,
             "value_bytes": len(value),
             "value_sha256": hashlib.sha256(value).hexdigest(),
             "value_b64": base64.b64encode(value[:_DEAD_LETTER_VALUE_BYTES]).decode(),
@@ -426,12 +462,13 @@ class DaemonService:
         }
         log.info(
             "input rejected",
-            reason=reason,
-            key=record.key,
+            reason=said,
+            key=short_key,
+            key_chars=len(key),
             partition=record.partition,
             offset=record.offset,
         )
-        delivery = await bus.send("dead-letter", record.key or "", orjson.dumps(entry))
+        delivery = await bus.send("dead-letter", short_key, orjson.dumps(entry))
         delivery.add_done_callback(_log_failed_delivery)
 
     # -- snapshots ---------------------------------------------------------------------------
@@ -571,6 +608,23 @@ class DaemonService:
             return
         for tp, position in positions.items():
             self._partitions[tp.partition].committed = position
+
+
+def _late_report(state: JobState, item: Observed) -> bool:
+    """``item`` is a routine late report for the ended job ``state``: an event of its final
+    generation from a sender (rank or supervisor, host, pid) that generation already heard
+    from, e.g. the supervisor's ``exited`` after the ranks' ``finished``."""
+    event = item.event
+    return event.generation == state.generation and (
+        (event.rank, event.host, event.pid) in state.senders
+    )
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters cut)"
 
 
 def _log_failed_delivery(delivery: asyncio.Future[Any]) -> None:

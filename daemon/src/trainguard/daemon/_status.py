@@ -5,36 +5,53 @@ folded through the same pure state machine (:func:`~trainguard.daemon.decide`) w
 daemon's configuration, so the answer is the state the owning daemon holds (as of the last
 record read), with or without a daemon running.
 
+**Only what the daemon folded.** Status holds no keys. As a replay does
+(:mod:`trainguard.daemon._intake`), it takes each record in with the job's audit trail as its
+:class:`~trainguard.daemon._intake.Authenticator`: a record the daemon refused as not
+authentic (a forged heartbeat, say) has a ``refused`` entry on ``audit`` and is left out (and
+counted: :attr:`JobStatus.refused`). ``audit`` is read after ``events``, so the trail holds the
+daemon's verdict on every record read that the daemon had judged by then.
+
+**Records not judged yet.** A record the daemon has not judged when the audit is read (it lags
+behind, or no daemon runs) has no verdict there; the trail cannot tell it from an authentic
+record (the daemon writes nothing for an authentic record that decides nothing), so status
+folds it as a daemon without keys would: as authentic. With a daemon running this is the
+records of its last poll (milliseconds); while it is down or behind (its consumer lag,
+``trainguard_consumer_lag_records``), a forged record shows until the daemon catches up,
+refuses it and records so, and the next ``status`` leaves it out.
+
 Cost: a full fold of every event of every job shown, from offset 0 (all of ``events`` for the
-table, the job's partition for one job). Reading, decoding, validating and folding take about
-25 us per event on one core (measured on the embedded bus: 100,000 heartbeats of 20 jobs in
-2.6 s of CPU), so hundreds of jobs of some thousand events each answer in seconds; snapshots of
-job states (issue 6) will make it O(events since the snapshot). On Kafka, records the topic's
-retention already deleted are missing from the fold.
+table, the job's partition for one job), plus a read of ``audit`` (its entries for decisions
+and refusals only). Reading, decoding, validating and folding take about 25 us per event on
+one core (measured on the embedded bus: 100,000 heartbeats of 20 jobs in 2.6 s of CPU), so
+hundreds of jobs of some thousand events each answer in seconds; the records read are held in
+memory until the audit is read. On Kafka, records the topic's retention already deleted are
+missing from the fold.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainguard.agent.bus import Bus, BusConfig, Record, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import JSONValue
 
+from ._audit import AuditTrail, entries_by_job, read_trail
 from ._config import MachineConfig
 from ._decisions import IncidentOpened
 from ._inputs import Input
-from ._intake import Taken, take
+from ._intake import Refused, Taken, take
 from ._machine import decide
 from ._state import JobState, new_job
 
-__all__ = ["JobStatus", "job_summary", "rank_summaries", "read_status"]
+__all__ = ["JobStatus", "job_summary", "rank_summaries", "read_status", "read_topic"]
 
 _NS_PER_S = 1_000_000_000
 _STALL_TIMEOUT_S = 120.0
-"""Longest wait for the next records of ``events`` before giving up on reaching its end."""
+"""Longest wait for the next records of a topic before giving up on reaching its end."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +63,15 @@ class JobStatus:
         inputs: inputs folded (events and ticks that decoded and named the job).
         last_incident: the latest incident opened, or ``None``.
         last_incident_ns: the daemon clock (bus time, ns) when it opened.
+        refused: records of the job left out because the daemon refused them as not
+            authentic (its audit trail says so; module docstring).
     """
 
     state: JobState
     inputs: int = 0
     last_incident: IncidentOpened | None = None
     last_incident_ns: int | None = None
+    refused: int = 0
 
 
 def _fold_one(jobs: dict[str, JobStatus], job: str, item: Input, config: MachineConfig) -> None:
@@ -59,18 +79,20 @@ def _fold_one(jobs: dict[str, JobStatus], job: str, item: Input, config: Machine
     status = jobs.get(job) or JobStatus(new_job(job))
     state, decisions = decide(status.state, item, config)
     opened = [d for d in decisions if isinstance(d, IncidentOpened)]
+    # Positional: this runs for every input, and ``dataclasses.replace`` costs several times more.
     if opened:
-        jobs[job] = JobStatus(state, status.inputs + 1, opened[-1], state.clock_ns)
+        jobs[job] = JobStatus(state, status.inputs + 1, opened[-1], state.clock_ns, status.refused)
     else:
         jobs[job] = JobStatus(
-            state, status.inputs + 1, status.last_incident, status.last_incident_ns
+            state, status.inputs + 1, status.last_incident, status.last_incident_ns, status.refused
         )
 
 
 async def read_status(
     bus: BusConfig, config: MachineConfig, job: str | None = None
 ) -> dict[str, JobStatus]:
-    """Read ``events`` from offset 0 to its end offsets at the time of the call and fold it.
+    """Read ``events`` from offset 0 to its end offsets at the time of the call, then
+    ``audit`` likewise, and fold the events the daemon did not refuse (module docstring).
 
     Args:
         bus: how to reach the bus (its topic prefix included).
@@ -78,32 +100,55 @@ async def read_status(
         job: only this job (only its partition is read), or ``None`` for every job.
 
     Returns:
-        job id -> status; empty when the bus holds no event of ``job``.
+        job id -> status; empty when the bus holds no event of ``job`` the daemon folded.
 
     Raises:
         trainguard.agent.bus.BusError: the bus is unreachable.
         TimeoutError: no record arrived for 120 s before the end offsets were reached.
+        MalformedAudit: an audit entry is not in the audit format (named by its position).
     """
-    jobs: dict[str, JobStatus] = {}
     async with open_bus(bus) as b:
         partitions = None
         if job is not None:
             partitions = {partition_for(job, await b.partitions("events"))}
-        async for record in _records(b, partitions):
-            if job is not None and record.key != job:
-                continue
-            taken = take(record)
-            if isinstance(taken, Taken):
-                _fold_one(jobs, taken.job_id, taken.input, config)
+        events = [
+            r async for r in read_topic(b, "events", partitions) if job is None or r.key == job
+        ]
+        # After the events: the trail then holds every verdict the daemon gave on them so far.
+        audit = [r async for r in read_topic(b, "audit", partitions)]
+    trails = {
+        key: read_trail(entries)
+        for key, entries in entries_by_job(audit).items()
+        if job is None or key == job
+    }
+    jobs: dict[str, JobStatus] = {}
+    refused: dict[str, int] = {}
+    for record in events:
+        trail: AuditTrail | None = trails.get(record.key) if record.key is not None else None
+        taken = take(record, trail)
+        if isinstance(taken, Taken):
+            _fold_one(jobs, taken.job_id, taken.input, config)
+        elif isinstance(taken, Refused) and taken.auth is not None and record.key is not None:
+            refused[record.key] = refused.get(record.key, 0) + 1
+    for key, count in refused.items():
+        if key in jobs:
+            jobs[key] = replace(jobs[key], refused=count)
     return jobs
 
 
-async def _records(bus: Bus, partitions: set[int] | None) -> AsyncIterator[Record]:
-    """The records of ``events`` (of ``partitions``, or all) up to the current end offsets,
-    each partition's in offset order."""
+async def read_topic(
+    bus: Bus, topic: str, partitions: set[int] | None = None
+) -> AsyncIterator[Record]:
+    """The records of ``topic`` (of ``partitions``, or all) up to its end offsets at the time
+    of the call, each partition's in offset order.
+
+    Raises:
+        trainguard.agent.bus.BusError: the bus failed.
+        TimeoutError: no record arrived for 120 s before the end offsets were reached.
+    """
     ends = {
         tp: end
-        for tp, end in (await bus.end_offsets("events")).items()
+        for tp, end in (await bus.end_offsets(topic)).items()
         if end > 0 and (partitions is None or tp.partition in partitions)
     }
     if not ends:
@@ -113,7 +158,7 @@ async def _records(bus: Bus, partitions: set[int] | None) -> AsyncIterator[Recor
     async with await bus.assign(dict.fromkeys(ends, 0)) as consumer:
         while any(seen[tp] < end for tp, end in ends.items()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"reading events stalled for {_STALL_TIMEOUT_S:g} s")
+                raise TimeoutError(f"reading {topic} stalled for {_STALL_TIMEOUT_S:g} s")
             records = await consumer.getmany(timeout_s=0.5, max_records=10_000)
             if records:
                 deadline = time.monotonic() + _STALL_TIMEOUT_S
@@ -126,8 +171,9 @@ async def _records(bus: Bus, partitions: set[int] | None) -> AsyncIterator[Recor
 def job_summary(status: JobStatus, now_ns: int) -> dict[str, JSONValue]:
     """One job's row: phase, generation, step (highest of the current generation's ranks),
     last committed step, ranks alive of the world size, incidents, the latest incident (id,
-    cause, reason, seconds since it opened, whether still open) and seconds since its last
-    input. Ages are ``now_ns`` (wall clock) minus bus times."""
+    cause, reason, seconds since it opened, whether still open), seconds since its last
+    input, inputs folded, and records left out as refused by the daemon. Ages are ``now_ns``
+    (wall clock) minus bus times."""
     state = status.state
     steps = [r.step for r in state.ranks.values() if r.step is not None]
     last: dict[str, JSONValue] | None = None
@@ -153,6 +199,7 @@ def job_summary(status: JobStatus, now_ns: int) -> dict[str, JSONValue]:
         "failure": state.failure,
         "last_input_age_s": _age_s(now_ns, state.clock_ns),
         "inputs": status.inputs,
+        "refused": status.refused,
     }
 
 
