@@ -22,6 +22,7 @@ from trainguard.agent.bus import (
     DeliveryFailed,
     Record,
     TopicPartition,
+    topic_prefixes,
 )
 from trainguard.agent.bus._partitioner import partition_for
 
@@ -360,3 +361,12 @@ async def test_closed_bus_and_consumers_raise_bus_closed(bus_factory: BusFactory
     with pytest.raises(BusClosed):
         await bus.latest_per_key("commands")
     await bus.close()
+
+
+async def test_topic_names_list_every_prefix(bus_factory: BusFactory) -> None:
+    """Topics of every prefix, full names; a bus of another prefix lists them too."""
+    other = bus_factory.prefix + "b."
+    async with bus_factory.open(), bus_factory.open(prefix=other) as bus:
+        names = await bus.topic_names()
+    assert {bus_factory.prefix + "events", other + "commands"} <= names
+    assert {bus_factory.prefix, other} <= set(topic_prefixes(names))

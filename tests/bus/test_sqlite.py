@@ -4,6 +4,7 @@ commits, compaction, lock waits, file handling, cross-process latency."""
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from trainguard.agent.bus import (
     TopicPartition,
     TopicSpec,
 )
+from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._sqlite import SQLiteBus
 from trainguard.agent.bus._sqlite_groups import round_robin
 
@@ -203,3 +205,39 @@ async def test_record_from_another_connection_arrives_quickly(tmp_path: Path) ->
         [record] = await consumer.getmany(timeout_s=5.0)
         assert record.value == b"restore"
         assert time.monotonic() - sent < 0.2
+
+
+async def test_a_reader_refuses_a_missing_file_and_creates_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "typo" / "bus.db"
+    config = BusConfig(url=f"sqlite://{path}", topics=TOPICS, create=False)
+    with pytest.raises(BusError, match=re.escape(f"no embedded bus at {path}: start a daemon")):
+        await SQLiteBus(config, str(path)).start()
+    assert not (tmp_path / "typo").exists()
+
+
+async def test_a_reader_refuses_an_empty_file_and_leaves_it_empty(tmp_path: Path) -> None:
+    path = tmp_path / "bus.db"
+    path.touch()  # what a read through an older trainguard left behind
+    config = BusConfig(url=f"sqlite://{path}", topics=TOPICS, create=False)
+    with pytest.raises(BusError, match="holds no embedded bus"):
+        await SQLiteBus(config, str(path)).start()
+    assert path.stat().st_size == 0
+
+
+async def test_a_reader_creates_no_topic_and_names_the_prefixes_that_exist(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "bus.db"
+    async with make_bus(path) as writer:
+        await writer.publish("events", "job", b"x")
+        assert await writer.topic_names() == {"trainguard.events", "trainguard.commands"}
+    reader = BusConfig(url=f"sqlite://{path}", topics=TOPICS, create=False)
+    async with SQLiteBus(reader, str(path)) as bus:
+        assert await bus.end_offsets("events") == {
+            TopicPartition("events", p): int(p == partition_for("job", 3)) for p in range(3)
+        }
+    mistyped = BusConfig(url=f"sqlite://{path}", prefix="x.", topics=TOPICS, create=False)
+    async with SQLiteBus(mistyped, str(path)) as bus:
+        with pytest.raises(BusError, match=re.escape("found topics under 'trainguard.'")):
+            await bus.end_offsets("events")
+        assert await bus.topic_names() == {"trainguard.events", "trainguard.commands"}

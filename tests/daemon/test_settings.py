@@ -19,6 +19,7 @@ def test_the_example_names_every_setting() -> None:
     keys = set(re.findall(r"^#?\s*([a-z_]+)\s*=", EXAMPLE.read_text(), re.MULTILINE))
     for cls in (BusConfig, KafkaSecurity, MachineConfig, DaemonConfig):
         names = {f.name for f in fields(cls) if f.init} - {"bus", "machine", "topics", "security"}
+        names -= {"create"}  # BusConfig.create is set by commands, not by a configuration file
         assert names <= keys, f"{cls.__name__}: {sorted(names - keys)} missing from {EXAMPLE}"
 
 
@@ -39,4 +40,11 @@ def test_overrides_beat_the_file_and_unknown_keys_are_errors(tmp_path: Path) -> 
     assert config.machine.heartbeat_timeout_s == 4.0
     path.write_text("[machine]\nheartbeat_timeout = 3.0\n")
     with pytest.raises(ValueError, match="heartbeat_timeout"):
+        load_daemon_config(path)
+
+
+def test_a_configuration_file_cannot_set_whether_the_bus_is_created(tmp_path: Path) -> None:
+    path = tmp_path / "d.toml"
+    path.write_text("[bus]\ncreate = false\n")
+    with pytest.raises(ValueError, match=r"\[bus\]: unknown key\(s\) \['create'\]"):
         load_daemon_config(path)

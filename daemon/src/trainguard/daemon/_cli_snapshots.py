@@ -110,7 +110,7 @@ def _latest(bus: BusConfig) -> dict[str, Record]:
     from trainguard.agent.bus import open_bus
 
     async def read() -> dict[str, Record]:
-        async with open_bus(replace(bus, client_id="trainguard-snapshots")) as b:
+        async with open_bus(replace(bus, client_id="trainguard-snapshots", create=False)) as b:
             return await b.latest_per_key("snapshots")
 
     try:

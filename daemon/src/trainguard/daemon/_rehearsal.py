@@ -55,7 +55,10 @@ __all__ = [
 #: The job's topics :func:`follow_job` and :func:`read_job_record` read, all keyed by job id.
 JOB_TOPICS = ("events", "commands", "manifests", "audit")
 
-_CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
+# -P (Python 3.11+, PYTHONSAFEPATH): no working folder on sys.path. Run from a clone's parent
+# folder, that folder's ``trainguard/`` (the clone: no __init__.py) would join the trainguard
+# namespace package and hide the installed ``trainguard.agent``.
+_CLI = [sys.executable, "-P", "-m", "trainguard.daemon.cli"]
 
 
 def start_daemon(
@@ -138,7 +141,7 @@ def charlm_command(
 ) -> list[str]:
     """The worker command of the ``examples/charlm`` job writing to ``out``, with ``extra``
     options of ``examples/charlm/train.py`` (``--step-sleep``, ``--eval-every``, ...); run it
-    from the repository root or with :func:`charlm_env`'s ``PYTHONPATH``."""
+    with :func:`charlm_env`, whose ``PYTHONPATH`` finds ``examples`` from any folder."""
     return [
         sys.executable,
         "-m",
@@ -167,13 +170,15 @@ def charlm_env(
     fault markers too, so a fault fires once per job), heartbeats every
     ``heartbeat_interval_s`` seconds, ``faults`` as ``TRAINGUARD_FAULTS``, parameter checksums
     every ``checksum_every`` steps (``None``: the agent's default), ``repo`` (the folder
-    holding ``examples/``) on ``PYTHONPATH``."""
+    holding ``examples/``) on ``PYTHONPATH`` and, as ``PYTHONSAFEPATH``, not the working
+    folder (see ``_CLI``: the workers import trainguard too)."""
     env = {
         "TRAINGUARD_CHECKPOINT_DIR": str(out / "checkpoints"),
         "TRAINGUARD_HEARTBEAT_INTERVAL": str(heartbeat_interval_s),
         "TRAINGUARD_FAULTS": faults,
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": str(repo),
+        "PYTHONSAFEPATH": "1",
     }
     if checksum_every is not None:
         env["TRAINGUARD_CHECKSUM_EVERY"] = str(checksum_every)
@@ -183,11 +188,18 @@ def charlm_env(
 def _reference_key(
     repo: Path, steps: int, checkpoint_every: int, seed: int, extra: Sequence[str]
 ) -> str:
-    """Cache key of a reference run: everything that decides its bytes."""
+    """Cache key of a reference run: everything that decides its bytes (the example's and
+    the agent's sources, whose sampler orders the data, the arguments, torch's version)."""
     import torch
 
+    import trainguard.agent
+
     h = hashlib.sha256()
-    for path in sorted((repo / "examples" / "charlm").glob("*.py")):
+    agent = Path(trainguard.agent.__file__).parent
+    for path in [
+        *sorted((repo / "examples" / "charlm").glob("*.py")),
+        *sorted(agent.rglob("*.py")),
+    ]:
         h.update(path.read_bytes())
     h.update(f"{steps}:{checkpoint_every}:{seed}:{torch.__version__}:{list(extra)}".encode())
     return h.hexdigest()[:16]
@@ -203,14 +215,19 @@ def reference_run(
     world_size: int = 2,
     extra: Sequence[str] = (),
     timeout_s: float = 600,
+    keep: int | None = None,
 ) -> Path:
     """Run the ``examples/charlm`` job without faults (and without a daemon: the agents only
     publish) under ``cache``, with ``extra`` options of its ``train.py`` (e.g.
-    ``--skip-steps``), or reuse such a run; return its output folder.
+    ``--skip-steps``), or reuse such a run; return its output folder,
+    ``cache/reference-<key>``.
 
-    A finished run (one with ``final.sha256``) is reused when the example's sources, the
-    arguments and the torch version are the same. The folder holds ``final.sha256`` and
-    ``ledger-rank-*.jsonl`` to compare an interrupted run with, and ``supervisor.log``.
+    A finished run (one with ``final.sha256``) is reused when the example's and the agent's
+    sources, the arguments and the torch version are the same. The folder holds
+    ``final.sha256`` and ``ledger-rank-*.jsonl`` to compare an interrupted run with,
+    ``supervisor.log``, and the run's checkpoints (tens of MB). With ``keep``, only the
+    ``keep`` most recently used runs stay in ``cache`` (the others are deleted), so that a
+    cache shared by runs of changing arguments stays bounded.
 
     Raises:
         RuntimeError: the run failed (see its ``supervisor.log``).
@@ -218,6 +235,9 @@ def reference_run(
     """
     out = cache / f"reference-{_reference_key(repo, steps, checkpoint_every, seed, extra)}"
     if (out / "final.sha256").is_file():
+        out.touch()  # most recently used: the last to be pruned
+        if keep is not None:
+            _prune(cache, keep)
         return out
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -237,7 +257,20 @@ def reference_run(
         raise TimeoutError(f"the reference run took over {timeout_s} s; see {out}") from exc
     if code != 0:
         raise RuntimeError(f"the reference run failed ({code}); see {out / 'supervisor.log'}")
+    if keep is not None:
+        _prune(cache, keep)
     return out
+
+
+def _prune(cache: Path, keep: int) -> None:
+    """Delete all but the ``keep`` most recently used (modified) reference runs in ``cache``."""
+    runs = sorted(
+        (p for p in cache.glob("reference-*") if p.is_dir()),
+        key=lambda p: p.stat().st_mtime_ns,
+        reverse=True,
+    )
+    for old in runs[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass(frozen=True, slots=True)

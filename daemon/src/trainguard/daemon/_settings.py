@@ -174,7 +174,8 @@ def load_daemon_config(
         **data.get("service", {}),
         **{k: v for k, v in service.items() if v is not None},
     }
-    _check_keys("bus", bus_table, BusConfig)
+    # ``create`` says whether a command may create the embedded bus: the daemon always may.
+    _check_keys("bus", bus_table, BusConfig, internal={"create"})
     _check_keys("machine", machine_table, MachineConfig)
     security_table = {
         **data.get("security", {}),
@@ -192,8 +193,13 @@ def load_daemon_config(
     )
 
 
-def _check_keys(table: str, values: Mapping[str, Any], cls: type) -> None:
-    known = {f.name for f in fields(cls) if f.init}
+def _check_keys(
+    table: str,
+    values: Mapping[str, Any],
+    cls: type,
+    internal: frozenset[str] | set[str] = frozenset(),
+) -> None:
+    known = {f.name for f in fields(cls) if f.init} - internal
     unknown = values.keys() - known
     if unknown:
         raise ValueError(f"[{table}]: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")

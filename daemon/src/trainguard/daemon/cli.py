@@ -19,7 +19,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
-from trainguard.daemon._cli_options import ConfiguredBus, ConfiguredPrefix
+from trainguard.daemon._cli_options import ConfiguredBus, ConfiguredPrefix, other_prefixes
 
 __all__ = ["app", "main"]
 
@@ -61,11 +61,14 @@ def bus_check(
         ),
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the bus.")] = 15.0,
+    topic_prefix: ConfiguredPrefix = None,
 ) -> None:
-    """Connect to the bus, create missing topics, and print each topic's end offsets.
+    """Connect to the bus and print each topic's end offsets (on Kafka, creating missing
+    topics first); name the other topic prefixes when this one holds no record.
 
-    Kafka TLS/SASL settings: the config file's \\[bus.security] table, overridden key by key
-    by the TRAINGUARD_KAFKA_* variables (deploy/kafka/README.md).
+    An embedded bus must exist already: a mistyped sqlite:/// path is an error, not a new
+    file. Kafka TLS/SASL settings: the config file's \\[bus.security] table, overridden key by
+    key by the TRAINGUARD_KAFKA_* variables (deploy/kafka/README.md).
     """
     from trainguard.agent.bus import open_bus
     from trainguard.daemon._settings import load_daemon_config
@@ -75,15 +78,24 @@ def bus_check(
     except (OSError, ValueError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
-    bus_config = replace(settings.bus, connect_timeout_s=timeout, client_id="trainguard-check")
+    bus_config = replace(
+        settings.bus, connect_timeout_s=timeout, client_id="trainguard-check", create=False
+    )
+    if topic_prefix is not None:
+        bus_config = replace(bus_config, prefix=topic_prefix)
 
     async def _check() -> None:
+        records = 0
         async with open_bus(bus_config) as b:
             for spec in bus_config.topics:
                 ends = await b.end_offsets(spec.name)
                 total = sum(ends.values())
+                records += total
                 policy = "compact" if spec.compacted else "delete"
                 typer.echo(f"{spec.name:12} {len(ends):3} partitions  {policy:7}  {total} records")
+        if not records:
+            hint = await other_prefixes(bus_config)
+            typer.echo(f"no records under topic prefix {bus_config.prefix!r}; {hint}")
 
     try:
         asyncio.run(_check())
@@ -328,7 +340,10 @@ def demo(
     ] = None,
     cache_dir: Annotated[
         Path | None,
-        typer.Option(help="Where reference runs are cached; default: ~/.cache/trainguard/demo."),
+        typer.Option(
+            help="Where reference runs are cached (the few most recently used are kept); "
+            "default: ~/.cache/trainguard/demo."
+        ),
     ] = None,
     fault: Annotated[
         str | None,

@@ -14,6 +14,7 @@ from trainguard.agent.bus._config import (
     KafkaSecurity,
     load_kafka_security,
     parse_bus_url,
+    topic_prefixes,
 )
 from trainguard.agent.bus._errors import (
     BusClosed,
@@ -44,6 +45,7 @@ __all__ = [
     "load_kafka_security",
     "open_bus",
     "parse_bus_url",
+    "topic_prefixes",
 ]
 
 

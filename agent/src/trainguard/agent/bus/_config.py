@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -21,6 +21,7 @@ __all__ = [
     "KafkaSecurity",
     "load_kafka_security",
     "parse_bus_url",
+    "topic_prefixes",
 ]
 
 DEFAULT_BUS_URL = "sqlite:trainguard-bus.db"
@@ -249,6 +250,11 @@ class BusConfig:
         security: Kafka TLS/SASL settings (built by :func:`load_kafka_security`); ignored by
             the embedded bus.
         kafka_options: extra keyword arguments for aiokafka producers/consumers (expert use).
+        create: embedded bus only: whether ``start()`` may create what is missing (the file,
+            its folder, its tables, this prefix's topics). Writers (daemon, agents,
+            supervisors, ``import``, the demo) keep ``True``; read-only commands pass
+            ``False``, so that a mistyped path or prefix creates nothing and fails with an
+            error naming it. Kafka ignores it: its topics are created on start either way.
     """
 
     url: str
@@ -263,6 +269,20 @@ class BusConfig:
     idle_poll_s: float = 0.02
     security: KafkaSecurity = KafkaSecurity()
     kafka_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    create: bool = True
+
+
+def topic_prefixes(names: Iterable[str]) -> list[str]:
+    """The topic prefixes under which ``names`` (full topic names, e.g. from
+    :meth:`~trainguard.agent.bus.Bus.topic_names`) hold a trainguard bus: those with both an
+    ``events`` and a ``commands`` topic, sorted. Other topics (Kafka's internal ones, other
+    applications') are ignored."""
+    present = set(names)
+    return sorted(
+        name.removesuffix("events")
+        for name in present
+        if name.endswith("events") and name.removesuffix("events") + "commands" in present
+    )
 
 
 def parse_bus_url(url: str) -> tuple[Literal["sqlite", "kafka"], str]:

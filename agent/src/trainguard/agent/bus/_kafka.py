@@ -379,6 +379,12 @@ class KafkaBus(Bus):
                         latest[record.key] = record
         return {key: rec for key, rec in latest.items() if rec.value is not None}
 
+    async def topic_names(self) -> frozenset[str]:
+        """See :meth:`Bus.topic_names`: the cluster's topic listing (those this client may
+        describe). Raises :class:`BusUnavailable` when the cluster does not answer."""
+        meta = self._started_meta()
+        return frozenset(await self._bounded("listing topics", meta.topics(), self._timeout))
+
     def _forget(self, consumer: _KafkaConsumer) -> None:
         self._consumers.discard(consumer)
 

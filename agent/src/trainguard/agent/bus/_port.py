@@ -226,6 +226,12 @@ class Bus(abc.ABC):
         Keys whose latest record is a tombstone are left out.
         """
 
+    @abc.abstractmethod
+    async def topic_names(self) -> frozenset[str]:
+        """Every topic on the bus, as full names (prefix included), whatever its prefix:
+        lets a reader that found nothing say which prefixes do hold topics
+        (:func:`~trainguard.agent.bus.topic_prefixes`)."""
+
     async def __aenter__(self) -> Self:
         await self.start()
         return self

@@ -33,7 +33,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 import structlog
 
 from trainguard.agent.bus import _sqlite_log as log
-from trainguard.agent.bus._config import BusConfig
+from trainguard.agent.bus._config import BusConfig, topic_prefixes
 from trainguard.agent.bus._errors import BusClosed, BusError, DeliveryFailed
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._port import Bus, Consumer, Delivery, Record, TopicPartition
@@ -43,6 +43,7 @@ from trainguard.agent.bus._sqlite_db import (
     TopicMeta,
     load_topics,
     prepare,
+    topic_names,
     translate,
 )
 
@@ -69,7 +70,8 @@ class SQLiteBus(Bus):
             ``send_timeout_s`` bounds each send and every group write (waiting for another
             process's lock), ``session_timeout_s`` is the consumer-group lease: a member that
             has not polled for this long loses its partitions (see :mod:`._sqlite_groups`).
-        path: the database file; its directory is created by :meth:`start` when missing.
+        path: the database file; :meth:`start` creates it and its directory when missing,
+            unless ``config.create`` is false.
             ``":memory:"`` is refused: the reader and writer would see two databases.
         compaction_lag_s: compacted topics keep every record at least this long, seconds
             (``min.compaction.lag.ms``).
@@ -109,22 +111,26 @@ class SQLiteBus(Bus):
         self._next_compaction = 0.0
 
     async def start(self) -> None:
-        """Open (creating if needed) the file and its directory, and create missing topics.
+        """Open the file, and with ``config.create`` (the default) create it, its directory
+        and the missing topics first; without it, open an existing bus as it is.
 
         Raises :class:`~trainguard.agent.bus.BusUnavailable` when the file stays locked by
         other processes for ``connect_timeout_s``, :class:`BusError` when it cannot be created
-        or opened (permissions, not a bus file, another schema version), :class:`BusClosed`
-        after :meth:`close`.
+        or opened (permissions, not a bus file, another schema version; without
+        ``config.create``, a missing file or one holding no bus), :class:`BusClosed` after
+        :meth:`close`.
         """
         if self._state == "closed":
             raise BusClosed("the bus is closed")
         if self._state == "open":
             raise BusError("start() was already called")
+        create = self._config.create
         deadline = time.monotonic() + self._config.connect_timeout_s
         try:
-            await self._writer.open(self._path, deadline)
-            await self._writer.run(prepare, self._config.prefix, self._config.topics, deadline)
-            await self._reader.open(self._path, deadline)
+            await self._writer.open(self._path, deadline, create=create)
+            if create:
+                await self._writer.run(prepare, self._config.prefix, self._config.topics, deadline)
+            await self._reader.open(self._path, deadline, create=create)
             self._set_topics(await self._reader.run(load_topics, self._config.prefix))
         except BaseException as exc:
             await self._writer.close()
@@ -263,6 +269,11 @@ class SQLiteBus(Bus):
         meta = await self._topic(topic)
         return await self._read(log.latest_per_key, meta.topic_id, topic)
 
+    async def topic_names(self) -> frozenset[str]:
+        """See :meth:`Bus.topic_names`: the names in the file's ``topics`` table."""
+        self._check_open()
+        return await self._read(topic_names)
+
     async def import_records(
         self, topic: str, records: Sequence[tuple[str, bytes | None, int]]
     ) -> list[Delivery]:
@@ -327,8 +338,24 @@ class SQLiteBus(Bus):
             self._set_topics(await self._read(load_topics, self._config.prefix))
             meta = self._topics.get(name)
             if meta is None:
-                raise BusError(f"unknown topic {name!r} (prefix {self._config.prefix!r})")
+                raise BusError(await self._unknown_topic(name))
         return meta
+
+    async def _unknown_topic(self, name: str) -> str:
+        """Why ``name`` is unknown, naming the prefixes the file does hold topics under (a
+        reader given a mistyped ``--topic-prefix`` learns the right one)."""
+        others = [
+            p for p in topic_prefixes(await self._read(topic_names)) if p != self._config.prefix
+        ]
+        found = (
+            f"found topics under {', '.join(map(repr, others))}"
+            if others
+            else "it holds no other topic prefix"
+        )
+        return (
+            f"unknown topic {name!r} (prefix {self._config.prefix!r}) on the embedded bus "
+            f"{self._path}; {found}"
+        )
 
     def _resolve(self, tp: TopicPartition) -> tuple[int, int]:
         meta = self._topics.get(tp.topic)

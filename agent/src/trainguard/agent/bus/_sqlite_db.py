@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
 from trainguard.agent.bus._errors import BusError, BusUnavailable
@@ -51,6 +52,7 @@ __all__ = [
     "now_ms",
     "prepare",
     "read_transaction",
+    "topic_names",
     "translate",
     "write_transaction",
 ]
@@ -148,16 +150,25 @@ def translate(exc: sqlite3.Error, what: str) -> BusError:
     return BusError(f"{what}: {exc}")
 
 
-def connect(path: str) -> sqlite3.Connection:
+def connect(path: str, *, create: bool = True) -> sqlite3.Connection:
     """Open ``path`` in WAL mode with ``synchronous=NORMAL`` (see the module docstring).
 
     The connection is in autocommit mode: transactions are explicit (``BEGIN IMMEDIATE`` for
-    writes, see :func:`write_transaction`). Raises :class:`sqlite3.Error` (busy while another
-    process switches the journal mode, not a database, unreadable) and :class:`BusError` when
-    WAL cannot be enabled (e.g. a network file system).
+    writes, see :func:`write_transaction`). With ``create=False`` a missing file is not
+    created (SQLite's ``mode=rw`` URI) and a file without this schema version is refused
+    before anything is written to it. Raises :class:`sqlite3.Error` (busy while another
+    process switches the journal mode, not a database, unreadable, missing with
+    ``create=False``) and :class:`BusError` when WAL cannot be enabled (e.g. a network file
+    system) or, with ``create=False``, the file holds no bus of this schema version.
     """
-    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    if create:
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    else:
+        uri = f"{Path(path).absolute().as_uri()}?mode=rw"
+        conn = sqlite3.connect(uri, timeout=BUSY_TIMEOUT_S, isolation_level=None, uri=True)
     try:
+        if not create:
+            _check_schema(conn, path)
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise BusError(f"{path}: SQLite refused WAL mode (journal_mode={mode})")
@@ -242,6 +253,27 @@ def prepare(
             )
 
 
+def _check_schema(conn: sqlite3.Connection, path: str) -> None:
+    """Raise :class:`BusError` unless ``conn``'s file holds the tables of
+    :data:`SCHEMA_VERSION` (an empty file, e.g. one an older trainguard created on a
+    mistyped read, holds none)."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version == 0:
+        raise BusError(
+            f"{path} holds no embedded bus (no tables): start a daemon or run the demo on it "
+            "first, or check --bus"
+        )
+    if version != SCHEMA_VERSION:
+        raise BusError(
+            f"bus file has schema version {version}, this trainguard reads {SCHEMA_VERSION}"
+        )
+
+
+def topic_names(conn: sqlite3.Connection) -> frozenset[str]:
+    """Every topic's stored name (prefix included)."""
+    return frozenset(name for (name,) in conn.execute("SELECT name FROM topics"))
+
+
 def load_topics(conn: sqlite3.Connection, prefix: str) -> dict[str, TopicMeta]:
     """Every topic whose stored name starts with ``prefix``, by logical name."""
     rows = conn.execute("SELECT topic_id, name, partitions, compacted FROM topics").fetchall()
@@ -252,17 +284,22 @@ def load_topics(conn: sqlite3.Connection, prefix: str) -> dict[str, TopicMeta]:
     }
 
 
-def _open(path: str, deadline: float) -> sqlite3.Connection:
+def _open(path: str, deadline: float, create: bool) -> sqlite3.Connection:
     if sqlite3.sqlite_version_info < MIN_SQLITE_VERSION:
         raise BusError(f"the embedded bus needs SQLite >= 3.24, found {sqlite3.sqlite_version}")
+    if not create and not os.path.exists(path):
+        raise BusError(
+            f"no embedded bus at {os.path.abspath(path)}: start a daemon or run the demo "
+            "first, or check --bus"
+        )
     directory = os.path.dirname(path)
-    if directory:
+    if directory and create:
         os.makedirs(directory, exist_ok=True)
     while True:
         # Switching a new file to WAL needs a moment of exclusive access; another process
         # creating the same file at the same time makes that busy.
         try:
-            return connect(path)
+            return connect(path, create=create)
         except sqlite3.Error as exc:
             if not is_busy(exc) or time.monotonic() >= deadline:
                 raise
@@ -280,14 +317,15 @@ class ConnectionThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._conn: sqlite3.Connection | None = None
 
-    async def open(self, path: str, deadline: float) -> None:
-        """Open the database at ``path``, creating its directory if missing.
+    async def open(self, path: str, deadline: float, *, create: bool = True) -> None:
+        """Open the database at ``path``, creating it and its directory if missing (unless
+        ``create`` is false: see :func:`connect`).
 
         Raises :class:`sqlite3.Error` (e.g. still busy at ``deadline``, monotonic seconds),
         :class:`OSError` (directory cannot be created) or :class:`BusError` (SQLite too old,
-        WAL refused).
+        WAL refused, no bus in the file with ``create=False``).
         """
-        self._conn = await self._submit(_open, path, deadline)
+        self._conn = await self._submit(_open, path, deadline, create)
 
     async def run(
         self,

@@ -1,0 +1,181 @@
+"""First use of the command line: a clone in the working folder, a mistyped bus path or topic
+prefix, and the demo's reference-run cache."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
+from trainguard.daemon import _demo, _rehearsal
+from trainguard.daemon._demo import DemoOptions, run_demo
+from trainguard.daemon._rehearsal import charlm_env, reference_run, stop_process, supervise
+from trainguard.daemon.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    """Run ``trainguard ARGS`` in this process; its exit code and its output (stdout and
+    stderr)."""
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+def make_bus(url: str, prefix: str, records: int) -> None:
+    """Create the embedded bus at ``url`` with ``prefix``'s topics and ``records`` events."""
+
+    async def write() -> None:
+        async with open_bus(BusConfig(url=url, prefix=prefix, topics=DEFAULT_TOPICS)) as bus:
+            for i in range(records):
+                await bus.publish("events", "job", f"{i}".encode())
+
+    asyncio.run(write())
+
+
+def test_our_processes_ignore_a_clone_in_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run from a clone's parent folder, ``trainguard/`` (no ``__init__.py``) must not join
+    the ``trainguard`` namespace package, in the supervisor nor in charlm's workers."""
+    for part in ("agent", "daemon", "schemas"):
+        (tmp_path / "trainguard" / part).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    worker = [sys.executable, "-c", "from trainguard.agent import Agent"]
+    sup = supervise(
+        "j",
+        worker,
+        bus_url=f"sqlite://{tmp_path / 'bus.db'}",
+        prefix="t.",
+        nproc_per_node=1,
+        log_path=tmp_path / "supervisor.log",
+        env=charlm_env(tmp_path / "out", REPO),
+    )
+    try:
+        # A worker that fails waits for a daemon's decision: time out rather than hang.
+        code = sup.wait(60)
+    finally:
+        stop_process(sup)
+    assert code == 0, (tmp_path / "supervisor.log").read_text()[-2000:]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status"],
+        ["status", "j"],
+        ["report", "j"],
+        ["replay", "j"],
+        ["export", "j", "--output", "out.jsonl.gz"],
+        ["checkpoints", "list"],
+        ["snapshots", "list"],
+        ["snapshots", "show", "j"],
+        ["snapshots", "verify"],
+        ["bus", "check"],
+    ],
+)
+def test_a_read_of_a_missing_embedded_bus_creates_nothing(
+    command: list[str], tmp_path: Path
+) -> None:
+    if command[-1] == "verify":  # needs the daemon's keys before it reads the bus
+        keys = tmp_path / "keys"
+        assert invoke("keys", "init", "--keys", str(keys))[0] == 0
+        command = [*command, "--keys", str(keys)]
+    path = tmp_path / "typo" / "bus.db"
+    code, output = invoke(*command, "--bus", f"sqlite://{path}")
+    assert code == 2, output
+    assert f"no embedded bus at {path}" in " ".join(output.split())
+    assert not (tmp_path / "typo").exists()
+
+
+def test_bus_check_takes_a_topic_prefix_and_names_the_others(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path / 'bus.db'}"
+    make_bus(url, "trainguard.", records=3)
+    make_bus(url, "empty.", records=0)
+
+    code, output = invoke("bus", "check", "--bus", url, "--topic-prefix", "trainguard.")
+    assert code == 0, output
+    assert "3 records" in output
+    assert "no records" not in output
+
+    code, output = invoke("bus", "check", "--bus", url, "--topic-prefix", "empty.")
+    assert code == 0, output
+    assert "no records under topic prefix 'empty.'; found topics under 'trainguard.'" in output
+
+    code, output = invoke("bus", "check", "--bus", url, "--topic-prefix", "typo.")
+    assert code == 2
+    assert "found topics under 'empty.', 'trainguard.'" in " ".join(output.split())
+    assert not any(name.startswith("typo.") for name in topic_names(url))
+
+
+def test_status_without_jobs_names_the_prefixes_that_have_topics(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path / 'bus.db'}"
+    make_bus(url, "trainguard.", records=0)
+    make_bus(url, "demo-1.", records=1)
+
+    code, output = invoke("status", "--bus", url)
+    assert code == 0, output
+    assert "no jobs" in output
+    assert "found topics under 'demo-1.'" in " ".join(output.split())
+
+    code, output = invoke("status", "--bus", url, "--topic-prefix", "typo.")
+    assert code == 2
+    assert "found topics under 'demo-1.', 'trainguard.'" in " ".join(output.split())
+
+
+def topic_names(url: str) -> frozenset[str]:
+    async def names() -> frozenset[str]:
+        async with open_bus(BusConfig(url=url, create=False)) as bus:
+            return await bus.topic_names()
+
+    return asyncio.run(names())
+
+
+class _Stop(Exception):
+    """Ends :func:`run_demo` at its first reference run."""
+
+
+def test_the_demos_reference_run_does_not_depend_on_the_printed_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each demo draws a new seed: were it the training's, each would cache a new 30 MB run."""
+    calls: list[dict[str, object]] = []
+
+    def fake_reference_run(repo: Path, cache: Path, **kwargs: object) -> Path:
+        calls.append(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(_demo, "reference_run", fake_reference_run)
+    for seed in (1, 2):
+        with pytest.raises(_Stop):
+            run_demo(DemoOptions(seed=seed, cache=tmp_path))
+    assert calls[0] == calls[1]
+    assert calls[0]["keep"] == _demo.CACHE_KEEP
+
+
+def test_reference_runs_beyond_keep_are_pruned_least_recently_used_first(
+    tmp_path: Path,
+) -> None:
+    args = {"steps": 40, "checkpoint_every": 10, "seed": 0, "extra": ()}
+    key = _rehearsal._reference_key(REPO, 40, 10, 0, ())
+    cached = tmp_path / f"reference-{key}"
+    cached.mkdir()
+    (cached / "final.sha256").write_text("x")
+    old = time.time() - 3600
+    os.utime(cached, (old, old))  # the least recently used, until it is reused
+    for i in range(3):
+        other = tmp_path / f"reference-other{i}"
+        other.mkdir()
+        os.utime(other, (old + i + 1, old + i + 1))
+
+    assert reference_run(REPO, tmp_path, keep=2, **args) == cached  # type: ignore[arg-type]
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cached.name, "reference-other2"]
