@@ -44,10 +44,11 @@ fastest round, CPU rates from its round with the least CPU time:
   before printing: ``read_file``, ``JobLog.trail``, ``replay(..., timeline=False)`` and
   ``verify``, which must find no difference;
 * its stages, each on the previous stage's output: ``file: read only`` (``_export.load``:
-  gunzip, JSON, base64), ``take`` (``_intake.take`` of every record into a list, as ``replay``
-  does: decode, job-id check, input identity) and ``fold only`` (``decide`` over that list
-  from a new job); and ``context: take + fold streamed``: each record taken in and folded at
-  once, nothing kept (what a streaming replay would pay for those two stages);
+  gunzip, JSON, base64), ``take`` (``_intake.take`` of every record into a list: decode,
+  job-id check, input identity) and ``fold only`` (``decide`` over that list from a new job);
+  and ``context: take + fold streamed``: each record taken in and folded at once, nothing
+  kept (what ``replay`` does for a trail of one configuration, less its input keys for the
+  recorded append times, its decision groups and ``verify``);
 * ``embedded bus`` and ``Kafka``: the same replay from ``read_bus``, and the read on its own.
 
 Rates are events on ``events`` (ticks included) per second of wall time and per CPU-second of
@@ -262,8 +263,8 @@ def fold_all(job_id: str, taken: Sequence[Taken], machine: MachineConfig) -> Non
 
 
 def take_and_fold(job_id: str, records: Sequence[Record], machine: MachineConfig) -> None:
-    """Take each record in and fold it at once, keeping nothing (what a streaming replay of a
-    single-configuration trail would cost without its reading and verification)."""
+    """Take each record in and fold it at once, keeping nothing (what ``replay`` does for a
+    single-configuration trail, less its keys, groups and verification)."""
     state = new_job(job_id)
     for record in records:
         item = take(record)
@@ -387,7 +388,8 @@ def file_stages(results: Results, path: Path, n: int, plan: Plan) -> None:
 
 
 def kept_stages(results: Results, events: Sequence[Record], n: int, plan: Plan) -> None:
-    """``take`` of every record into a list (as ``replay`` does), then the fold of that list."""
+    """``take`` of every record into a list, then the fold of that list (the two stages
+    apart; ``replay`` itself streams them)."""
     taken, t = timed(lambda: [take(r) for r in events])
     results.add("file", "stage: take (decode, intake)", n, t)
     inputs = [item for item in taken if isinstance(item, Taken)]
@@ -457,10 +459,7 @@ def profile_file(path: Path, top: int) -> dict[str, Any]:
         ("decode (codec, under take)", decode_s),
         ("intake besides decode (input_id, Observed, Taken)", take_s - decode_s),
         ("input keys (_audit.input_key: orjson with sorted keys)", under("_audit.py", "input_key")),
-        (
-            "matching inputs to the trail (_replay._runs, _recorded_shown)",
-            under("_replay.py", "_runs") + under("_replay.py", "_recorded_shown"),
-        ),
+        ("decision groups (_audit.plain_decisions)", under("_audit.py", "plain_decisions")),
         ("fold (_machine.decide)", under("_machine.py", "decide")),
         ("audit trail (JobLog.trail, read_trail)", under("_joblog.py", "trail")),
         ("verify", under("_replay.py", "verify")),

@@ -172,6 +172,27 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
         _edit_line(1, lambda r: r.update(value_b64="%%%")),
         ":2: bad record",
     ),
+    "base64 not ASCII": (
+        _edit_line(1, lambda r: r.update(value_b64="é" * 4)),
+        ":2: bad record (string argument should contain only ASCII characters)",
+    ),
+    "base64 past its padding": (
+        _edit_line(1, lambda r: r.update(value_b64="AA==AA==")),
+        ":2: bad record (Excess data after padding)",
+    ),
+    "offset a boolean": (
+        _edit_line(1, lambda r: r.update(offset=True)),
+        ":2: bad record (True is not an integer)",
+    ),
+    "unknown topic": (
+        _edit_line(1, lambda r: r.update(topic="logs")),
+        ":2: bad record (topic 'logs' is not one of",
+    ),
+    "key a number": (_edit_line(1, lambda r: r.update(key=7)), ":2: bad record (key 7)"),
+    "not an object": (
+        lambda p: _rewrite(p, [*_lines(p), b"[1, 2]"]),
+        ":4: bad record (a record line must be an object)",
+    ),
     "missing field": (_edit_line(2, lambda r: r.pop("at_ms")), ":3: record without 'at_ms'"),
     "offsets out of order": (_edit_line(2, lambda r: r.update(offset=0)), "out of order"),
     "another job": (_edit_line(2, lambda r: r.update(key="other")), "keyed 'other'"),

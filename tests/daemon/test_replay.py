@@ -33,7 +33,7 @@ from trainguard.daemon._decisions import IncidentOpened, Issue
 from trainguard.daemon._inputs import Observed, Tick
 from trainguard.daemon._intake import Taken, take
 from trainguard.daemon._machine import decide
-from trainguard.daemon._replay import Replay, replay, verify, what_if
+from trainguard.daemon._replay import Replay, _replay_runs, replay, verify, what_if
 from trainguard.daemon._state import new_job
 from trainguard.schemas import ClockTick, Restore, encode
 
@@ -265,6 +265,28 @@ def test_records_that_are_no_input_are_shown_and_decide_nothing(hang_log: list[R
     assert refused.offset == 3
     assert not refused.decisions
     assert verify(result.replayed, result.recorded) is None
+
+
+def test_a_one_configuration_replay_streams_to_what_the_general_path_derives(
+    hang_log: list[Record],
+) -> None:
+    """A trail of one configuration is replayed record by record, keeping only what the
+    result holds; it derives what the general path (every input taken and keyed first, as
+    for several runs) derives: rows, groups, recorded groups, runs and state. Also from a
+    generator, from a window's start, and with a decided input missing from the log (its
+    recorded group then falls in a gap)."""
+    trail = read_trail(audit_of(hang_log, [(A, 0, len(hang_log) - 1)]))
+    missing = [i for i in range(len(hang_log)) if _decides(hang_log, i)][1]
+    gapped = hang_log[:missing] + hang_log[missing + 1 :]
+    for log in (hang_log, gapped):
+        for start in (0, missing, len(log) - 1, len(log)):
+            for timeline in (True, False):
+                streamed = replay(JOB, iter(log), trail, config(), start=start, timeline=timeline)
+                general = _replay_runs(JOB, log, trail, config(), start, timeline)
+                assert streamed == general, (len(log), start, timeline)
+    gap = replay(JOB, gapped, trail, config())
+    assert len(gap.recorded) == len(gap.replayed) + 1, "the missing input's group is compared"
+    assert verify(gap.replayed, gap.recorded) is not None
 
 
 def test_a_trail_without_configuration_folds_under_the_default() -> None:

@@ -270,7 +270,7 @@ _Outcome: TypeAlias = tuple[JobPhase, JobPhase, int, tuple[Decision, ...]]
 
 def replay(
     job_id: str,
-    records: Sequence[RawRecord],
+    records: Iterable[RawRecord],
     trail: AuditTrail,
     default: MachineConfig,
     *,
@@ -283,7 +283,9 @@ def replay(
     Args:
         job_id: the job.
         records: the records keyed by the job on its ``events`` partition, in offset order
-            from the first (the state at any point depends on everything before it).
+            from the first (the state at any point depends on everything before it). Read
+            once, in order, when the trail records at most one configuration (a generator
+            will do: nothing but what the result holds is kept); held whole otherwise.
         trail: the job's audit trail (:func:`trainguard.daemon._audit.read_trail`).
         default: the configuration to fold under when the trail records none (the daemon
             never decided anything for the job).
@@ -302,6 +304,94 @@ def replay(
 
     Costs one fold of the records per distinct recorded configuration.
     """
+    recorded = dict.fromkeys(group.config_id for group in trail.groups)
+    if len(recorded) > 1:
+        return _replay_runs(job_id, tuple(records), trail, default, start, timeline)
+    config = next(iter(recorded), config_id(default))
+    machine = default if config == config_id(default) else trail.machine(config)
+    return _replay_streamed(job_id, records, trail, (config, machine), start, timeline)
+
+
+def _replay_streamed(
+    job_id: str,
+    records: Iterable[RawRecord],
+    trail: AuditTrail,
+    config: tuple[str, MachineConfig],
+    start: int,
+    timeline: bool,
+) -> Replay:
+    """:func:`replay` of a job decided under one configuration (``(id, configuration)``):
+    one run, so each record is taken in, folded and shown as it is read.
+
+    Only the inputs whose append time equals a recorded group's are keyed (the keys
+    :func:`_recorded_shown` matches, by their last index): an input key costs a JSON
+    serialisation, and a million of them (with the ``Taken`` they come from) would be held
+    for the hundred or so the trail names.
+    """
+    cid, machine = config
+    wanted = {group.at_ms for group in trail.groups}
+    last_index: dict[InputKey, int] = {}
+    rows: list[Row] = []
+    replayed: list[Group] = []
+    state = new_job(job_id)
+    count = 0
+    first_offset: int | None = None
+    first_ms = last_ms = 0
+    for i, record in enumerate(records):
+        count += 1
+        at_ms = record.timestamp_ms
+        if i == 0:
+            first_offset = record.offset
+        if i == start:
+            first_ms = at_ms
+        last_ms = at_ms
+        item = take(record, trail)
+        phase = state.phase
+        decisions: tuple[Decision, ...] = ()
+        if isinstance(item, Taken):
+            state, decisions = decide(state, item.input, machine)
+            if at_ms in wanted:
+                last_index[input_key(item.input_id, at_ms)] = i
+            if decisions and i >= start:
+                replayed.append(
+                    Group(
+                        input_id=item.input_id,
+                        at_ms=at_ms,
+                        offset=record.offset,
+                        config_id=cid,
+                        decisions=plain_decisions(decisions),
+                    )
+                )
+        if timeline and i >= start:
+            rows.append(_row(record, item, phase, state.phase, state.generation, decisions, cid))
+    shown: list[Group] = []
+    if start < count:
+        # As _recorded_shown: the groups of shown inputs, and of inputs the log lacks (a gap)
+        # within the shown records' times.
+        for group in trail.groups:
+            index = last_index.get(group.key)
+            if index >= start if index is not None else first_ms <= group.at_ms < last_ms:
+                shown.append(group)
+    return Replay(
+        rows=tuple(rows),
+        replayed=tuple(replayed),
+        recorded=tuple(shown),
+        runs=((cid, first_offset),),
+        state=state,
+    )
+
+
+def _replay_runs(
+    job_id: str,
+    records: Sequence[RawRecord],
+    trail: AuditTrail,
+    default: MachineConfig,
+    start: int,
+    timeline: bool,
+) -> Replay:
+    """:func:`replay` of a job decided by several daemon runs: every record is taken in and
+    keyed first, to split the inputs among the runs (:func:`_runs`); each configuration then
+    folds them all."""
     taken = [take(r, trail) for r in records]
     keys = [
         input_key(t.input_id, r.timestamp_ms) if isinstance(t, Taken) else None
@@ -350,7 +440,7 @@ def replay(
             (run.config, records[run.first].offset if run.first < len(records) else None)
             for run in runs
         ),
-        state=final[runs[-1].config] if runs else new_job(job_id),
+        state=final[runs[-1].config],
     )
 
 
@@ -674,12 +764,7 @@ def _fold_modelled(
             before = state
             state, decisions = decide(state, Tick(at), config)
             last_tick = at
-            tick = Taken(
-                job_id,
-                Tick(at),
-                message,
-                {"type": "tick", "daemon_id": SYNTHETIC_DAEMON_ID, "seq": seq},
-            )
+            tick = Taken(job_id, Tick(at), message)
             record = _Synthetic(offset=-1, timestamp_ms=at // _NS_PER_MS)
             rows.append(
                 _row(
