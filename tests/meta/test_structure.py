@@ -30,11 +30,13 @@ PURE_MODULES = [
     "daemon/src/trainguard/daemon/_replay.py",
     "daemon/src/trainguard/daemon/_state_codec.py",
     "daemon/src/trainguard/daemon/_catalog.py",
+    "daemon/src/trainguard/daemon/_report_record.py",
     "agent/src/trainguard/agent/_cursor.py",
     "agent/src/trainguard/agent/_errors.py",
 ]
 """The state machine, its detectors and the cursor arithmetic (ARCHITECTURE.md section 4),
-and the replay that folds a recorded log through them (with its intake and audit format)."""
+the replay that folds a recorded log through them (with its intake and audit format), and the
+catalog and report digests built from the same records."""
 
 IO_MODULES = {
     "asyncio", "anyio", "socket", "sqlite3", "aiokafka", "os", "io", "time", "random",
