@@ -9,6 +9,7 @@ after their step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from trainguard.schemas import (
     Lifecycle,
     Phase,
     Restore,
+    Resume,
+    Signature,
 )
 
 JOB = "report-job"
@@ -485,3 +488,18 @@ def test_the_chart_draws_at_most_64_ranks() -> None:
     assert ">rank 63<" in page
     assert ">rank 64<" not in page
     assert "showing 64 of 70 ranks" in page
+
+
+def test_only_the_commands_the_daemon_issued_move_restore_times() -> None:
+    """A resume takes its bus append time from the ``commands`` record that is exactly the
+    command the audit says was issued (signed or not); a forged one, which agents ignore,
+    moves nothing."""
+    job = killed_once()
+    [resume_at] = [i for i, c in enumerate(job.commands) if isinstance(c.message, Resume)]
+    genuine = job.commands[resume_at]
+    signed = dataclasses.replace(genuine.message, auth=Signature(kid="0" * 16, sig="AA=="))
+    forged = dataclasses.replace(genuine.message, seq=genuine.message.seq + 1)
+    job.commands[resume_at] = Stamped(genuine.at_ms + 300, signed)
+    job.commands.append(Stamped(genuine.at_ms + 5_000, forged))
+    [incident] = job.report().incidents
+    assert incident.restore_s == pytest.approx(9.99 + 0.3)  # the genuine record's time only

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from trainguard.schemas import Checkpoint, ClockTick, Heartbeat, Lifecycle, Restore, Resume
 
+from ._decisions import _plain
+
 __all__ = [
     "AuditDigest",
     "Curve",
@@ -98,12 +100,15 @@ def read_audit(entries: Iterable[Mapping[str, Any]], commands: Iterable[Timed] =
     """Digest audit entries (dicts with ``at_ms`` and ``decisions``, the decisions'
     ``to_dict`` forms: :mod:`trainguard.daemon._decisions`; entries without decisions are
     skipped). A restore or resume found in ``commands`` takes that record's append time (when
-    it was sent) instead of the time of the input that decided it.
+    it was sent) instead of the time of the input that decided it, if it is exactly the command
+    the audit says the daemon issued (every field but the signature): a command some other bus
+    client wrote (a forgery, which agents ignore) moves no time.
 
     Raises:
         KeyError, ValueError, TypeError: an entry lacks a field its decision always has.
     """
     audit = AuditDigest()
+    issued: dict[tuple[str, int], Mapping[str, Any]] = {}
     for entry in entries:
         decisions = entry.get("decisions") or ()
         if not decisions:
@@ -125,6 +130,9 @@ def read_audit(entries: Iterable[Mapping[str, Any]], commands: Iterable[Timed] =
                 )
             elif kind == "issue":
                 _read_command(audit, d["command"], at)
+                command = d["command"]
+                kind_of = str(command.get("schema", "")).partition("/")[0]
+                issued.setdefault((kind_of, int(command["generation"])), command)
             elif kind == "incident_closed":
                 audit.closed.setdefault(d["incident_id"], (d["outcome"], at))
             elif kind == "committed":
@@ -136,6 +144,11 @@ def read_audit(entries: Iterable[Mapping[str, Any]], commands: Iterable[Timed] =
                 audit.ended = (d["new"], at)
     for item in commands:
         msg = item.message
+        if not isinstance(msg, Restore | Resume):
+            continue
+        said = issued.get((msg.SCHEMA.partition("/")[0], msg.generation))
+        if said is None or _plain(dataclasses.replace(msg, auth=None)) != said:
+            continue
         if isinstance(msg, Restore) and msg.generation in audit.restores:
             old = audit.restores[msg.generation]
             if old.incident_id == msg.incident_id:
