@@ -181,7 +181,14 @@ async def test_silence_is_detected_through_ticks_written_into_the_log(
 ) -> None:
     config = daemon_config(bus_factory, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.25)
     async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
-        await publish(bus, started(0), started(1), beat(0, 1, 3), beat(1, 1, 3))
+        await publish(bus, started(0), started(1))
+        # Both beats queued before either is awaited, so that they are appended together: the
+        # incident names every rank due within one heartbeat interval (0.25 s) of the first,
+        # and one awaited send at a time on a loaded broker can take longer than that.
+        deliveries = [
+            await bus.send("events", JOB, encode(b)) for b in (beat(0, 1, 3), beat(1, 1, 3))
+        ]
+        await asyncio.gather(*deliveries)
         async with running(DaemonService(config)):
             [restore] = await eventually(lambda: _restores(bus))
         assert "no event from ranks 0, 1" in restore.reason
