@@ -443,3 +443,35 @@ async def test_a_signing_key_rotated_while_a_job_runs_signs_the_next_command(
     refused = CommandGate(JOB, 0, old_public).admit(command)
     assert isinstance(refused, Ignored)
     assert refused.reason == "unknown_kid"
+
+
+async def test_unusable_key_files_refuse_that_jobs_records_and_nothing_else(setup: Setup) -> None:
+    """A job whose event key file is readable by others is no crash: its records are refused
+    (``key_error``, naming the file), every other job goes on, and once the file is fixed the
+    job's next records are judged again."""
+    other_key = setup.key("other-job")
+    [key_file] = (setup.admin.path / "events" / "other-job").glob("*.key")
+    key_file.chmod(0o644)
+    keys = KeyStore(setup.admin.path).load_daemon_keys()  # reads job keys on first use
+    async with setup.bus.open(topics=DEFAULT_TOPICS) as bus:
+        await send(bus, setup.key(), started(0), started(1), beat(0, 1, 10))
+        await send(bus, other_key, started(0, "other-job"), beat(0, 1, 3, "other-job"))
+        await send(bus, None, beat(1, 1, 4, "other-job"))  # unsigned: refused all the same
+        await send(bus, setup.key(), beat(1, 1, 10))
+        async with running(DaemonService(config(setup), keys=keys)) as service:
+
+            async def parked() -> list[dict[str, Any]]:
+                entries = [orjson.loads(v) for v in await read_all(bus, "dead-letter")]
+                return entries if len(entries) >= 3 else []
+
+            entries = await eventually(parked)
+            await eventually(lambda: _folded(service, 4))
+            assert rejected(service, "key_error") == 3
+            assert "other-job" not in service.jobs
+            assert (service.jobs[JOB].ranks[0].step, service.jobs[JOB].ranks[1].step) == (10, 10)
+            key_file.chmod(0o600)
+            await send(bus, other_key, started(0, "other-job"))
+            await eventually(lambda: _folded(service, 5))
+            assert "other-job" in service.jobs
+    assert all(str(key_file) in e["reason"] for e in entries)
+    assert all("cannot be used" in e["reason"] for e in entries)

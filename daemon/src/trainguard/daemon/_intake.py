@@ -57,10 +57,13 @@ _NS_PER_MS = 1_000_000
 
 RefusedCode: TypeAlias = Literal["tombstone", "schema", "key_mismatch", "auth"]
 
-AuthRefusal: TypeAlias = Literal["missing_mac", "unknown_kid", "bad_mac", "unknown_job"]
+AuthRefusal: TypeAlias = Literal[
+    "missing_mac", "unknown_kid", "bad_mac", "unknown_job", "key_error"
+]
 """Why a record is not authentic: it carries no MAC, a MAC under a key id the job does not
-have, a MAC that does not verify, or it belongs to a job without an event key while the daemon
-requires authentication."""
+have, a MAC that does not verify, it belongs to a job without an event key while the daemon
+requires authentication, or its job's key files cannot be used (readable by others, malformed:
+the record cannot be judged, so it is not taken)."""
 
 
 class RawRecord(Protocol):

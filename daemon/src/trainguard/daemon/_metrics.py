@@ -69,6 +69,7 @@ IntakeRejectClass: TypeAlias = Literal[
     "unknown_kid",
     "bad_mac",
     "unknown_job",
+    "key_error",
 ]
 """Why a record of ``events`` never became an input: a tombstone, a value over the size limit
 (:class:`~trainguard.schemas.MessageTooLarge`), not UTF-8 or JSON or nested too deep, an
@@ -76,7 +77,7 @@ unknown or missing ``schema``, a message breaking its JSON Schema, a message typ
 an event (a command on ``events``), a ``job_id`` other than the record's key; not authentic
 (:data:`~trainguard.daemon._intake.AuthRefusal`): no MAC, a MAC under a key id the job does not
 have, a MAC that does not verify, a job without an event key while authentication is
-required."""
+required, a job whose key files cannot be used."""
 
 RejectClass: TypeAlias = IntakeRejectClass | RejectCode | Literal["ended_job"]
 """The label of ``trainguard_rejected_inputs_total``: an intake class, the state machine's

@@ -22,6 +22,9 @@ job with event keys, no MAC                  ``missing_mac``
 MAC under a kid the job does not have        ``unknown_kid``
 MAC that does not verify                     ``bad_mac``
 MAC under a live key of the job              authentic
+the job's key files unusable                 ``key_error`` (readable by group or others,
+                                             wrong size, malformed: the operator's to fix;
+                                             the daemon goes on with the other jobs)
 ==========================================  ============================================
 
 Intake asks :meth:`EventAuth.mac_keys` first for a record laid out as ``encode`` writes a MACed
@@ -113,14 +116,19 @@ class EventAuth:
     def refuse(
         self, record: RawRecord, message: Event | ClockTick
     ) -> tuple[AuthRefusal, str] | None:
-        """``None`` when ``record`` is authentic, else ``(code, reason)``.
-
-        Raises:
-            KeyStoreError: the job's key files became unreadable or malformed.
-        """
+        """``None`` when ``record`` is authentic, else ``(code, reason)``; ``key_error`` when
+        the job's key files cannot be used (the reason names the file, never a key)."""
         keys = self._keys
         if keys is None:
             return None
+        try:
+            return self._judge(keys, record, message)
+        except KeyStoreError as exc:
+            return "key_error", f"event keys of job {message.job_id!r} cannot be used: {exc}"
+
+    def _judge(
+        self, keys: DaemonKeys, record: RawRecord, message: Event | ClockTick
+    ) -> tuple[AuthRefusal, str] | None:
         job = message.job_id
         accepted = self._accepted(keys, job)
         if not accepted and self._refresh(keys, job):
@@ -151,16 +159,17 @@ class EventAuth:
         """The event keys a MAC on ``record``'s raw bytes may verify under (the ones
         :meth:`refuse` verifies with: live keys, retired ones too when rebuilding), looked up
         by the record key (the job id: intake takes the record only if its ``job_id`` is the
-        same); ``None`` without keys or record key, empty for a job without event keys. Never
-        refreshes: a miss goes to :meth:`refuse`, which does.
-
-        Raises:
-            KeyStoreError: the job's key files became unreadable or malformed.
+        same); ``None`` without keys or record key, empty for a job without event keys, and
+        ``None`` when its key files cannot be used (:meth:`refuse` says so). Never refreshes: a
+        miss goes to :meth:`refuse`, which does.
         """
         keys = self._keys
         if keys is None or record.key is None:
             return None
-        return self._accepted(keys, record.key)
+        try:
+            return self._accepted(keys, record.key)
+        except KeyStoreError:
+            return None
 
     def _accepted(self, keys: DaemonKeys, job: str) -> Mapping[str, bytes]:
         live = keys.event_keys(job) or {}

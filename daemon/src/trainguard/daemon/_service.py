@@ -558,7 +558,17 @@ class DaemonService:
                 daemon_id=self._c.machine.daemon_id,
             )
             keys = self._event_keys()
-            event_key = keys.current_event_key(job) if keys is not None else None
+            try:
+                event_key = keys.current_event_key(job) if keys is not None else None
+            except KeyStoreError as exc:
+                # Unusable key files: every input of the job is refused (key_error) until the
+                # operator fixes them; a tick could not be judged either.
+                log.error(
+                    "tick not written: the job's event keys cannot be used",
+                    job_id=job,
+                    error=str(exc),
+                )
+                continue
             if event_key is not None:
                 tick = add_mac(tick, *event_key)
             await bus.send("events", job, encode(tick))
