@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from trainguard.agent import ConfigError
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
 from trainguard.daemon import _demo, _rehearsal
 from trainguard.daemon._demo import DemoOptions, run_demo
@@ -179,3 +180,21 @@ def test_reference_runs_beyond_keep_are_pruned_least_recently_used_first(
     assert reference_run(REPO, tmp_path, keep=2, **args) == cached  # type: ignore[arg-type]
 
     assert sorted(p.name for p in tmp_path.iterdir()) == [cached.name, "reference-other2"]
+
+
+def test_the_demo_refuses_a_used_work_folder_and_files_for_folders(tmp_path: Path) -> None:
+    """A used work folder holds the last run's bus and fault markers (its kill would not fire
+    again): refused before anything runs, as are files given as folders."""
+    used = tmp_path / "used"
+    (used / "run").mkdir(parents=True)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ConfigError, match="is not empty"):
+        DemoOptions(workdir=used)
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        DemoOptions(workdir=a_file)
+    with pytest.raises(ConfigError, match=r"--cache-dir .* is a file, not a folder"):
+        DemoOptions(cache=a_file)
+    DemoOptions(workdir=tmp_path / "new", cache=tmp_path / "cache")  # fine: created on use
+    (tmp_path / "empty").mkdir()
+    DemoOptions(workdir=tmp_path / "empty")

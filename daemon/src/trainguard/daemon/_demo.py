@@ -96,6 +96,18 @@ class DemoOptions:
         least = self.checkpoint_every + 26  # room for the random kill step and what follows
         if self.steps < least:
             raise ConfigError(f"--steps must be at least {least}, got {self.steps}")
+        # A used work folder holds the last run's bus, checkpoints and fault markers (a fault
+        # fires once per job): a second run there would not be the demo it says it is.
+        if self.workdir is not None and self.workdir.exists():
+            if not self.workdir.is_dir():
+                raise ConfigError(f"--workdir {self.workdir} is a file, not a folder")
+            if any(self.workdir.iterdir()):
+                raise ConfigError(
+                    f"--workdir {self.workdir} is not empty (a previous run?): give a new or "
+                    "empty folder"
+                )
+        if self.cache.exists() and not self.cache.is_dir():
+            raise ConfigError(f"--cache-dir {self.cache} is a file, not a folder")
         if self.fault is None:
             return
         faults = parse_faults(self.fault)
@@ -121,7 +133,9 @@ def find_example() -> Path:
     Raises ``FileNotFoundError`` with a hint when trainguard was installed from a wheel
     rather than from a clone (``pip install -e .``), or run outside the clone.
     """
-    candidates = [Path.cwd(), *Path(__file__).resolve().parents]
+    # The clone this trainguard is installed from first: a working folder that happens to
+    # hold another examples/charlm (and modules next to it) must not be run instead.
+    candidates = [*Path(__file__).resolve().parents, Path.cwd()]
     for root in candidates:
         if (root / "examples" / "charlm" / "train.py").is_file():
             return root

@@ -334,7 +334,12 @@ def demo(
     seed: Annotated[
         int | None, typer.Option(help="Seed of the kill step; default: random.")
     ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 240,
+    steps: Annotated[
+        int,
+        typer.Option(
+            help="Training steps (at least 46: the kill step is drawn from 25 to steps - 21)."
+        ),
+    ] = 240,
     workdir: Annotated[
         Path | None, typer.Option(help="Work folder; default: a fresh temporary folder.")
     ] = None,
