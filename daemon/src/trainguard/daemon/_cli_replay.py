@@ -249,9 +249,12 @@ def _what_if(console: Console, log: JobLog, trail: AuditTrail, path: Path, *, js
     try:
         settings = load_daemon_config(path)
         with path.open("rb") as f:
-            overrides = {
-                k: v for k, v in tomllib.load(f).get("machine", {}).items() if k != "daemon_id"
-            }
+            keys = tomllib.load(f).get("machine", {}).keys() - {"daemon_id"}
+    except (OSError, ValueError) as exc:  # messages name the file
+        _fail(str(exc))
+    # The file's [machine] keys, with the values load_daemon_config checked and converted.
+    overrides = {k: getattr(settings.machine, k) for k in keys}
+    try:
         first = next(iter(trail.configs), None)
         baseline = _default_config() if first is None else trail.machine(first)
         variant = dataclasses.replace(baseline, **overrides)

@@ -10,22 +10,29 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import get_args
 
 from trainguard.schemas import Phase, RestoreMode
 
 from ._window import CHUNK
 
 _NS_PER_S = 1_000_000_000
+_MAX_S = 1e9
+"""Longest duration, seconds (about 31 years): a deadline (a time since the epoch in
+nanoseconds, about 1.8e18 today, plus a duration) then stays within a signed 64-bit integer,
+and ``1e308`` seconds does not overflow the conversion to nanoseconds."""
 
 
 def _to_ns(name: str, seconds: float) -> int:
     """Convert a positive, finite duration in seconds to whole nanoseconds.
 
     Raises:
-        ValueError: ``seconds`` is not a finite number > 0.
+        ValueError: ``seconds`` is not a number in (0, 1e9].
     """
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds!r}")
+    if not 0 < seconds <= _MAX_S:  # also refuses nan
+        raise ValueError(
+            f"{name} must be a number of seconds > 0 and <= {_MAX_S:g}, got {seconds!r}"
+        )
     return round(seconds * _NS_PER_S)
 
 
@@ -119,7 +126,7 @@ class MachineConfig:
     The ``*_ns`` attributes hold the durations in nanoseconds, computed once.
 
     Raises:
-        ValueError: an empty ``daemon_id``, a duration that is not finite and > 0, a count
+        ValueError: an empty ``daemon_id``, an unknown ``restore_mode``, a duration not in (0, 1e9] seconds, a count
             below its minimum, a probability or factor out of range, a window that is not a
             multiple of 8, a progress floor above its ceiling, or a heartbeat interval not below
             the heartbeat timeout.
@@ -175,6 +182,10 @@ class MachineConfig:
     def __post_init__(self) -> None:
         if not self.daemon_id:
             raise ValueError("daemon_id must not be empty")
+        if self.restore_mode not in get_args(RestoreMode):
+            raise ValueError(
+                f"restore_mode must be one of {get_args(RestoreMode)}, got {self.restore_mode!r}"
+            )
         _at_least(self, 1, "max_restore_attempts", "keep_snapshots", "max_restore_cycles")
         _at_least(self, 1, "progress_min_samples", "straggler_min_reports", "loss_min_samples")
         _at_least(self, 1, "loss_spike_persist", "model_parallel_size", "max_step_lag")

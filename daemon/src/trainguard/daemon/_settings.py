@@ -6,7 +6,9 @@ beat ``[bus.security]`` key by key. The file has up to four tables,
 ``[bus]`` (``BusConfig`` fields, with ``[bus.security]`` for Kafka TLS/SASL), ``[machine]``
 (``MachineConfig`` fields, seconds as floats), ``[service]`` (``DaemonConfig`` loop
 settings) and ``[security]`` (:class:`SecurityConfig`: keys and authentication);
-``deploy/daemon.example.toml`` lists every key with its default.
+``deploy/daemon.example.toml`` lists every key with its default. Every value is checked
+against its field's type and range (:mod:`trainguard.daemon._config_check`); errors name the
+file, the table and the key.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import os
 import socket
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, TopicSpec, load_kafka_security
+from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, load_kafka_security
 from trainguard.daemon._config import MachineConfig
+from trainguard.daemon._config_check import build, check
 
 __all__ = ["DaemonConfig", "SecurityConfig", "load_daemon_config"]
 
@@ -84,8 +87,9 @@ class DaemonConfig:
         security: keys and authentication (:class:`SecurityConfig`).
 
     Raises:
-        ValueError: ``metrics_port`` outside -1..65535, ``snapshot_interval_s`` negative or
-            not finite.
+        ValueError: ``metrics_port`` outside -1..65535, ``poll_s`` not > 0,
+            ``tick_interval_s``, ``commit_interval_s`` or ``snapshot_interval_s`` negative, or a
+            duration not finite.
     """
 
     bus: BusConfig
@@ -100,6 +104,12 @@ class DaemonConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
+        if not 0 < self.poll_s < math.inf:
+            raise ValueError(f"poll_s must be a finite number of seconds > 0, not {self.poll_s!r}")
+        for name in ("tick_interval_s", "commit_interval_s"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
         if not 0 <= self.snapshot_interval_s < math.inf:
             raise ValueError(
                 f"snapshot_interval_s must be a finite number of seconds >= 0 (0: off), "
@@ -143,63 +153,70 @@ def load_daemon_config(
             ``None`` values are ignored).
         **service: overrides of ``DaemonConfig`` fields (``group_id``, ``poll_s``, ...).
 
+    Every value is checked against the annotation of its field (``float`` fields take
+    integers too, never booleans or strings, and refuse ``inf`` and ``nan``; ``Literal``
+    fields take one of their choices; paths are strings) by
+    :func:`~trainguard.daemon._config_check.build`, then against the ranges the dataclasses
+    check.
+
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: an unknown key, a malformed file (``tomllib.TOMLDecodeError`` is a
-            ``ValueError``), or a value ``MachineConfig`` refuses.
+        OSError: ``path`` cannot be read (``FileNotFoundError``: it does not exist).
+        ValueError: an unknown table or key, a malformed file (``tomllib.TOMLDecodeError`` is
+            a ``ValueError``), a value of the wrong type or out of range. Messages name the
+            file, the table and the key, and say what was expected, e.g. ``daemon.toml:
+            [machine] heartbeat_timeout_s: expected a number of seconds, got '10' (a string)``.
     """
     data: dict[str, Any] = {}
     if path is not None:
         with path.open("rb") as f:
             data = tomllib.load(f)
+    source = "" if path is None else f"{path}: "
     unknown = data.keys() - {"bus", "machine", "service", "security"}
     if unknown:
-        raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}")
-    bus_table = dict(data.get("bus", {}))
+        raise ValueError(f"{source}unknown table(s) {sorted(unknown)}")
+    tables = {name: _table(source, name, data.get(name, {})) for name in _TABLES}
+    bus_table = tables["bus"]
     if bus_url is not None:
         bus_table["url"] = bus_url
     bus_table.setdefault("url", DEFAULT_BUS_URL)
-    security = bus_table.get("security")
+    security = bus_table.pop("security", None)
     if security is not None and not isinstance(security, Mapping):
-        raise ValueError(f"{path}: [bus] security must be a table ([bus.security])")
-    bus_table["security"] = load_kafka_security(security, env)
-    if isinstance(bus_table.get("topics"), list):
-        bus_table["topics"] = tuple(TopicSpec(**t) for t in bus_table["topics"])
-    machine_table = {
-        "daemon_id": _default_daemon_id(),
-        **data.get("machine", {}),
-        **(machine or {}),
-    }
+        raise ValueError(f"{source}[bus] security must be a table ([bus.security])")
+    try:
+        kafka_security = load_kafka_security(security, env)
+    except ValueError as exc:
+        raise ValueError(f"{source}{exc}") from None
+    machine_table = {"daemon_id": _default_daemon_id(), **tables["machine"], **(machine or {})}
     service_table = {
-        **data.get("service", {}),
+        **tables["service"],
         **{k: v for k, v in service.items() if v is not None},
     }
-    # ``create`` says whether a command may create the embedded bus: the daemon always may.
-    _check_keys("bus", bus_table, BusConfig, internal={"create"})
-    _check_keys("machine", machine_table, MachineConfig)
     security_table = {
-        **data.get("security", {}),
+        **tables["security"],
         **{k: v for k, v in (security_overrides or {}).items() if v is not None},
     }
-    _check_keys("service", service_table, DaemonConfig)
-    _check_keys("security", security_table, SecurityConfig)
-    if security_table.get("keys_dir") is not None:
-        security_table["keys_dir"] = Path(security_table["keys_dir"]).expanduser()
-    return DaemonConfig(
-        bus=BusConfig(**bus_table),
-        machine=MachineConfig(**machine_table),
-        security=SecurityConfig(**security_table),
-        **service_table,
+    # ``create`` says whether a command may create the embedded bus: the daemon always may.
+    bus_config = build(f"{source}[bus]", BusConfig, bus_table, security=kafka_security, create=True)
+    security_config = build(f"{source}[security]", SecurityConfig, security_table)
+    if security_config.keys_dir is not None:
+        security_config = replace(security_config, keys_dir=security_config.keys_dir.expanduser())
+    return build(
+        f"{source}[service]",
+        DaemonConfig,
+        service_table,
+        bus=bus_config,
+        machine=build(f"{source}[machine]", MachineConfig, machine_table),
+        security=security_config,
     )
 
 
-def _check_keys(
-    table: str,
-    values: Mapping[str, Any],
-    cls: type,
-    internal: frozenset[str] | set[str] = frozenset(),
-) -> None:
-    known = {f.name for f in fields(cls) if f.init} - internal
-    unknown = values.keys() - known
-    if unknown:
-        raise ValueError(f"[{table}]: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+_TABLES = ("bus", "machine", "service", "security")
+
+
+def _table(source: str, name: str, value: Any) -> dict[str, Any]:
+    """The top-level table ``name`` of the file as a new dict.
+
+    Raises:
+        ValueError: ``name`` is not a table (``machine = 3``).
+    """
+    return dict(check(f"{source}{name}", Mapping[str, Any], value))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -255,6 +256,11 @@ class BusConfig:
             supervisors, ``import``, the demo) keep ``True``; read-only commands pass
             ``False``, so that a mistyped path or prefix creates nothing and fails with an
             error naming it. Kafka ignores it: its topics are created on start either way.
+
+    Raises:
+        ValueError: a timeout or ``idle_poll_s`` not a finite number > 0, ``max_message_bytes``
+            or ``replication_factor`` below 1, a topic with fewer than 1 partition, a
+            ``retention_ms`` below -1, or two topics of one name.
     """
 
     url: str
@@ -270,6 +276,24 @@ class BusConfig:
     security: KafkaSecurity = KafkaSecurity()
     kafka_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     create: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "send_timeout_s", "session_timeout_s", "idle_poll_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if self.max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be >= 1, got {self.max_message_bytes}")
+        if self.replication_factor is not None and self.replication_factor < 1:
+            raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
+        names = [spec.name for spec in self.topics]
+        if len(set(names)) < len(names):
+            raise ValueError(f"topics: a name is given twice in {names}")
+        for spec in self.topics:
+            if spec.partitions < 1:
+                raise ValueError(f"topic {spec.name!r}: partitions must be >= 1")
+            if spec.retention_ms is not None and spec.retention_ms < -1:
+                raise ValueError(f"topic {spec.name!r}: retention_ms must be >= -1 (-1: forever)")
 
 
 def topic_prefixes(names: Iterable[str]) -> list[str]:
