@@ -57,7 +57,8 @@ def report(
             "--topic-prefix",
             "--prefix",
             envvar="TRAINGUARD_TOPIC_PREFIX",
-            help="Bus topic prefix; default: the config file's, else trainguard.",
+            help="Bus topic prefix, dot included (topics are named e.g. 'trainguard.events'); "
+            "default: the config file's, else 'trainguard.'",
         ),
     ] = None,
     file: Annotated[

@@ -68,7 +68,8 @@ PrefixOption = Annotated[
     str | None,
     typer.Option(
         envvar="TRAINGUARD_TOPIC_PREFIX",
-        help="Bus topic prefix; default: the config file's, else trainguard.",
+        help="Bus topic prefix, dot included (topics are named e.g. 'trainguard.events'); "
+        "default: the config file's, else 'trainguard.'",
     ),
 ]
 KeysOption = Annotated[

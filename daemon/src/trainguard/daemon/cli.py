@@ -353,9 +353,10 @@ def demo(
     fault: Annotated[
         str | None,
         typer.Option(
-            help="Inject these faults instead of the SIGKILL, e.g. 'nan@step=120,rank=1' or "
-            "'hang@step=100,rank=0' (TRAINGUARD_FAULTS syntax: kill, exit, hang, slow, nan, "
-            "spike, bitflip, stall-checkpoint)."
+            help="Inject these faults instead of the SIGKILL, e.g. 'nan@step=120,rank=1', "
+            "'hang@step=100,rank=0' or 'spike@step=90,factor=10' (TRAINGUARD_FAULTS syntax: "
+            "kill, exit, hang, slow (factor=), nan, spike (factor=), bitflip, "
+            "stall-checkpoint; ';' between faults)."
         ),
     ] = None,
     step_sleep: Annotated[
