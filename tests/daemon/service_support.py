@@ -6,10 +6,15 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from trainguard.agent.bus import Bus
 from trainguard.daemon import DaemonService
+from trainguard.schemas import Checkpoint, DataCursor, Heartbeat, Lifecycle
+
+CURSOR = DataCursor(data_version="v1", seed=7, epoch=0, offset=80, world_size=2)
+"""The data cursor of every shard :class:`JobEvents` makes."""
 
 
 @asynccontextmanager
@@ -54,3 +59,60 @@ async def read_all(bus: Bus, topic: str) -> list[bytes]:
                 seen[record.tp] = record.offset + 1
                 values.append(record.value or b"")
     return values
+
+
+@dataclass(frozen=True)
+class JobEvents:
+    """Events of a 2-rank job of generation 0 on host ``h0``, as service tests publish them:
+    rank r is pid 100 + r, its supervisor pid 900; ``seq`` as the test gives it (the
+    supervisor's is 0). ``job`` overrides :attr:`job_id` for one event."""
+
+    job_id: str
+
+    def head(self, seq: int, job: str | None = None) -> dict[str, Any]:
+        """The sender fields every event carries (rank, pid and the rest are the caller's)."""
+        return {
+            "job_id": job or self.job_id,
+            "generation": 0,
+            "ts": time.time_ns(),
+            "seq": seq,
+            "host": "h0",
+        }
+
+    def started(self, rank: int, job: str | None = None) -> Lifecycle:
+        """Rank ``rank``'s ``started`` report (seq 0), world size 2."""
+        return Lifecycle(
+            **self.head(0, job), rank=rank, pid=100 + rank, kind="started", world_size=2
+        )
+
+    def beat(self, rank: int, seq: int, step: int, job: str | None = None) -> Heartbeat:
+        """A training heartbeat of rank ``rank`` at ``step``."""
+        return Heartbeat(
+            **self.head(seq, job),
+            rank=rank,
+            pid=100 + rank,
+            world_size=2,
+            step=step,
+            phase="train",
+        )
+
+    def shard(self, rank: int, seq: int, step: int) -> Checkpoint:
+        """Rank ``rank``'s checkpoint shard of ``step`` (123 bytes, a fixed digest,
+        :data:`CURSOR`)."""
+        return Checkpoint(
+            **self.head(seq, None),
+            rank=rank,
+            pid=100 + rank,
+            world_size=2,
+            step=step,
+            shard_uri=f"file:///ckpt/{step}/{rank}.pt",
+            size_bytes=123,
+            digest="sha256:" + "ab" * 32,
+            cursor=CURSOR,
+        )
+
+    def killed(self, rank: int) -> Lifecycle:
+        """The supervisor's report that rank ``rank`` died of SIGKILL."""
+        return Lifecycle(
+            **self.head(0, None), rank=None, pid=900, kind="exited", ranks=(rank,), signal=9
+        )

@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import os
 import re
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.buses import BusFactory
-from tests.daemon.service_support import eventually, read_all, running
+from tests.daemon.service_support import JobEvents, eventually, read_all, running
 from tests.schemas.mac_mutations import maced_records
 from tests.schemas.support import STRATEGIES
 from trainguard.agent._command_gate import CommandGate, Ignored
@@ -44,12 +43,8 @@ from trainguard.daemon._replay import replay, verify
 from trainguard.daemon._security import EventAuth, load_keys
 from trainguard.daemon._settings import DaemonConfig, SecurityConfig, load_daemon_config
 from trainguard.schemas import (
-    Checkpoint,
     ClockTick,
-    DataCursor,
     Event,
-    Heartbeat,
-    Lifecycle,
     Manifest,
     Restore,
     add_mac,
@@ -63,7 +58,6 @@ from trainguard.schemas import (
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 JOB = "auth-job"
-CURSOR = DataCursor(data_version="v1", seed=7, epoch=0, offset=80, world_size=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,36 +94,8 @@ def config(setup: Setup, *, require_auth: bool = False, **machine: Any) -> Daemo
     )
 
 
-def head(rank: int | None, seq: int, job: str = JOB) -> dict[str, Any]:
-    return {"job_id": job, "generation": 0, "ts": time.time_ns(), "seq": seq, "host": "h0"}
-
-
-def started(rank: int, job: str = JOB) -> Lifecycle:
-    return Lifecycle(**head(rank, 0, job), rank=rank, pid=100 + rank, kind="started", world_size=2)
-
-
-def beat(rank: int, seq: int, step: int, job: str = JOB) -> Heartbeat:
-    return Heartbeat(
-        **head(rank, seq, job), rank=rank, pid=100 + rank, world_size=2, step=step, phase="train"
-    )
-
-
-def shard(rank: int, seq: int, step: int) -> Checkpoint:
-    return Checkpoint(
-        **head(rank, seq),
-        rank=rank,
-        pid=100 + rank,
-        world_size=2,
-        step=step,
-        shard_uri=f"file:///ckpt/{step}/{rank}.pt",
-        size_bytes=123,
-        digest="sha256:" + "ab" * 32,
-        cursor=CURSOR,
-    )
-
-
-def killed(rank: int) -> Lifecycle:
-    return Lifecycle(**head(None, 1), rank=None, pid=900, kind="exited", ranks=(rank,), signal=9)
+EVENTS = JobEvents(JOB)
+started, beat, shard, killed = EVENTS.started, EVENTS.beat, EVENTS.shard, EVENTS.killed
 
 
 async def send(bus: Bus, key: tuple[str, bytes] | None, *events: Event) -> None:

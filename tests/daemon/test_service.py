@@ -8,7 +8,6 @@ import asyncio
 import base64
 import dataclasses
 import hashlib
-import time
 from typing import Any
 
 import orjson
@@ -16,17 +15,14 @@ import pytest
 import structlog
 
 from tests.buses import BusFactory
-from tests.daemon.service_support import eventually, read_all, running
+from tests.daemon.service_support import JobEvents, eventually, read_all, running
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon._settings import DaemonConfig
 from trainguard.schemas import (
-    Checkpoint,
     ClockTick,
-    DataCursor,
     Event,
-    Heartbeat,
     Lifecycle,
     Manifest,
     Restore,
@@ -37,7 +33,6 @@ from trainguard.schemas import (
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
 JOB = "svc-job"
-CURSOR = DataCursor(data_version="v1", seed=7, epoch=0, offset=80, world_size=2)
 
 
 def daemon_config(factory: BusFactory, **machine: Any) -> DaemonConfig:
@@ -54,36 +49,8 @@ async def publish(bus: Bus, *events: Event) -> None:
         await bus.publish("events", event.job_id, encode(event))
 
 
-def _sender(rank: int | None, seq: int) -> dict[str, Any]:
-    return {"job_id": JOB, "generation": 0, "ts": time.time_ns(), "seq": seq, "host": "h0"}
-
-
-def started(rank: int) -> Lifecycle:
-    return Lifecycle(**_sender(rank, 0), rank=rank, pid=100 + rank, kind="started", world_size=2)
-
-
-def beat(rank: int, seq: int, step: int) -> Heartbeat:
-    return Heartbeat(
-        **_sender(rank, seq), rank=rank, pid=100 + rank, world_size=2, step=step, phase="train"
-    )
-
-
-def shard(rank: int, seq: int, step: int) -> Checkpoint:
-    return Checkpoint(
-        **_sender(rank, seq),
-        rank=rank,
-        pid=100 + rank,
-        world_size=2,
-        step=step,
-        shard_uri=f"file:///ckpt/{step}/{rank}.pt",
-        size_bytes=123,
-        digest="sha256:" + "ab" * 32,
-        cursor=CURSOR,
-    )
-
-
-def killed(rank: int) -> Lifecycle:
-    return Lifecycle(**_sender(None, 0), rank=None, pid=900, kind="exited", ranks=(rank,), signal=9)
+EVENTS = JobEvents(JOB)
+started, beat, shard, killed = EVENTS.started, EVENTS.beat, EVENTS.shard, EVENTS.killed
 
 
 async def commands(bus: Bus) -> list[Any]:
@@ -259,22 +226,22 @@ async def test_late_reports_of_a_finished_job_are_counted_not_parked(
 ) -> None:
     supervisor: dict[str, Any] = {"rank": None, "pid": 500, "ranks": (0, 1)}
     finished = [
-        Lifecycle(**_sender(r, 2), rank=r, pid=100 + r, kind="finished", step=4) for r in (0, 1)
+        Lifecycle(**EVENTS.head(2), rank=r, pid=100 + r, kind="finished", step=4) for r in (0, 1)
     ]
     config = daemon_config(bus_factory)
     async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
         await publish(
             bus,
-            Lifecycle(**_sender(None, 0), **supervisor, kind="started"),
+            Lifecycle(**EVENTS.head(0), **supervisor, kind="started"),
             started(0),
             started(1),
             beat(0, 1, 4),
             beat(1, 1, 4),
             *finished,
             # The supervisor reports its ranks' exit after they finished: routine.
-            Lifecycle(**_sender(None, 1), **supervisor, kind="exited", exit_code=0),
+            Lifecycle(**EVENTS.head(1), **supervisor, kind="exited", exit_code=0),
             # A process the job never had, under its id: a new run, worth a look.
-            Lifecycle(**_sender(0, 0), rank=0, pid=900, kind="started", world_size=2),
+            Lifecycle(**EVENTS.head(0), rank=0, pid=900, kind="started", world_size=2),
         )
         async with running(DaemonService(config)) as service:
             [entry] = await eventually(lambda: _parked(bus))
