@@ -40,7 +40,7 @@ from trainguard.schemas import (
     verify_signature,
 )
 
-__all__ = ["IGNORE_REASONS", "CommandGate", "IgnoreReason", "Ignored"]
+__all__ = ["CommandGate", "IgnoreReason", "Ignored"]
 
 IgnoreReason: TypeAlias = Literal[
     "undecodable",
@@ -53,17 +53,6 @@ IgnoreReason: TypeAlias = Literal[
     "duplicate",
 ]
 """Why a command was not acted on (module docstring)."""
-
-IGNORE_REASONS: tuple[IgnoreReason, ...] = (
-    "undecodable",
-    "unsigned",
-    "unknown_kid",
-    "bad_signature",
-    "wrong_job",
-    "stale_generation",
-    "replayed",
-    "duplicate",
-)
 
 _AUTH_REASONS: Mapping[str, IgnoreReason] = {
     "missing": "unsigned",
