@@ -9,83 +9,18 @@ skips. The terminal summary counts the kafka-marked outcomes so CI logs show the
 
 from __future__ import annotations
 
-import asyncio
 import os
-import subprocess
-import sys
-import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
 
 from tests.buses import BusFactory
-
-KAFKA_DEV = Path(__file__).resolve().parent.parent / "deploy" / "kafka" / "kafka-dev"
-# Seconds for kafka-dev to see the broker ready once its JVM runs (measured: about 4-7 s here).
-BROKER_START_TIMEOUT_S = 120.0
-# Seconds for the whole `kafka-dev start`, a cold Maven fetch included (measured: 7-9 s).
-KAFKA_DEV_TIMEOUT_S = 600.0
-# Seconds for describe_cluster() to succeed against the started or given broker.
-CLUSTER_READY_TIMEOUT_S = 60.0
-# Seconds for the controlled shutdown before kafka-dev sends SIGKILL (measured: under 1 s).
-KAFKA_DEV_STOP_TIMEOUT_S = 30.0
+from tests.kafka_dev import CLUSTER_READY_TIMEOUT_S, dev_broker, wait_for_cluster
 
 _BROKER_LABEL = pytest.StashKey[str]()
-
-
-def _unavailable(reason: str) -> NoReturn:
-    """Skip the requesting test, or fail it under ``CI=true``."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"Kafka broker unavailable (CI=true, so not skipping): {reason}", pytrace=False)
-    pytest.skip(f"Kafka broker unavailable: {reason}")
-
-
-async def _describe_cluster(bootstrap: str) -> None:
-    """One bounded ``describe_cluster()`` round trip to ``bootstrap``.
-
-    Raises:
-        KafkaError, OSError, TimeoutError: the broker did not answer within 10 s.
-    """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
-    # aiokafka can hang on a dead broker (aio-libs/aiokafka#1101): bound start and close.
-    try:
-        async with asyncio.timeout(10):
-            await admin.start()
-            await admin.describe_cluster()
-    finally:
-        async with asyncio.timeout(10):
-            await admin.close()
-
-
-def _wait_for_cluster(bootstrap: str, timeout: float) -> None:
-    """Retry ``describe_cluster()`` on ``bootstrap`` every 0.5 s until it answers.
-
-    An open port alone does not mean the broker serves requests (kafka-notes.md 1.4).
-
-    Raises:
-        TimeoutError: no successful answer within ``timeout`` seconds; names the last error.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            asyncio.run(_describe_cluster(bootstrap))
-            return
-        except (KafkaError, OSError, TimeoutError) as exc:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{bootstrap} did not answer in {timeout:g} s: {exc!r}") from exc
-        time.sleep(0.5)
-
-
-def _kafka_dev(*args: str | Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    # The venv's interpreter runs the stdlib-only script; no dependence on a `python3` on PATH.
-    command = [sys.executable, str(KAFKA_DEV), *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +37,7 @@ def kafka_bootstrap(
     given = os.environ.get("TRAINGUARD_KAFKA")
     if given:
         try:
-            _wait_for_cluster(given, CLUSTER_READY_TIMEOUT_S)
+            wait_for_cluster(given, CLUSTER_READY_TIMEOUT_S)
         except TimeoutError as exc:
             pytest.fail(f"TRAINGUARD_KAFKA={given}: {exc}", pytrace=False)
         pytestconfig.stash[_BROKER_LABEL] = f"{given} (TRAINGUARD_KAFKA)"
@@ -110,35 +45,9 @@ def kafka_bootstrap(
         return
 
     run_dir = tmp_path_factory.mktemp("kafka")
-    try:
-        try:
-            started = _kafka_dev(
-                "start",
-                "--port",
-                "0",
-                "--dir",
-                run_dir,
-                "--timeout",
-                str(BROKER_START_TIMEOUT_S),
-                timeout=KAFKA_DEV_TIMEOUT_S,
-            )
-        except subprocess.TimeoutExpired:
-            _unavailable(f"kafka-dev start took more than {KAFKA_DEV_TIMEOUT_S:g} s")
-        if started.returncode != 0:
-            _unavailable(started.stderr.strip() or f"kafka-dev start exited {started.returncode}")
-        bootstrap = started.stdout.strip()
-        try:
-            _wait_for_cluster(bootstrap, CLUSTER_READY_TIMEOUT_S)
-        except TimeoutError as exc:
-            _unavailable(f"{exc} (log: {run_dir / 'kafka.log'})")
+    with dev_broker(run_dir) as bootstrap:
         pytestconfig.stash[_BROKER_LABEL] = f"{bootstrap} (kafka-dev, log {run_dir / 'kafka.log'})"
         yield bootstrap
-    finally:
-        # Also after a failed or timed-out start, which may leave a JVM behind.
-        stop_s = str(KAFKA_DEV_STOP_TIMEOUT_S)
-        _kafka_dev(
-            "stop", "--dir", run_dir, "--timeout", stop_s, timeout=KAFKA_DEV_STOP_TIMEOUT_S + 30
-        )
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ output of any of them.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -21,23 +20,20 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
 from structlog.testing import capture_logs
 
+from tests.kafka_dev import dev_broker
 from trainguard.agent import Agent, AgentConfig
 from trainguard.daemon._rehearsal import start_daemon, supervise
 
 pytestmark = pytest.mark.kafka
 
-KAFKA_DEV = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka-dev"
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 USER = "trainguard-test"
-# Seconds: broker start (a cold JVM on a loaded 2-core machine), then one run of the job.
-BROKER_START_TIMEOUT_S = 120.0
+# Seconds for one run of the job.
 JOB_TIMEOUT_S = 120.0
 # The connect timeout the wrong-password runs are given; they must end well before it.
 CONNECT_TIMEOUT_S = 30.0
@@ -65,34 +61,14 @@ class ScramBroker(NamedTuple):
     run_dir: Path
 
 
-def _unavailable(reason: str) -> NoReturn:
-    """Skip, or fail under ``CI=true`` (a Kafka test never silently skips in CI)."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"SCRAM broker unavailable (CI=true, so not skipping): {reason}", pytrace=False)
-    pytest.skip(f"SCRAM broker unavailable: {reason}")
-
-
-def _kafka_dev(*args: str | Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, str(KAFKA_DEV), *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-async def _authenticated_round_trip(bootstrap: str, password: str) -> None:
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=bootstrap,
-        security_protocol="SASL_PLAINTEXT",
-        sasl_mechanism="SCRAM-SHA-512",
-        sasl_plain_username=USER,
-        sasl_plain_password=password,
-        request_timeout_ms=5000,
-    )
-    try:
-        async with asyncio.timeout(10):
-            await admin.start()
-            await admin.describe_cluster()
-    finally:
-        async with asyncio.timeout(10):
-            await admin.close()
+def _scram_client(password: str) -> dict[str, str]:
+    """``AIOKafkaAdminClient`` options that authenticate as :data:`USER`."""
+    return {
+        "security_protocol": "SASL_PLAINTEXT",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username": USER,
+        "sasl_plain_password": password,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,37 +77,14 @@ def scram_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScramBrok
     run_dir = tmp_path_factory.mktemp("kafka-scram")
     # Characters that need escaping in Java properties, JAAS and kafka-storage's parser.
     password = f'pw-{uuid.uuid4().hex},=]"\\é'
-    try:
-        try:
-            started = _kafka_dev(
-                "start",
-                "--port",
-                "0",
-                "--dir",
-                run_dir,
-                "--timeout",
-                str(BROKER_START_TIMEOUT_S),
-                "--scram",
-                f"{USER}:{password}",
-                timeout=BROKER_START_TIMEOUT_S + 480,  # a cold Maven fetch included
-            )
-        except subprocess.TimeoutExpired:
-            _unavailable("kafka-dev start --scram timed out")
-        if started.returncode != 0:
-            _unavailable(started.stderr.strip() or f"kafka-dev exited {started.returncode}")
-        bootstrap = started.stdout.strip()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                asyncio.run(_authenticated_round_trip(bootstrap, password))
-                break
-            except (KafkaError, OSError, TimeoutError) as exc:
-                if time.monotonic() > deadline:
-                    _unavailable(f"{bootstrap} refused {USER}: {exc!r} (log {run_dir}/kafka.log)")
-                time.sleep(0.5)
+    with dev_broker(
+        run_dir,
+        "--scram",
+        f"{USER}:{password}",
+        what="SCRAM broker",
+        **_scram_client(password),
+    ) as bootstrap:
         yield ScramBroker(f"kafka://{bootstrap}", password, run_dir)
-    finally:
-        _kafka_dev("stop", "--dir", run_dir, "--timeout", "30", timeout=60)
 
 
 def _environment(extra: Mapping[str, str]) -> dict[str, str]:
