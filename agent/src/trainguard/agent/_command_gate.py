@@ -16,18 +16,20 @@ A record of the ``commands`` topic keyed by the job passes, in this order:
 
 Without keys, steps 2 and 5 are skipped: every decodable command of the job at or above this
 process's generation is taken, as before authentication existed (insecure: anyone who can
-write to the bus can order a restore). Pure: no I/O, no clock, no logging (the caller logs
-the verdict).
+write to the bus can order a restore). Pure: no I/O, no clock; the gate counts what it ignores,
+and :func:`log_ignored` says it in the caller's log.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from structlog.typing import FilteringBoundLogger
 
 from trainguard.schemas import (
     Abort,
@@ -40,7 +42,7 @@ from trainguard.schemas import (
     verify_signature,
 )
 
-__all__ = ["CommandGate", "IgnoreReason", "Ignored"]
+__all__ = ["CommandGate", "IgnoreReason", "Ignored", "log_ignored"]
 
 IgnoreReason: TypeAlias = Literal[
     "undecodable",
@@ -86,6 +88,9 @@ class CommandGate:
         job_id: the job.
         generation: this process's generation: older commands are stale.
         keys: the daemon's public keys by kid, or ``None`` to accept unsigned commands.
+
+    Attributes:
+        ignored: commands ignored so far, by :data:`IgnoreReason`.
     """
 
     def __init__(
@@ -98,9 +103,17 @@ class CommandGate:
         # accepted per generation.
         self._seen: dict[tuple[int, int], Command] = {}
         self._last_seq: dict[int, int] = {}
+        self.ignored: collections.Counter[IgnoreReason] = collections.Counter()
 
     def admit(self, data: bytes) -> Restore | Resume | Abort | Ignored:
-        """The command in ``data`` if it may be acted on, else why not."""
+        """The command in ``data`` if it may be acted on, else why not (counted in
+        :attr:`ignored`)."""
+        verdict = self._judge(data)
+        if isinstance(verdict, Ignored):
+            self.ignored[verdict.reason] += 1
+        return verdict
+
+    def _judge(self, data: bytes) -> Restore | Resume | Abort | Ignored:
         try:
             command = decode(data, expect=Command)
         except SchemaError as exc:
@@ -138,3 +151,17 @@ class CommandGate:
         self._last_seq[generation] = seq
         self._floor = max(self._floor, generation)
         return command
+
+
+def log_ignored(log: FilteringBoundLogger, ignored: Ignored, offset: int) -> None:
+    """Say in ``log`` why the command at ``offset`` (of ``commands``) was not acted on: a
+    warning, or a debug line for a ``duplicate`` (a harmless re-read)."""
+    report = log.debug if ignored.reason == "duplicate" else log.warning
+    report(
+        "command ignored",
+        reason=ignored.reason,
+        detail=ignored.detail,
+        command_generation=ignored.generation,
+        seq=ignored.seq,
+        offset=offset,
+    )

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from structlog.typing import FilteringBoundLogger
 
-from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason
+from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
 from trainguard.agent._keystore import EventKey
 from trainguard.agent.bus import (
     Bus,
@@ -134,7 +134,7 @@ class Commands:
         self.resumes: dict[int, Resume] = {}
         self.aborted: Abort | None = None
         self.newest_generation = generation
-        self.ignored: collections.Counter[IgnoreReason] = collections.Counter()
+        self.ignored: collections.Counter[IgnoreReason] = self._gate.ignored
 
     def take(self, record: Record) -> None:
         """Apply one record of the ``commands`` topic (other jobs' records are skipped)."""
@@ -142,17 +142,8 @@ class Commands:
             return
         command = self._gate.admit(record.value)
         if isinstance(command, Ignored):
-            self.ignored[command.reason] += 1
             if self._log is not None:
-                report = self._log.debug if command.reason == "duplicate" else self._log.warning
-                report(
-                    "command_ignored",
-                    reason=command.reason,
-                    detail=command.detail,
-                    command_generation=command.generation,
-                    seq=command.seq,
-                    offset=record.offset,
-                )
+                log_ignored(self._log, command, record.offset)
             return
         with self._changed:
             match command:

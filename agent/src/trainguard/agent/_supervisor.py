@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason
+from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
 from trainguard.agent._errors import AgentError, ConfigError
 from trainguard.agent._keystore import AgentKeys
 from trainguard.agent.bus import Bus, BusConfig, BusError, Consumer, TopicPartition, open_bus
@@ -156,7 +156,7 @@ class Supervisor:
     def __init__(self, config: SupervisorConfig) -> None:
         self._c = config
         self._gate = CommandGate(config.job_id, 0, config.keys.verify)
-        self.ignored: collections.Counter[IgnoreReason] = collections.Counter()
+        self.ignored: collections.Counter[IgnoreReason] = self._gate.ignored
         self._seq = itertools.count()
         self._generation = 0
         self._workers: list[_Worker] = []
@@ -200,16 +200,7 @@ class Supervisor:
         command = self._gate.admit(data)
         if not isinstance(command, Ignored):
             return command
-        self.ignored[command.reason] += 1
-        report = log.debug if command.reason == "duplicate" else log.warning
-        report(
-            "command ignored",
-            reason=command.reason,
-            detail=command.detail,
-            command_generation=command.generation,
-            seq=command.seq,
-            offset=offset,
-        )
+        log_ignored(log, command, offset)
         return None
 
     def _join(self, latest: Restore | Resume | Abort) -> None:
