@@ -17,9 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.buses import BusFactory
-from tests.daemon.service_support import eventually, running
+from tests.daemon.service_support import CURSOR, eventually, running
 from tests.daemon.test_service import (
-    CURSOR,
     JOB,
     beat,
     daemon_config,
