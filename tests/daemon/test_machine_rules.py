@@ -113,7 +113,7 @@ def _from_origin(shard: Input, parent: str | None) -> Observed:
     """``shard`` (a checkpoint input) as a rank of a job started from ``parent`` sends it."""
     assert isinstance(shard, Observed)
     assert isinstance(shard.event, Checkpoint)
-    return dataclasses.replace(shard, event=dataclasses.replace(shard.event, parent=parent))
+    return shard._replace(event=dataclasses.replace(shard.event, parent=parent))
 
 
 def test_the_manifest_records_the_snapshot_the_job_started_from() -> None:

@@ -258,7 +258,7 @@ def test_records_that_are_no_input_are_shown_and_decide_nothing(hang_log: list[R
     log = [
         *hang_log[:3],
         junk,
-        *(dataclasses.replace(r, offset=r.offset + 1) for r in hang_log[3:]),
+        *(r._replace(offset=r.offset + 1) for r in hang_log[3:]),
     ]
     result = replayed(log, entries)
     [refused] = [row for row in result.rows if row.refused]

@@ -14,12 +14,18 @@ import time
 from enum import StrEnum
 from importlib.metadata import version as _dist_version
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, NoReturn
 
 import orjson
 import typer
 
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusError, KafkaSecurity, load_kafka_security
+from trainguard.agent.bus import (
+    DEFAULT_BUS_URL,
+    BusError,
+    KafkaSecurity,
+    Record,
+    load_kafka_security,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -136,7 +142,14 @@ def replay(
 
     from trainguard.daemon._audit import MalformedAudit
     from trainguard.daemon._export import MalformedExport
-    from trainguard.daemon._joblog import UnknownJob, Window, parse_time, read_bus, read_file
+    from trainguard.daemon._joblog import (
+        UnknownJob,
+        Window,
+        parse_time,
+        read_bus,
+        read_file,
+        replay_file,
+    )
 
     try:
         window = Window(
@@ -147,26 +160,36 @@ def replay(
         )
     except ValueError as exc:
         _fail(str(exc))
+    log: JobLog | None = None
     try:
-        if file is not None:
-            log = read_file(file, job, window)
+        if file is not None and not window.bounded and config is None:
+            # The whole file, replayed as it is read.
+            done = replay_file(file, job, _default_config())
+            trail, result = done.trail, done.result
+            span = _Span(done.source, done.partition, done.count, done.first, done.last, None)
         else:
-            log = asyncio.run(read_bus(bus, topic_prefix, job, window, security=_security()))
-        trail = log.trail()
+            if file is not None:
+                log = read_file(file, job, window)
+            else:
+                log = asyncio.run(read_bus(bus, topic_prefix, job, window, security=_security()))
+            trail = log.trail()
+            result = _replayed(log, trail)
+            events = log.events
+            shown = events[log.start] if window.bounded else None
+            span = _Span(log.source, log.partition, len(events), events[0], events[-1], shown)
     except (UnknownJob, MalformedExport, MalformedAudit, OSError, BusError) as exc:
         _fail(str(exc))
     console = Console(highlight=False, soft_wrap=True)
     jsonl = output_format is OutputFormat.jsonl
-    try:
-        result = _replayed(log, trail)
-        if not jsonl:
-            _print_header(console, log, trail, result)
-        if config is None:
-            _print_rows(console, result, log, jsonl=jsonl, every=every)
-        else:
+    if not jsonl:
+        _print_header(console, job, span, trail, result)
+    if log is None or config is None:
+        _print_rows(console, result, span, jsonl=jsonl, every=every)
+    else:
+        try:
             _what_if(console, log, trail, config, jsonl=jsonl)
-    except (MalformedAudit, OSError) as exc:
-        _fail(str(exc))
+        except (MalformedAudit, OSError) as exc:
+            _fail(str(exc))
     if verify:
         _verdict(console, result, jsonl=jsonl)
 
@@ -188,18 +211,32 @@ def _emit(obj: dict[str, Any]) -> None:
     typer.echo(orjson.dumps(obj).decode())
 
 
-def _print_header(console: Console, log: JobLog, trail: AuditTrail, result: Replay) -> None:
+class _Span(NamedTuple):
+    """What the header says of the event records read: where from, how many, first and last, and
+    the window's first record (``None`` without a window)."""
+
+    source: str
+    partition: int
+    records: int
+    first: Record
+    last: Record
+    shown: Record | None
+
+
+def _print_header(
+    console: Console, job: str, span: _Span, trail: AuditTrail, result: Replay
+) -> None:
     from trainguard.daemon._timeline import iso
 
-    events = log.events
+    first, last = span.first, span.last
     console.print(
-        f"[bold]job {log.job_id}[/bold] from {log.source}, events partition {log.partition}: "
-        f"{len(events)} records, offsets {events[0].offset}-{events[-1].offset}, "
-        f"{iso(events[0].timestamp_ms)} to {iso(events[-1].timestamp_ms)}",
+        f"[bold]job {job}[/bold] from {span.source}, events partition {span.partition}: "
+        f"{span.records} records, offsets {first.offset}-{last.offset}, "
+        f"{iso(first.timestamp_ms)} to {iso(last.timestamp_ms)}",
         markup=True,
     )
-    if log.window.bounded:
-        shown = events[log.start]
+    if span.shown is not None:
+        shown = span.shown
         console.print(f"window: from offset {shown.offset} ({iso(shown.timestamp_ms)})")
     if not trail.configs:
         console.print(
@@ -225,16 +262,14 @@ def _print_header(console: Console, log: JobLog, trail: AuditTrail, result: Repl
         )
 
 
-def _print_rows(console: Console, result: Replay, log: JobLog, *, jsonl: bool, every: bool) -> None:
+def _print_rows(console: Console, result: Replay, span: _Span, *, jsonl: bool, every: bool) -> None:
     from trainguard.daemon._timeline import print_timeline, row_json
 
     if jsonl:
         for row in result.rows:
             _emit(row_json(row))
         return
-    print_timeline(
-        console, result.rows, origin_ns=log.events[0].timestamp_ms * 1_000_000, every=every
-    )
+    print_timeline(console, result.rows, origin_ns=span.first.timestamp_ms * 1_000_000, every=every)
 
 
 def _what_if(console: Console, log: JobLog, trail: AuditTrail, path: Path, *, jsonl: bool) -> None:

@@ -1,8 +1,8 @@
 """A job's full record as one self-contained file, and back onto an embedded bus.
 
 The file is gzip-compressed JSON Lines (``.tgjsonl.gz``). The first line is the header, every
-other line one bus record of the job, topic by topic (``events``, ``commands``, ``manifests``,
-``audit``), offsets ascending::
+other line one bus record of the job, topic by topic (``commands``, ``manifests``, ``audit``,
+then ``events``: :data:`FILE_ORDER`), offsets ascending::
 
     {"format": "trainguard-job-record", "version": 1, "job_id": "j1",
      "source": "kafka://k1:9092 (prefix 'trainguard.')", "partition": 2, "partitions": 6,
@@ -16,6 +16,11 @@ tombstone), so a replay of the file decodes the same bytes the daemon decoded. `
 bus append time the daemon decided on; ``offset`` the original offset (shown by a replay, never
 needed by it: inputs are matched by identity). Ticks are ``events`` records; the audit trail's
 entries are ``audit`` records.
+
+The events come last so that a reader holds the audit trail before the first event and can
+replay the events as it reads them (:mod:`trainguard.daemon._export_stream`), without holding
+a million records. Files written before (events first) are read all the same: readers accept
+the topics in any order.
 
 :func:`import_file` writes a file's records onto an embedded bus with their original append
 times (:meth:`~trainguard.agent.bus._sqlite.SQLiteBus.import_records`); Kafka is refused, since
@@ -31,10 +36,10 @@ import gzip
 import io
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -50,6 +55,7 @@ from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._sqlite import SQLiteBus
 
 __all__ = [
+    "FILE_ORDER",
     "FORMAT",
     "JOB_TOPICS",
     "VERSION",
@@ -59,6 +65,7 @@ __all__ = [
     "dump",
     "import_file",
     "load",
+    "records",
 ]
 
 FORMAT = "trainguard-job-record"
@@ -68,7 +75,10 @@ VERSION = 1
 """The header's ``version``: the layout this module writes and reads."""
 
 JOB_TOPICS = ("events", "commands", "manifests", "audit")
-"""The job-keyed topics a job record holds, in file order."""
+"""The job-keyed topics a job record holds."""
+
+FILE_ORDER = ("commands", "manifests", "audit", "events")
+"""The order :func:`dump` writes the topics in: events last (module docstring)."""
 
 _READ_BYTES = 1 << 16
 """Decompressed bytes :func:`load` reads at a time."""
@@ -133,7 +143,7 @@ def dump(path: Path, header: ExportHeader, records: Mapping[str, Sequence[Record
     try:
         with gzip.open(tmp, "wb") as out:
             out.write(orjson.dumps(header.to_json()) + b"\n")
-            for topic in JOB_TOPICS:
+            for topic in FILE_ORDER:
                 for r in records.get(topic, ()):
                     line = {
                         "topic": topic,
@@ -162,8 +172,35 @@ def load(path: Path) -> tuple[ExportHeader, dict[str, list[Record]]]:
             version, a record line missing a field or holding a wrong type, offsets out of
             order, or fewer or more records than the header announces.
     """
-    records: dict[str, list[Record]] = {topic: [] for topic in JOB_TOPICS}
+    held: dict[str, list[Record]] = {topic: [] for topic in JOB_TOPICS}
+    header, lines = records(path)
+    for record in lines:
+        held[record.topic].append(record)
+    return header, held
+
+
+def records(path: Path) -> tuple[ExportHeader, Iterator[Record]]:
+    """The header of the job record at ``path``, and an iterator over its records in file
+    order, each checked as it is read (the file is read as the iterator advances, and closed
+    when it ends).
+
+    Raises:
+        OSError: the file cannot be opened or read (here, or from the iterator).
+        MalformedExport: as :func:`load`: a bad header here; a bad record line from the
+            iterator when it reaches it (the records before it have been yielded), and from its
+            end when the record counts differ from the header's.
+    """
+    items = _items(path)
+    header = next(items)  # _items raises rather than end without its header
+    assert isinstance(header, ExportHeader)
+    return header, cast("Iterator[Record]", items)
+
+
+def _items(path: Path) -> Iterator[ExportHeader | Record]:
+    """:func:`records`'s header, then its records, from one read of the file."""
     header: ExportHeader | None = None
+    last: dict[str, int] = {}
+    held = dict.fromkeys(JOB_TOPICS, 0)
     try:
         # GzipFile's own readline is a Python method per line; a BufferedReader over it
         # splits lines in C from large reads.
@@ -177,6 +214,7 @@ def load(path: Path) -> tuple[ExportHeader, dict[str, list[Record]]]:
                     raise MalformedExport(f"{path}:{number}: not JSON ({exc})") from exc
                 if header is None:
                     header = _header(obj, f"{path}:{number}")
+                    yield header
                     continue
                 record = _record(obj)
                 if record is None:
@@ -186,21 +224,22 @@ def load(path: Path) -> tuple[ExportHeader, dict[str, list[Record]]]:
                         f"{path}:{number}: a record keyed {record.key!r} in the record of job "
                         f"{header.job_id!r}"
                     )
-                topic_records = records[record.topic]
-                if topic_records and record.offset <= topic_records[-1].offset:
-                    raise MalformedExport(f"{path}:{number}: {record.topic} offsets out of order")
-                topic_records.append(record)
+                topic = record.topic
+                if record.offset <= last.get(topic, -1):
+                    raise MalformedExport(f"{path}:{number}: {topic} offsets out of order")
+                last[topic] = record.offset
+                held[topic] += 1
+                yield record
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise MalformedExport(f"{path}: not a complete gzip file ({exc})") from exc
     if header is None:
         raise MalformedExport(f"{path}: empty; a job record starts with a header line")
     for topic, expected in header.counts.items():
-        held = len(records.get(topic, ()))
-        if held != expected:
+        if held.get(topic, 0) != expected:
             raise MalformedExport(
-                f"{path}: the header announces {expected} {topic} records, the file holds {held}"
+                f"{path}: the header announces {expected} {topic} records, the file holds "
+                f"{held.get(topic, 0)}"
             )
-    return header, records
 
 
 def _header(obj: Any, where: str) -> ExportHeader:

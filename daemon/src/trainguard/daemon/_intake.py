@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeAlias, cast
+from typing import Literal, NamedTuple, Protocol, TypeAlias
 
 from trainguard.schemas import (
     Checkpoint,
@@ -47,6 +47,7 @@ from trainguard.schemas import (
 
 from ._audit import input_id
 from ._inputs import Input, Observed, Tick
+from ._state import new_tuple
 
 __all__ = ["INPUT_TYPES", "AuthRefusal", "Authenticator", "RawRecord", "Refused", "Taken", "take"]
 
@@ -102,9 +103,8 @@ class Authenticator(Protocol):
         anything else (so it must be cheap: a cached lookup by the record key)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Taken:
-    """A record taken in.
+class Taken(NamedTuple):
+    """A record taken in (a named tuple, as the inputs: one is built per record).
 
     Attributes:
         job_id: the job it belongs to (message ``job_id`` = record key).
@@ -151,15 +151,20 @@ def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refuse
         auth: judges authenticity after decoding; ``None`` takes every record as authentic
             (a daemon without keys).
     """
-    if record.value is None:
+    value = record.value
+    if value is None:
         return Refused("tombstone on the events topic", "tombstone")
-    message = None if auth is None else _verified(record, record.value, auth)
+    # Keys first: a replay's authenticator (the audit trail) and a job without keys have none,
+    # and then cutting the record would be wasted.
+    keys = None if auth is None else auth.mac_keys(record)
+    message: Event | ClockTick | None = _verified(record, value, keys) if keys else None
     if message is None:
         try:
-            # ``expect`` admits only these types.
-            message = cast("Event | ClockTick", decode(record.value, expect=INPUT_TYPES))
+            # ``expect`` admits only these types (an annotation costs nothing, a cast a call).
+            decoded: Event | ClockTick = decode(value, expect=INPUT_TYPES)  # type: ignore[assignment]
         except SchemaError as exc:
             return Refused(str(exc), "schema", exc)
+        message = decoded
         if message.job_id != record.key:
             return Refused(
                 f"job_id {message.job_id!r} does not match record key {record.key!r}",
@@ -169,20 +174,19 @@ def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refuse
             code, reason = refusal
             return Refused(reason, "auth", auth=code)
     at_ns = record.timestamp_ms * _NS_PER_MS
-    item: Input = (
-        Tick(at_ns) if isinstance(message, ClockTick) else Observed(at_ns, record.offset, message)
-    )
-    return Taken(message.job_id, item, message)
+    if isinstance(message, ClockTick):
+        return Taken(message.job_id, Tick(at_ns), message)
+    # Named tuples built in C (``new_tuple``): one of each per record.
+    item = new_tuple(Observed, (at_ns, record.offset, message))
+    return new_tuple(Taken, (message.job_id, item, message))
 
 
-def _verified(record: RawRecord, value: bytes, auth: Authenticator) -> Event | ClockTick | None:
-    """The message of a record whose MAC verifies on its raw bytes, decoded from its canonical
-    bytes (module docstring); ``None`` when the full path must judge the record."""
-    # Keys first: a replay's authenticator (the audit trail) and a job without keys have none,
-    # and then cutting the record would be wasted.
-    keys = auth.mac_keys(record)
-    if not keys:
-        return None
+def _verified(
+    record: RawRecord, value: bytes, keys: Mapping[str, bytes]
+) -> Event | ClockTick | None:
+    """The message of a record whose MAC verifies on its raw bytes under one of ``keys``,
+    decoded from its canonical bytes (module docstring); ``None`` when the full path must judge
+    the record."""
     raw = split_mac(value)
     if raw is None or not verify_raw_mac(raw, keys):
         return None

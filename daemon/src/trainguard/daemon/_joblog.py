@@ -7,7 +7,8 @@ up to the end offset at the time of the call, or to the end of a :class:`Window`
 job's records with their offsets and append times; then the job's ``audit`` entries (read
 after the events, so the trail covers every event read that the daemon had folded), and its
 ``commands`` and ``manifests``. :func:`read_file` reads the same from a file written by
-:mod:`trainguard.daemon._export`.
+:mod:`trainguard.daemon._export`. :func:`replay_file` replays a whole file's job as it reads it
+(:mod:`trainguard.daemon._export_stream`), holding none of its events.
 
 A window narrows what a replay shows and verifies: by bus time (``since_ms``/``until_ms``) or
 by offset on the job's ``events`` partition (``from_offset``/``to_offset``), both ends
@@ -18,7 +19,7 @@ all the same.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,9 +28,21 @@ from trainguard.agent.bus import Bus, BusConfig, KafkaSecurity, Record, TopicPar
 from trainguard.agent.bus._partitioner import partition_for
 
 from ._audit import AuditTrail, entries_by_job, read_trail
+from ._config import MachineConfig
 from ._export import ExportHeader, load
+from ._export_stream import EventStream
+from ._replay import Replay, replay
 
-__all__ = ["JobLog", "UnknownJob", "Window", "parse_time", "read_bus", "read_file"]
+__all__ = [
+    "FileReplay",
+    "JobLog",
+    "UnknownJob",
+    "Window",
+    "parse_time",
+    "read_bus",
+    "read_file",
+    "replay_file",
+]
 
 _IDLE_TIMEOUT_S = 30.0
 """Seconds without a record, while records are known to be left, before reading gives up."""
@@ -151,7 +164,11 @@ class JobLog:
         Raises:
             MalformedAudit: an entry is not JSON or not in the audit format (named by offset).
         """
-        return read_trail(entries_by_job(self.audit).get(self.job_id, []))
+        return _trail(self.job_id, self.audit)
+
+
+def _trail(job_id: str, audit: Sequence[Record]) -> AuditTrail:
+    return read_trail(entries_by_job(audit).get(job_id, []))
 
 
 async def read_bus(
@@ -225,6 +242,80 @@ def read_file(path: Path, job_id: str | None = None, window: Window = Window()) 
         {**records, "events": events},
         header,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class FileReplay:
+    """A whole export file's job, replayed as it was read (:func:`replay_file`).
+
+    Attributes:
+        job_id: the job.
+        source: the file.
+        partition: the job's partition of ``events`` where the file was exported from.
+        trail: the job's audit trail.
+        result: the replay (verify it with :func:`~trainguard.daemon._replay.verify`).
+        count: events read.
+        first: the first event record.
+        last: the last event record.
+    """
+
+    job_id: str
+    source: str
+    partition: int
+    trail: AuditTrail
+    result: Replay
+    count: int
+    first: Record
+    last: Record
+
+
+def replay_file(
+    path: Path,
+    job_id: str | None,
+    default: MachineConfig,
+    *,
+    timeline: bool = True,
+    process: bool | None = None,
+) -> FileReplay:
+    """Replay the job of the export file at ``path`` (all of it: no window) while the file is
+    read, by a reader process for a large file (:class:`~trainguard.daemon._export_stream.
+    EventStream`; ``process`` forces it on or off); as :func:`read_file` and
+    :func:`~trainguard.daemon._replay.replay` in turn, with the same result, holding none of the
+    events.
+
+    Args:
+        path: the file.
+        job_id: the job expected in it; ``None`` takes the file's.
+        default: the configuration to fold under when the trail records none.
+        timeline: build the timeline's rows (``replay``'s argument).
+        process: read in a reader process (``None``: by the file's size).
+
+    Raises:
+        OSError: the file cannot be read.
+        MalformedExport: it is not a valid export file (found while reading it: the replay is
+            then discarded).
+        MalformedAudit: its audit trail is not valid.
+        UnknownJob: it holds another job, or no event.
+    """
+    with EventStream(path, process=process) as stream:
+        header = stream.header
+        assert header is not None  # set on entry
+        if job_id is not None and job_id != header.job_id:
+            raise UnknownJob(f"{path} holds job {header.job_id!r}, not {job_id!r}")
+        trail = _trail(header.job_id, stream.others["audit"])
+        result = replay(header.job_id, stream, trail, default, timeline=timeline)
+        if stream.first is None or stream.last is None:
+            raise UnknownJob(f"{path} holds no event of job {header.job_id!r}")
+        return FileReplay(
+            job_id=header.job_id,
+            source=str(path),
+            partition=header.partition,
+            trail=trail,
+            result=result,
+            count=stream.count,
+            first=stream.first,
+            last=stream.last,
+        )
 
 
 def _job_log(

@@ -53,6 +53,12 @@ Sender: TypeAlias = tuple[int | None, str, int]
 
 TERMINAL_PHASES: frozenset[JobPhase] = frozenset({"finished", "failed"})
 
+new_tuple = tuple.__new__
+"""``new_tuple(NamedTupleClass, (every field, in order))`` builds the named tuple in C, where the
+class's own ``__new__`` is generated Python code taking the fields as arguments: about 0.1 us
+less per call, used where every heartbeat (and every record a replay takes in) builds one. It
+checks nothing: the caller passes every field, in order."""
+
 
 class RankState(NamedTuple):
     """What the daemon knows about one rank in the current generation.

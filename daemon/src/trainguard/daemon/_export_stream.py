@@ -1,0 +1,298 @@
+"""An export file's events handed to a replay as they are read, by a reader process for a large
+file, so that reading (gunzip, JSON, base64, the file's checks) runs beside decoding and folding.
+
+:class:`EventStream` gives the file's header and its ``commands``, ``manifests`` and ``audit``
+records first (what a replay needs before the first event: the audit trail), then iterates over
+its ``events`` records in order, keeping none. A file whose events come first (written before
+:data:`~trainguard.daemon._export.FILE_ORDER` put them last) is read whole first.
+
+From :data:`PROCESS_MIN_BYTES` up, a reader process (``python -P -m`` this module, a plain
+subprocess: ``multiprocessing``'s ``spawn`` would import the caller's main module again, and
+``fork`` is unsafe in a process that holds threads) reads the file and writes the records to
+its standard output in pickled batches of :data:`BATCH`, each behind its length; the pipe's
+buffer bounds what is in flight. Only this process's own reader writes that pipe, and it
+pickles records it built itself (strings, bytes, integers), so unpickling it trusts no file
+content. A smaller file is read in the calling process (starting a Python process costs about
+0.3 s). Both run the same reader, :func:`_messages`, over
+:func:`~trainguard.daemon._export.records`, so both read and check the file as
+:func:`~trainguard.daemon._export.load` does. A fault is raised where the iteration reaches it
+(:class:`~trainguard.daemon._export.MalformedExport`, or :class:`OSError`), after the records
+before it: a caller must finish the iteration before trusting what it folded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from itertools import repeat
+from pathlib import Path
+from types import TracebackType
+from typing import IO, BinaryIO, Literal, NoReturn, Self, TypeAlias
+
+from trainguard.agent.bus import Record
+
+from ._export import JOB_TOPICS, ExportHeader, MalformedExport, records
+
+__all__ = ["BATCH", "PIPE_BYTES", "PROCESS_MIN_BYTES", "EventStream"]
+
+PROCESS_MIN_BYTES = 8 << 20
+"""Compressed size (bytes) from which a reader process reads the file: about 250,000 events,
+4-5 s of replay, against 0.3 s to start the process."""
+
+BATCH = 1024
+"""Records per message from the reader process (a pickled list: about 0.35 us a record to
+unpickle, against about 4 us to read one from the file)."""
+
+PIPE_BYTES = 1 << 20
+"""Buffer asked for the reader's pipe (Linux; 1 MiB is the default most an unprivileged process
+may set): about four batches of heartbeats."""
+
+_OTHERS = tuple(topic for topic in JOB_TOPICS if topic != "events")
+
+_Message: TypeAlias = (
+    tuple[Literal["head"], ExportHeader, dict[str, list[Record]]]
+    | tuple[Literal["events"], list[Record]]
+    | tuple[Literal["end"], None]
+    | tuple[Literal["malformed", "oserror"], str]
+)
+"""What the reader says: the header and every record of the other topics (once, first), a
+batch of events, the end, or the fault that stopped it (its message)."""
+
+
+def _messages(path: Path) -> Iterator[_Message]:
+    """Read ``path`` into :data:`_Message`\\ s, ending with ``end`` or a fault."""
+    try:
+        header, lines = records(path)
+        others: dict[str, list[Record]] = {topic: [] for topic in _OTHERS}
+        # Events read before the other topics are complete (a file with events first) wait.
+        waiting: list[Record] | None = []
+        missing = sum(header.counts.get(topic, 0) for topic in _OTHERS)
+        if missing <= 0:
+            yield ("head", header, others)
+            waiting = None
+        batch: list[Record] = []
+        for record in lines:
+            if record.topic == "events":
+                if waiting is not None:
+                    waiting.append(record)
+                    continue
+                batch.append(record)
+                if len(batch) >= BATCH:
+                    yield ("events", batch)
+                    batch = []
+                continue
+            others[record.topic].append(record)
+            missing -= 1
+            if missing == 0 and waiting is not None:
+                yield ("head", header, others)
+                for i in range(0, len(waiting), BATCH):
+                    yield ("events", waiting[i : i + BATCH])
+                waiting = None
+        # Fewer records of the other topics than announced: records() raised at its end.
+        if batch:
+            yield ("events", batch)
+        yield ("end", None)
+    except MalformedExport as exc:
+        yield ("malformed", str(exc))
+    except OSError as exc:
+        yield ("oserror", str(exc))
+
+
+def _serve(path: Path, out: BinaryIO) -> None:
+    """The reader process: write ``path``'s messages to ``out``, each as its length (4 bytes,
+    big-endian) and its pickle; a batch of events as columns (:func:`_columns`)."""
+    for message in _messages(path):
+        sent = ("columns", _columns(message[1])) if message[0] == "events" else message
+        frame = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)
+        out.write(_LENGTH.pack(len(frame)))
+        out.write(frame)
+    out.flush()
+
+
+_LENGTH = struct.Struct(">I")
+
+_Columns: TypeAlias = tuple[list[int], list[int], list[int], list[bytes | None]]
+"""A batch of events as its partitions, offsets, append times and values (the key is the
+job's): half the cost to unpickle and rebuild of a list of records."""
+
+
+def _columns(batch: list[Record]) -> _Columns:
+    return (
+        [r.partition for r in batch],
+        [r.offset for r in batch],
+        [r.timestamp_ms for r in batch],
+        [r.value for r in batch],
+    )
+
+
+_new_record = functools.partial(tuple.__new__, Record)
+"""``Record`` built from one tuple of its fields in C (its ``__new__`` is Python code)."""
+
+
+def _records(columns: _Columns, key: str) -> list[Record]:
+    partitions, offsets, times, values = columns
+    return list(
+        map(_new_record, zip(repeat("events"), partitions, offsets, repeat(key), values, times))
+    )
+
+
+def _received(reader: subprocess.Popen[bytes]) -> Iterator[_Message]:
+    """The reader process's messages, up to the last one."""
+    assert reader.stdout is not None
+    pipe = reader.stdout
+    key = ""
+    while True:
+        head = pipe.read(_LENGTH.size)
+        size = _LENGTH.unpack(head)[0] if len(head) == _LENGTH.size else -1
+        frame = pipe.read(size) if size > 0 else b""
+        if len(frame) != size:  # it ended before its last message, maybe in a frame
+            code = reader.wait()
+            error = b"" if reader.stderr is None else reader.stderr.read()
+            said = "".join(f": {line}" for line in error.decode(errors="replace").splitlines()[-1:])
+            yield ("oserror", f"the export reader process ended (exit status {code}){said}")
+            return
+        message = pickle.loads(frame)
+        if message[0] == "columns":
+            message = ("events", _records(message[1], key))
+        elif message[0] == "head":
+            key = message[1].job_id  # every record's: records() checked
+        yield message
+        if message[0] not in ("head", "events"):
+            return
+
+
+class EventStream:
+    """An export file's records, the events as they are read (module docstring).
+
+    Use as a context manager (it ends the reader process); the header and the other topics'
+    records are there on entry, the events come from iterating (once).
+
+    Attributes:
+        path: the file.
+        header: its header.
+        others: its ``commands``, ``manifests`` and ``audit`` records, by topic.
+        count: events yielded so far.
+        first: the first event, once yielded.
+        last: the last event yielded so far.
+        process: whether a reader process reads the file.
+    """
+
+    def __init__(self, path: Path, *, process: bool | None = None) -> None:
+        """Prepare to read ``path``; ``process`` forces the reader process on or off (``None``:
+        from :data:`PROCESS_MIN_BYTES` up).
+
+        Raises:
+            OSError: the file cannot be opened.
+        """
+        self.path = path
+        size = path.stat().st_size
+        self.process = size >= PROCESS_MIN_BYTES if process is None else process
+        self.header: ExportHeader | None = None
+        self.others: dict[str, list[Record]] = {}
+        self.count = 0
+        self.first: Record | None = None
+        self.last: Record | None = None
+        self._reader: subprocess.Popen[bytes] | None = None
+        self._source: Iterator[_Message] | None = None
+
+    def __enter__(self) -> Self:
+        """Start reading; return when the header and the other topics are in.
+
+        Raises:
+            MalformedExport: the file is not a valid job record (as far as read).
+            OSError: the file cannot be read.
+        """
+        if self.process:
+            self._reader = subprocess.Popen(
+                [sys.executable, "-P", "-m", __name__, os.fspath(self.path)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            _widen(self._reader.stdout)
+            self._source = _received(self._reader)
+        else:
+            self._source = _messages(self.path)
+        try:
+            message = next(self._source)
+            if message[0] != "head":
+                _raise(message)
+            _, self.header, self.others = message
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """End the reader process, if any."""
+        self._close()
+
+    def __iter__(self) -> Iterator[Record]:
+        """The events in file order (a single pass).
+
+        Raises:
+            MalformedExport: at the first bad line, or at the end when the counts differ from
+                the header's.
+            OSError: the file could not be read further, or the reader process died.
+        """
+        if self._source is None:
+            raise RuntimeError("iterate an EventStream inside its with block")
+        for message in self._source:
+            if message[0] != "events":
+                if message[0] == "end":
+                    return
+                _raise(message)
+            batch = message[1]
+            if self.first is None:
+                self.first = batch[0]
+            self.count += len(batch)
+            self.last = batch[-1]
+            yield from batch
+
+    def _close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            if reader.poll() is None:
+                reader.kill()  # it only reads: nothing to lose
+            reader.wait()
+            for pipe in (reader.stdout, reader.stderr):
+                if pipe is not None:
+                    pipe.close()
+
+
+def _widen(pipe: IO[bytes] | None) -> None:
+    """Give the pipe room for a whole batch or more (:data:`PIPE_BYTES`), where the system
+    allows: with Linux's default 64 KiB the reader waits on every batch it writes and the
+    replay on every one it reads, switching back and forth a few times per batch."""
+    try:
+        import fcntl  # POSIX only
+
+        set_size = fcntl.F_SETPIPE_SZ  # Linux only
+    except (ImportError, AttributeError):
+        return
+    if pipe is not None:
+        with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size: keep the default
+            fcntl.fcntl(pipe.fileno(), set_size, PIPE_BYTES)
+
+
+def _raise(message: _Message) -> NoReturn:
+    """Raise the fault a reader's message reports."""
+    kind, detail = message[0], message[1]
+    if kind == "malformed":
+        raise MalformedExport(str(detail))
+    raise OSError(str(detail))
+
+
+if __name__ == "__main__":
+    _serve(Path(sys.argv[1]), sys.stdout.buffer)

@@ -1,0 +1,169 @@
+"""A whole export file replayed as it is read (``_export_stream``, ``replay_file``): the same
+replay as reading the file first, in the calling process or with a reader process; files with
+the events first (older writers) too; damage raised where the reading reaches it; the reader
+process ended with the stream, and its death reported."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import os
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.buses import BusFactory
+from tests.daemon import recorded
+from tests.daemon.recorded import JOB
+from tests.daemon.test_export import DAMAGES, _header, _record
+from trainguard.agent.bus import Record
+from trainguard.daemon._config import MachineConfig
+from trainguard.daemon._export import FILE_ORDER, MalformedExport, dump, load
+from trainguard.daemon._export_stream import BATCH, EventStream
+from trainguard.daemon._joblog import UnknownJob, read_bus, read_file, replay_file
+from trainguard.daemon._replay import replay, verify
+
+pytestmark = pytest.mark.timeout(180)
+
+DEFAULT = MachineConfig(daemon_id="replay")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The recorded job (a restore among its decisions), exported as ``dump`` writes it."""
+    folder = tmp_path_factory.mktemp("stream")
+    factory: BusFactory = recorded.recorded_bus(folder / "bus")
+    log = asyncio.run(read_bus(factory.url, factory.prefix, JOB))
+    path = folder / "job.tgjsonl.gz"
+    header = _header(partition=log.partition, partitions=log.partitions)
+    topics = {"events": log.events, "commands": log.commands, "manifests": log.manifests}
+    dump(path, header, {**topics, "audit": log.audit})
+    return path
+
+
+def _topics_in_file(path: Path) -> list[str]:
+    with gzip.open(path, "rb") as f:
+        lines = f.read().splitlines()[1:]
+    return list(dict.fromkeys(orjson.loads(line)["topic"] for line in lines))
+
+
+def test_the_events_come_last_in_the_file(exported: Path) -> None:
+    assert _topics_in_file(exported) == list(FILE_ORDER)
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["in-process", "reader-process"])
+def test_a_streamed_replay_equals_the_replay_of_the_file_read_whole(
+    exported: Path, process: bool
+) -> None:
+    log = read_file(exported)
+    whole = replay(log.job_id, log.events, log.trail(), DEFAULT)
+    assert whole.replayed, "the job decided things"
+
+    done = replay_file(exported, JOB, DEFAULT, process=process)
+
+    assert done.result.rows == whole.rows
+    assert done.result.replayed == whole.replayed
+    assert done.result.recorded == whole.recorded
+    assert verify(done.result.replayed, done.result.recorded) is None
+    assert (done.count, done.first, done.last) == (len(log.events), log.events[0], log.events[-1])
+    assert done.trail.groups == log.trail().groups
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["in-process", "reader-process"])
+def test_a_file_with_the_events_first_streams_the_same(
+    exported: Path, tmp_path: Path, process: bool
+) -> None:
+    with gzip.open(exported, "rb") as f:
+        header, *lines = f.read().splitlines()
+    events_first = sorted(lines, key=lambda line: orjson.loads(line)["topic"] != "events")
+    old = tmp_path / "old.tgjsonl.gz"
+    with gzip.open(old, "wb") as f:
+        f.write(b"".join(line + b"\n" for line in [header, *events_first]))
+    assert _topics_in_file(old)[0] == "events"
+
+    done = replay_file(old, JOB, DEFAULT, process=process)
+
+    assert done.result.replayed == replay_file(exported, JOB, DEFAULT).result.replayed
+    assert verify(done.result.replayed, done.result.recorded) is None
+
+
+def test_another_job_or_no_event_is_an_unknown_job(exported: Path, tmp_path: Path) -> None:
+    with pytest.raises(UnknownJob, match="holds job 'replay-job', not 'other'"):
+        replay_file(exported, "other", DEFAULT)
+    empty = tmp_path / "empty.tgjsonl.gz"
+    dump(empty, _header(), {})
+    with pytest.raises(UnknownJob, match="holds no event"):
+        replay_file(empty, None, DEFAULT)
+
+
+def _stream_all(path: Path, process: bool) -> list[Record]:
+    with EventStream(path, process=process) as stream:
+        return list(stream)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_damage_is_raised_where_the_reading_reaches_it(damage: str, tmp_path: Path) -> None:
+    path = tmp_path / "job.tgjsonl.gz"
+    dump(path, _header(), {"events": [_record(0), _record(1)]})
+    assert _stream_all(path, process=False) == load(path)[1]["events"]
+    change, reason = DAMAGES[damage]
+    change(path)
+    with pytest.raises(MalformedExport, match=r"job\.tgjsonl\.gz") as caught:
+        _stream_all(path, process=False)
+    assert reason in str(caught.value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "offsets out of order", "lines missing"])
+def test_the_reader_process_reports_damage_the_same(damage: str, tmp_path: Path) -> None:
+    path = tmp_path / "job.tgjsonl.gz"
+    dump(path, _header(), {"events": [_record(0), _record(1)]})
+    change, reason = DAMAGES[damage]
+    change(path)
+    with pytest.raises(MalformedExport, match=r"job\.tgjsonl\.gz") as caught:
+        _stream_all(path, process=True)
+    assert reason in str(caught.value)
+
+
+def _long_file(path: Path, events: int) -> None:
+    """A file of ``events`` records, larger than a pipe's buffer (the reader waits on it)."""
+    value = b'{"schema":"x","pad":"' + os.urandom(200).hex().encode() + b'"}'
+    records = [Record("events", 0, i, JOB, value, 1_767_225_600_000 + i) for i in range(events)]
+    dump(path, _header(), {"events": records})
+
+
+def test_records_come_in_order_across_batches(tmp_path: Path) -> None:
+    path = tmp_path / "long.tgjsonl.gz"
+    _long_file(path, 3 * BATCH + 5)
+    with EventStream(path, process=True) as stream:
+        offsets = [record.offset for record in stream]
+        assert stream.count == len(offsets)
+    assert offsets == list(range(3 * BATCH + 5))
+
+
+def test_leaving_the_stream_early_ends_the_reader_process(tmp_path: Path) -> None:
+    path = tmp_path / "long.tgjsonl.gz"
+    _long_file(path, 20 * BATCH)
+    with EventStream(path, process=True) as stream:
+        reader = stream._reader
+        assert reader is not None
+        first = next(iter(stream))
+        assert first.offset == 0
+        assert reader.poll() is None, "the reader waits on the full pipe"
+    assert reader.returncode is not None
+
+
+def test_a_reader_process_that_dies_is_an_os_error(tmp_path: Path) -> None:
+    path = tmp_path / "long.tgjsonl.gz"
+    _long_file(path, 20 * BATCH)
+    with EventStream(path, process=True) as stream:
+        assert stream._reader is not None
+        stream._reader.kill()
+        with pytest.raises(OSError, match="the export reader process ended"):
+            for _ in stream:
+                pass
+
+
+def test_an_unreadable_file_is_an_os_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing"):
+        EventStream(tmp_path / "missing.tgjsonl.gz")
