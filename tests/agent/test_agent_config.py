@@ -23,6 +23,11 @@ def test_default_bus_is_a_file_in_the_working_directory():
     assert parse_bus_url(DEFAULT_BUS_URL) == ("sqlite", "trainguard-bus.db")
 
 
+def test_an_absolute_bus_path_takes_three_slashes_or_four():
+    assert parse_bus_url("sqlite:///tmp/x/bus.db") == ("sqlite", "/tmp/x/bus.db")
+    assert parse_bus_url("sqlite:////tmp/x/bus.db") == ("sqlite", "/tmp/x/bus.db")
+
+
 def test_arguments_beat_trainguard_variables_which_beat_launcher_variables():
     env = {
         "TRAINGUARD_JOB": "from-env",

@@ -104,6 +104,23 @@ def test_the_file_holds_a_header_and_every_record_with_its_bytes(
     assert first["job_id"] == JOB
 
 
+def test_export_to_standard_output_writes_the_file_there(
+    recorded_bus: BusFactory, tmp_path: Path
+) -> None:
+    source = ["--bus", recorded_bus.url, "--prefix", recorded_bus.prefix]
+    done = subprocess.run(
+        [*CLI, "export", JOB, *source, "-o", "-"], capture_output=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert b"to standard output" in done.stderr
+    piped = tmp_path / "piped.tgjsonl.gz"
+    piped.write_bytes(done.stdout)
+    header, records = load(piped)
+    assert header.job_id == JOB
+    assert records["events"]
+    assert not (Path.cwd() / "-").exists()
+
+
 def test_a_kafka_target_is_refused_with_the_reason(tmp_path: Path) -> None:
     exported = tmp_path / "job.tgjsonl.gz"
     dump(exported, _header(), {"events": [_record(0)]})
@@ -210,6 +227,25 @@ def test_a_damaged_file_is_refused_with_a_clear_reason(damage: str, tmp_path: Pa
     with pytest.raises(MalformedExport, match=r"job\.tgjsonl\.gz") as caught:
         load(path)
     assert reason in str(caught.value)
+
+
+def test_a_damaged_byte_anywhere_in_the_compressed_stream_is_named_as_such(
+    tmp_path: Path,
+) -> None:
+    """Garbage decompressed from a damaged byte (a line that is not JSON, or records that look
+    valid but break an order or a count) is reported as the gzip damage it comes from."""
+    path = tmp_path / "job.tgjsonl.gz"
+    dump(path, _header(), {"events": [_record(i) for i in range(200)]})
+    intact = path.read_bytes()
+    gzip_header, trailer = 10, 8
+    for position in range(gzip_header, len(intact), 3):
+        damaged = bytearray(intact)
+        damaged[position] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(MalformedExport) as caught:
+            load(path)
+        assert "not a complete gzip file" in str(caught.value), (position, str(caught.value))
+    assert len(intact) - trailer > gzip_header
 
 
 def test_replaying_a_damaged_file_is_a_usage_error(tmp_path: Path) -> None:

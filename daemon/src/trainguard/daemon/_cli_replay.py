@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from importlib.metadata import version as _dist_version
 from pathlib import Path
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
     from trainguard.daemon._audit import AuditTrail
     from trainguard.daemon._config import MachineConfig
+    from trainguard.daemon._export import ExportHeader
     from trainguard.daemon._joblog import JobLog
     from trainguard.daemon._replay import Replay
 
@@ -375,7 +377,12 @@ def _verdict(console: Console, result: Replay, *, jsonl: bool) -> None:
 def export(
     job: Annotated[str, typer.Argument(help="The job id.")],
     output: Annotated[
-        Path, typer.Option("--output", "-o", help="The file to write, e.g. job.tgjsonl.gz.")
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="The file to write, e.g. job.tgjsonl.gz; - writes it to standard output.",
+        ),
     ],
     bus: BusOption = DEFAULT_BUS_URL,
     topic_prefix: PrefixOption = _DEFAULT_PREFIX,
@@ -403,12 +410,33 @@ def export(
         "manifests": log.manifests,
         "audit": log.audit,
     }
+    to_stdout = str(output) == "-"
     try:
-        size = dump(output, header, records)
+        size = _dump_to_stdout(header, records) if to_stdout else dump(output, header, records)
     except OSError as exc:
         _fail(f"cannot write {output}: {exc}")
     counts = ", ".join(f"{k} {len(v)}" for k, v in records.items())
-    typer.echo(f"wrote job {job} (records: {counts}) to {output}, {size} bytes")
+    where = "standard output" if to_stdout else output
+    # With the file on standard output, the summary goes to standard error.
+    typer.echo(f"wrote job {job} (records: {counts}) to {where}, {size} bytes", err=to_stdout)
+
+
+def _dump_to_stdout(header: ExportHeader, records: Mapping[str, Sequence[Record]]) -> int:
+    """Write the job record to standard output (through a temporary file: ``dump`` writes
+    atomically by name); its size in bytes."""
+    import shutil
+    import sys
+    import tempfile
+
+    from trainguard.daemon._export import dump
+
+    with tempfile.TemporaryDirectory(prefix="trainguard-export-") as folder:
+        path = Path(folder) / "job.tgjsonl.gz"
+        size = dump(path, header, records)
+        with path.open("rb") as f:
+            shutil.copyfileobj(f, sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+    return size
 
 
 def import_record(

@@ -141,7 +141,9 @@ def dump(path: Path, header: ExportHeader, records: Mapping[str, Sequence[Record
     header = dataclasses.replace(header, counts=counts)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with gzip.open(tmp, "wb") as out:
+        # No file name in the gzip header: it would be the temporary one (gzip.open's
+        # default), which ``gunzip -N`` would restore.
+        with tmp.open("wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw) as out:
             out.write(orjson.dumps(header.to_json()) + b"\n")
             for topic in FILE_ORDER:
                 for r in records.get(topic, ()):
@@ -205,31 +207,41 @@ def _items(path: Path) -> Iterator[ExportHeader | Record]:
         # GzipFile's own readline is a Python method per line; a BufferedReader over it
         # splits lines in C from large reads.
         with gzip.open(path, "rb") as unzipped, io.BufferedReader(unzipped, _READ_BYTES) as f:
-            for number, line in enumerate(f, start=1):
-                if line.isspace():  # (no copy of the line, unlike strip)
-                    continue
-                try:
-                    obj = orjson.loads(line)
-                except orjson.JSONDecodeError as exc:
-                    raise MalformedExport(f"{path}:{number}: not JSON ({exc})") from exc
-                if header is None:
-                    header = _header(obj, f"{path}:{number}")
-                    yield header
-                    continue
-                record = _record(obj)
-                if record is None:
-                    raise _bad_record(obj, f"{path}:{number}")
-                if record.key != header.job_id:
-                    raise MalformedExport(
-                        f"{path}:{number}: a record keyed {record.key!r} in the record of job "
-                        f"{header.job_id!r}"
-                    )
-                topic = record.topic
-                if record.offset <= last.get(topic, -1):
-                    raise MalformedExport(f"{path}:{number}: {topic} offsets out of order")
-                last[topic] = record.offset
-                held[topic] += 1
-                yield record
+            number = 0
+            try:
+                for number, line in enumerate(f, start=1):
+                    if line.isspace():  # (no copy of the line, unlike strip)
+                        continue
+                    try:
+                        obj = orjson.loads(line)
+                    except orjson.JSONDecodeError as exc:
+                        raise MalformedExport(f"{path}:{number}: not JSON ({exc})") from exc
+                    if header is None:
+                        header = _header(obj, f"{path}:{number}")
+                        yield header
+                        continue
+                    record = _record(obj)
+                    if record is None:
+                        raise _bad_record(obj, f"{path}:{number}")
+                    if record.key != header.job_id:
+                        raise MalformedExport(
+                            f"{path}:{number}: a record keyed {record.key!r} in the record of job "
+                            f"{header.job_id!r}"
+                        )
+                    topic = record.topic
+                    if record.offset <= last.get(topic, -1):
+                        raise MalformedExport(f"{path}:{number}: {topic} offsets out of order")
+                    last[topic] = record.offset
+                    held[topic] += 1
+                    yield record
+            except MalformedExport as exc:
+                # A damaged byte of the compressed stream decompresses to garbage (or to other
+                # valid records) well before gzip checks its CRC at the end: then the damage is
+                # the reason to give.
+                damage = _gzip_damage(f, path, number)
+                if damage is None:
+                    raise
+                raise damage from exc
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise MalformedExport(f"{path}: not a complete gzip file ({exc})") from exc
     if header is None:
@@ -240,6 +252,20 @@ def _items(path: Path) -> Iterator[ExportHeader | Record]:
                 f"{path}: the header announces {expected} {topic} records, the file holds "
                 f"{held.get(topic, 0)}"
             )
+
+
+def _gzip_damage(rest: Iterator[bytes], path: Path, number: int) -> MalformedExport | None:
+    """Read ``rest`` of ``path``; the error to give if gzip finds it damaged (line ``number``
+    was read from the damaged stream), else ``None``."""
+    try:
+        for _ in rest:
+            pass
+    except (gzip.BadGzipFile, EOFError, zlib.error) as bad:
+        return MalformedExport(
+            f"{path}: not a complete gzip file ({bad}; line {number} was read from the damaged "
+            "stream)"
+        )
+    return None
 
 
 def _header(obj: Any, where: str) -> ExportHeader:

@@ -313,7 +313,8 @@ def parse_bus_url(url: str) -> tuple[Literal["sqlite", "kafka"], str]:
     """Split a bus URL into its kind and location.
 
     Returns ``("sqlite", "/abs/or/relative/path.db")`` for ``sqlite:///path`` (three slashes
-    and an absolute path, or ``sqlite:relative.db``), and ``("kafka", "h1:p1,h2:p2")`` for
+    and an absolute path; four, as SQLAlchemy writes one, are read the same), or
+    ``sqlite:relative.db``, and ``("kafka", "h1:p1,h2:p2")`` for
     ``kafka://h1:p1,h2:p2``. Raises :class:`BusURLError` for anything else.
     """
     parts = urlsplit(url)
@@ -321,6 +322,9 @@ def parse_bus_url(url: str) -> tuple[Literal["sqlite", "kafka"], str]:
         path = unquote(parts.path if not parts.netloc else parts.netloc + parts.path)
         if not path:
             raise BusURLError(f"bus URL {url!r}: missing the database path (sqlite:///path/bus.db)")
+        if path.startswith("//"):
+            # sqlite:////abs/bus.db (SQLAlchemy's spelling of an absolute path): /abs/bus.db.
+            path = "/" + path.lstrip("/")
         return "sqlite", path
     if parts.scheme == "kafka":
         servers = parts.netloc
