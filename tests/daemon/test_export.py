@@ -185,6 +185,14 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "not json": (lambda p: _rewrite(p, [*_lines(p), b"{oops"]), ":4: not JSON"),
     "no header": (lambda p: _rewrite(p, _lines(p)[1:]), ":1: not a trainguard job record"),
     "other version": (_edit_line(0, lambda h: h.update(version=2)), "format version 2"),
+    "a topic's count missing": (
+        _edit_line(0, lambda h: h["counts"].pop("audit")),
+        "bad header field counts",
+    ),
+    "a negative count": (
+        _edit_line(0, lambda h: h["counts"].update(audit=-1)),
+        "a count >= 0 for each of events, commands, manifests, audit",
+    ),
     "bad base64": (
         _edit_line(1, lambda r: r.update(value_b64="%%%")),
         ":2: bad record",
@@ -209,6 +217,10 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "not an object": (
         lambda p: _rewrite(p, [*_lines(p), b"[1, 2]"]),
         ":4: bad record (a record line must be an object)",
+    ),
+    "two headers": (
+        lambda p: _rewrite(p, [*_lines(p)[:2], _lines(p)[0], *_lines(p)[2:]]),
+        ":3: a second header",
     ),
     "missing field": (_edit_line(2, lambda r: r.pop("at_ms")), ":3: record without 'at_ms'"),
     "offsets out of order": (_edit_line(2, lambda r: r.update(offset=0)), "out of order"),

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
@@ -167,3 +171,63 @@ def test_a_reader_process_that_dies_is_an_os_error(tmp_path: Path) -> None:
 def test_an_unreadable_file_is_an_os_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="missing"):
         EventStream(tmp_path / "missing.tgjsonl.gz")
+
+
+def test_the_reader_is_deaf_to_what_its_interpreter_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Output on the reader's standard output (a ``sitecustomize``) and more on its standard
+    error than a pipe holds (``PYTHONVERBOSE`` writes such amounts) leave the records alone."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\nprint('hello from sitecustomize')\nsys.stderr.write('x' * 200_000)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    path = tmp_path / "long.tgjsonl.gz"
+    _long_file(path, 4 * BATCH)
+    with EventStream(path, process=True) as stream:
+        offsets = [record.offset for record in stream]
+    assert offsets == list(range(4 * BATCH))
+
+
+def test_stopping_and_continuing_the_reader_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop and continue can cut a write short (seen with ``PYTHONUNBUFFERED``, where every
+    write reached the pipe raw): every record still arrives, in order."""
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    path = tmp_path / "long.tgjsonl.gz"
+    _long_file(path, 30 * BATCH)
+    offsets: list[int] = []
+    with EventStream(path, process=True) as stream:
+        assert stream._reader is not None
+        pid = stream._reader.pid
+        for record in stream:
+            offsets.append(record.offset)
+            if record.offset % BATCH == 0 and stream._reader.poll() is None:
+                os.kill(pid, signal.SIGSTOP)
+                os.kill(pid, signal.SIGCONT)
+    assert offsets == list(range(30 * BATCH))
+
+
+def test_no_timeline_prints_the_verdict_only(exported: Path) -> None:
+    def replay_cli(*options: str) -> list[dict[str, object]]:
+        command = [sys.executable, "-m", "trainguard.daemon.cli", "replay", JOB]
+        done = subprocess.run(
+            [*command, "--file", str(exported), "--format", "jsonl", *options],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return [json.loads(line) for line in done.stdout.splitlines()]
+
+    full = replay_cli()
+    [verdict] = replay_cli("--no-timeline")
+    assert verdict == full[-1]
+    assert verdict["ok"] is True
+    assert any(line["type"] == "row" for line in full)
+    [windowed] = replay_cli("--no-timeline", "--from-offset", "0")
+    assert windowed == verdict

@@ -25,12 +25,15 @@ ConfiguredBus = Annotated[
 ConfiguredPrefix = Annotated[
     str | None,
     typer.Option(
+        "--topic-prefix",
+        "--prefix",
         envvar="TRAINGUARD_TOPIC_PREFIX",
         help="Bus topic prefix, dot included (topics are named e.g. 'trainguard.events'); "
         "default: the config file's, else 'trainguard.'",
     ),
 ]
-"""``--topic-prefix P`` (``TRAINGUARD_TOPIC_PREFIX``); ``None``: the ``--config`` file's."""
+"""``--topic-prefix P`` or ``--prefix P`` (``TRAINGUARD_TOPIC_PREFIX``, as every command reading
+the bus takes it); ``None``: the ``--config`` file's."""
 
 
 async def other_prefixes(config: BusConfig) -> str:

@@ -133,6 +133,14 @@ def replay(
             "--all", help="Show every input (heartbeats and ticks that decide nothing are folded)."
         ),
     ] = False,
+    timeline: Annotated[
+        bool,
+        typer.Option(
+            "--timeline/--no-timeline",
+            help="Print the timeline; --no-timeline prints the header and the verdict only, and "
+            "holds nothing per input (a long job's check: faster, in constant memory).",
+        ),
+    ] = True,
 ) -> None:
     """Fold a job's recorded events and ticks through the state machine again: print its
     timeline, check the recorded decisions, or (--config) what another configuration would
@@ -166,7 +174,7 @@ def replay(
     try:
         if file is not None and not window.bounded and config is None:
             # The whole file, replayed as it is read.
-            done = replay_file(file, job, _default_config())
+            done = replay_file(file, job, _default_config(), timeline=timeline)
             trail, result = done.trail, done.result
             span = _Span(done.source, done.partition, done.count, done.first, done.last, None)
         else:
@@ -175,7 +183,7 @@ def replay(
             else:
                 log = asyncio.run(read_bus(bus, topic_prefix, job, window, security=_security()))
             trail = log.trail()
-            result = _replayed(log, trail)
+            result = _replayed(log, trail, timeline=timeline)
             events = log.events
             shown = events[log.start] if window.bounded else None
             span = _Span(log.source, log.partition, len(events), events[0], events[-1], shown)
@@ -185,9 +193,10 @@ def replay(
     jsonl = output_format is OutputFormat.jsonl
     if not jsonl:
         _print_header(console, job, span, trail, result)
-    if log is None or config is None:
-        _print_rows(console, result, span, jsonl=jsonl, every=every)
-    else:
+    if config is None:
+        if timeline:
+            _print_rows(console, result, span, jsonl=jsonl, every=every)
+    elif log is not None:  # --config reads the whole log (above)
         try:
             _what_if(console, log, trail, config, jsonl=jsonl)
         except (MalformedAudit, OSError) as exc:
@@ -196,10 +205,12 @@ def replay(
         _verdict(console, result, jsonl=jsonl)
 
 
-def _replayed(log: JobLog, trail: AuditTrail) -> Replay:
+def _replayed(log: JobLog, trail: AuditTrail, *, timeline: bool) -> Replay:
     from trainguard.daemon._replay import replay as replay_log
 
-    return replay_log(log.job_id, log.events, trail, _default_config(), start=log.start)
+    return replay_log(
+        log.job_id, log.events, trail, _default_config(), start=log.start, timeline=timeline
+    )
 
 
 def _default_config() -> MachineConfig:

@@ -234,6 +234,12 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
     if options.fault is None:
         ok = ok and len(record.restores()) == 1
     console.print(f"[dim]logs: {workdir}/daemon.log, {workdir}/supervisor.log[/dim]")
+    source = f"--bus {bus_url} --topic-prefix {prefix}"
+    console.print(
+        f"[dim]look back: trainguard replay {JOB} {source}   (or report, status, export -o "
+        f"{JOB}.tgjsonl.gz; docs/forensics.md)[/dim]",
+        soft_wrap=True,
+    )
     return ok
 
 

@@ -278,10 +278,14 @@ def _header(obj: Any, where: str) -> ExportHeader:
         )
     try:
         counts = obj["counts"]
-        if not isinstance(counts, dict) or not all(
-            topic in JOB_TOPICS and _is_int(n) for topic, n in counts.items()
+        if (
+            not isinstance(counts, dict)
+            or counts.keys() != set(JOB_TOPICS)
+            or not all(_is_int(n) and n >= 0 for n in counts.values())
         ):
-            raise TypeError(f"counts {counts!r}")
+            # Every topic, always written: a reader that streams the events relies on the
+            # counts of the others to know when the audit trail is complete.
+            raise TypeError(f"counts {counts!r}: a count >= 0 for each of {', '.join(JOB_TOPICS)}")
         header = ExportHeader(
             job_id=_typed(obj["job_id"], str),
             source=_typed(obj["source"], str),
@@ -342,6 +346,8 @@ def _bad_record(obj: Any, where: str) -> MalformedExport:
     """Why ``obj`` (a line's object at ``where``) is not a record line, for the error."""
     if not isinstance(obj, dict):
         return MalformedExport(f"{where}: bad record (a record line must be an object)")
+    if obj.get("format") == FORMAT:
+        return MalformedExport(f"{where}: a second header (a file holds one job record)")
     for name in ("topic", "partition", "offset", "at_ms", "key", "value_b64"):
         if name not in obj:
             return MalformedExport(f"{where}: record without {name!r}")

@@ -8,9 +8,13 @@ its ``events`` records in order, keeping none. A file whose events come first (w
 
 From :data:`PROCESS_MIN_BYTES` up, a reader process (``python -P -m`` this module, a plain
 subprocess: ``multiprocessing``'s ``spawn`` would import the caller's main module again, and
-``fork`` is unsafe in a process that holds threads) reads the file and writes the records to
-its standard output in pickled batches of :data:`BATCH`, each behind its length; the pipe's
-buffer bounds what is in flight. Only this process's own reader writes that pipe, and it
+``fork`` is unsafe in a process that holds threads) reads the file and writes the records in
+pickled batches of :data:`BATCH`, each behind its length, to a pipe of its own (not its
+standard output, where anything the interpreter or a ``sitecustomize`` prints would land), through
+a buffered writer (a raw write may be cut short by a signal, say a stop and continue); the
+pipe's buffer bounds what is in flight. Its standard error goes to a temporary file (a pipe
+nobody reads until the end would block it after 64 KiB, e.g. with ``PYTHONVERBOSE``), whose
+last line is quoted if it fails. Only this process's own reader writes that pipe, and it
 pickles records it built itself (strings, bytes, integers), so unpickling it trusts no file
 content. A smaller file is read in the calling process (starting the reader process costs
 about 0.2 s). Both run the same reader, :func:`_messages`, over
@@ -26,14 +30,16 @@ import contextlib
 import functools
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from itertools import repeat
 from pathlib import Path
 from types import TracebackType
-from typing import IO, BinaryIO, Literal, NoReturn, Self, TypeAlias
+from typing import BinaryIO, Literal, NoReturn, Self, TypeAlias
 
 from trainguard.agent.bus import Record
 
@@ -105,8 +111,9 @@ def _messages(path: Path) -> Iterator[_Message]:
 
 
 def _serve(path: Path, out: BinaryIO) -> None:
-    """The reader process: write ``path``'s messages to ``out``, each as its length (4 bytes,
-    big-endian) and its pickle; a batch of events as columns (:func:`_columns`)."""
+    """The reader process: write ``path``'s messages to ``out`` (a buffered writer: it writes
+    everything it is given), each as its length (4 bytes, big-endian) and its pickle; a batch
+    of events as columns (:func:`_columns`)."""
     for message in _messages(path):
         sent = ("columns", _columns(message[1])) if message[0] == "events" else message
         frame = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)
@@ -142,22 +149,23 @@ def _records(columns: _Columns, key: str) -> list[Record]:
     )
 
 
-def _received(reader: subprocess.Popen[bytes]) -> Iterator[_Message]:
-    """The reader process's messages, up to the last one."""
-    assert reader.stdout is not None
-    pipe = reader.stdout
+def _received(
+    reader: subprocess.Popen[bytes], pipe: BinaryIO, errors: BinaryIO
+) -> Iterator[_Message]:
+    """The reader process's messages from ``pipe``, up to the last one; ``errors`` is its
+    standard error."""
     key = ""
     while True:
         head = pipe.read(_LENGTH.size)
         size = _LENGTH.unpack(head)[0] if len(head) == _LENGTH.size else -1
         frame = pipe.read(size) if size > 0 else b""
-        if len(frame) != size:  # it ended before its last message, maybe in a frame
-            code = reader.wait()
-            error = b"" if reader.stderr is None else reader.stderr.read()
-            said = "".join(f": {line}" for line in error.decode(errors="replace").splitlines()[-1:])
-            yield ("oserror", f"the export reader process ended (exit status {code}){said}")
+        try:
+            if len(frame) != size:  # it ended before its last message, maybe in a frame
+                raise EOFError
+            message = pickle.loads(frame)
+        except (EOFError, pickle.UnpicklingError, ValueError, TypeError):
+            yield ("oserror", _died(reader, errors))
             return
-        message = pickle.loads(frame)
         if message[0] == "columns":
             message = ("events", _records(message[1], key))
         elif message[0] == "head":
@@ -165,6 +173,19 @@ def _received(reader: subprocess.Popen[bytes]) -> Iterator[_Message]:
         yield message
         if message[0] not in ("head", "events"):
             return
+
+
+def _died(reader: subprocess.Popen[bytes], errors: BinaryIO) -> str:
+    """Why the reader process stopped short: its exit status or signal, and the last line it
+    wrote to standard error."""
+    code = reader.wait()
+    how = f"exit status {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            how = f"killed by {signal.Signals(-code).name}"
+    errors.seek(0)
+    last = errors.read().decode(errors="replace").strip().splitlines()[-1:]
+    return f"the export reader process ended ({how}){''.join(f': {line}' for line in last)}"
 
 
 class EventStream:
@@ -199,6 +220,8 @@ class EventStream:
         self.first: Record | None = None
         self.last: Record | None = None
         self._reader: subprocess.Popen[bytes] | None = None
+        self._pipe: BinaryIO | None = None
+        self._errors: BinaryIO | None = None
         self._source: Iterator[_Message] | None = None
 
     def __enter__(self) -> Self:
@@ -208,18 +231,8 @@ class EventStream:
             MalformedExport: the file is not a valid job record (as far as read).
             OSError: the file cannot be read.
         """
-        if self.process:
-            self._reader = subprocess.Popen(
-                [sys.executable, "-P", "-m", __name__, os.fspath(self.path)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            _widen(self._reader.stdout)
-            self._source = _received(self._reader)
-        else:
-            self._source = _messages(self.path)
         try:
+            self._source = self._start() if self.process else _messages(self.path)
             message = next(self._source)
             if message[0] != "head":
                 _raise(message)
@@ -228,6 +241,24 @@ class EventStream:
             self._close()
             raise
         return self
+
+    def _start(self) -> Iterator[_Message]:
+        """Start the reader process; its messages."""
+        receiving, sending = os.pipe()
+        self._pipe = os.fdopen(receiving, "rb")
+        self._errors = tempfile.TemporaryFile()  # noqa: SIM115 (closed by _close)
+        try:
+            self._reader = subprocess.Popen(
+                [sys.executable, "-P", "-m", __name__, str(sending), os.fspath(self.path)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=self._errors,
+                pass_fds=(sending,),
+            )
+        finally:
+            os.close(sending)  # the reader's now: the pipe ends when the reader does
+        _widen(receiving)
+        return _received(self._reader, self._pipe, self._errors)
 
     def __exit__(
         self,
@@ -266,12 +297,13 @@ class EventStream:
             if reader.poll() is None:
                 reader.kill()  # it only reads: nothing to lose
             reader.wait()
-            for pipe in (reader.stdout, reader.stderr):
-                if pipe is not None:
-                    pipe.close()
+        for held in (self._pipe, self._errors):
+            if held is not None:
+                held.close()
+        self._pipe = self._errors = None
 
 
-def _widen(pipe: IO[bytes] | None) -> None:
+def _widen(pipe: int) -> None:
     """Give the pipe room for a whole batch or more (:data:`PIPE_BYTES`), where the system
     allows: with Linux's default 64 KiB the reader waits on every batch it writes and the
     replay on every one it reads, switching back and forth a few times per batch."""
@@ -281,9 +313,8 @@ def _widen(pipe: IO[bytes] | None) -> None:
         set_size = fcntl.F_SETPIPE_SZ  # Linux only
     except (ImportError, AttributeError):
         return
-    if pipe is not None:
-        with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size: keep the default
-            fcntl.fcntl(pipe.fileno(), set_size, PIPE_BYTES)
+    with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size: keep the default
+        fcntl.fcntl(pipe, set_size, PIPE_BYTES)
 
 
 def _raise(message: _Message) -> NoReturn:
@@ -294,7 +325,18 @@ def _raise(message: _Message) -> NoReturn:
     raise OSError(str(detail))
 
 
-if __name__ == "__main__":
+def _main(argv: list[str]) -> None:
+    """The reader process's entry: ``FD PATH``, the pipe to write to and the file."""
     # A replay that stopped listening (it failed, was interrupted or killed) closes the pipe.
-    with contextlib.suppress(BrokenPipeError):
-        _serve(Path(sys.argv[1]), sys.stdout.buffer)
+    with (
+        contextlib.suppress(BrokenPipeError),
+        open(int(argv[0]), "wb", buffering=_WRITE_BYTES) as out,
+    ):
+        _serve(Path(argv[1]), out)
+
+
+_WRITE_BYTES = 1 << 16
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
