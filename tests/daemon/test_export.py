@@ -170,6 +170,10 @@ def _edit_line(n: int, change: Callable[[dict[str, Any]], object]) -> Callable[[
     return damage
 
 
+def _rewrite_raw(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+
+
 def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-12])
 
@@ -180,6 +184,10 @@ def _garble(path: Path) -> None:
 
 DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "not gzip": (_garble, "not a complete gzip file"),
+    "not compressed": (
+        lambda p: _rewrite_raw(p, gzip.decompress(p.read_bytes())),
+        "it looks like uncompressed JSON Lines: compress it with gzip first",
+    ),
     "truncated": (_truncate, "not a complete gzip file"),
     "empty": (lambda p: _rewrite(p, []), "empty; a job record starts with a header line"),
     "not json": (lambda p: _rewrite(p, [*_lines(p), b"{oops"]), ":4: not JSON"),

@@ -6,6 +6,7 @@ process ended with the stream, and its death reported."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
 import os
@@ -22,6 +23,7 @@ from tests.daemon import recorded
 from tests.daemon.recorded import JOB
 from tests.daemon.test_export import DAMAGES, _header, _record
 from trainguard.agent.bus import Record
+from trainguard.daemon._audit import MalformedAudit
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._export import FILE_ORDER, MalformedExport, dump, load
 from trainguard.daemon._export_stream import BATCH, EventStream
@@ -231,3 +233,66 @@ def test_no_timeline_prints_the_verdict_only(exported: Path) -> None:
     assert any(line["type"] == "row" for line in full)
     [windowed] = replay_cli("--no-timeline", "--from-offset", "0")
     assert windowed == verdict
+
+
+def test_damage_read_with_the_audit_trail_is_named_as_gzip_damage(
+    exported: Path, tmp_path: Path
+) -> None:
+    """The audit records come first, before gzip checks the file at its end: an entry that does
+    not parse in a damaged file is reported as the damage (as reading the whole file first
+    reports it), and as a bad entry only in an intact file."""
+    with gzip.open(exported, "rb") as f:
+        lines = f.read().splitlines()
+    first_audit = next(i for i, line in enumerate(lines) if b'"topic":"audit"' in line)
+    entry = orjson.loads(lines[first_audit])
+    entry["value_b64"] = base64.b64encode(b"not an audit entry").decode()
+    lines[first_audit] = orjson.dumps(entry)
+    # Enough events after it that gzip has not reached its trailer when the trail is read.
+    last = orjson.loads(lines[-1])
+    assert last["topic"] == "events"
+    for i in range(1, 2_001):
+        value = base64.b64encode(b'{"pad":"' + os.urandom(150).hex().encode() + b'"}').decode()
+        lines.append(orjson.dumps({**last, "offset": last["offset"] + i, "value_b64": value}))
+    header = orjson.loads(lines[0])
+    header["counts"]["events"] += 2_000
+    lines[0] = orjson.dumps(header)
+    bad_entry = tmp_path / "bad-entry.tgjsonl.gz"
+    bad_entry.write_bytes(gzip.compress(b"".join(line + b"\n" for line in lines)))
+    with pytest.raises(MalformedAudit):
+        replay_file(bad_entry, JOB, DEFAULT, process=False)
+
+    damaged = bytearray(bad_entry.read_bytes())
+    damaged[-8] ^= 0xFF  # the CRC-32 in the gzip trailer (RFC 1952): gzip finds the damage
+    bad_entry.write_bytes(bytes(damaged))
+    with pytest.raises(MalformedExport, match="not a complete gzip file"):
+        replay_file(bad_entry, JOB, DEFAULT, process=False)
+    with pytest.raises(MalformedExport, match="not a complete gzip file"):
+        read_file(bad_entry)
+
+
+def test_a_process_started_with_closed_standard_streams_still_gets_its_records(
+    tmp_path: Path,
+) -> None:
+    """With 0 and 1 closed, the pipe takes those numbers; the reader's standard streams must
+    not replace it."""
+    path = tmp_path / "long.tgjsonl.gz"
+    _long_file(path, 2 * BATCH)
+    out = tmp_path / "offsets.json"
+    script = (
+        "import json, os, sys\n"
+        "from pathlib import Path\n"
+        "from trainguard.daemon._export_stream import EventStream\n"
+        "os.close(0); os.close(1)\n"
+        "with EventStream(Path(sys.argv[1]), process=True) as stream:\n"
+        "    offsets = [r.offset for r in stream]\n"
+        "Path(sys.argv[2]).write_text(json.dumps(offsets))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == list(range(2 * BATCH))

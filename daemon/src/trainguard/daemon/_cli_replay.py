@@ -10,6 +10,7 @@ window, an unreadable source or configuration.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
@@ -422,6 +423,8 @@ def export(
         "audit": log.audit,
     }
     to_stdout = str(output) == "-"
+    if to_stdout and sys.stdout.isatty():
+        _fail("-o - writes gzip to standard output, which is a terminal: redirect it (> FILE)")
     try:
         size = _dump_to_stdout(header, records) if to_stdout else dump(output, header, records)
     except OSError as exc:
@@ -436,7 +439,6 @@ def _dump_to_stdout(header: ExportHeader, records: Mapping[str, Sequence[Record]
     """Write the job record to standard output (through a temporary file: ``dump`` writes
     atomically by name); its size in bytes."""
     import shutil
-    import sys
     import tempfile
 
     from trainguard.daemon._export import dump

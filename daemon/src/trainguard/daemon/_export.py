@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import gzip
 import io
@@ -243,7 +244,7 @@ def _items(path: Path) -> Iterator[ExportHeader | Record]:
                     raise
                 raise damage from exc
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        raise MalformedExport(f"{path}: not a complete gzip file ({exc})") from exc
+        raise MalformedExport(f"{path}: not a complete gzip file ({exc}){_hint(path)}") from exc
     if header is None:
         raise MalformedExport(f"{path}: empty; a job record starts with a header line")
     for topic, expected in header.counts.items():
@@ -252,6 +253,15 @@ def _items(path: Path) -> Iterator[ExportHeader | Record]:
                 f"{path}: the header announces {expected} {topic} records, the file holds "
                 f"{held.get(topic, 0)}"
             )
+
+
+def _hint(path: Path) -> str:
+    """What to do about a file that is no gzip at all but starts like JSON (a decompressed
+    job record), else nothing."""
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        if f.read(2) == b'{"':
+            return "; it looks like uncompressed JSON Lines: compress it with gzip first"
+    return ""
 
 
 def _gzip_damage(rest: Iterator[bytes], path: Path, number: int) -> MalformedExport | None:

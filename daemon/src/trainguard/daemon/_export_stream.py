@@ -213,7 +213,9 @@ class EventStream:
         """
         self.path = path
         size = path.stat().st_size
-        self.process = size >= PROCESS_MIN_BYTES if process is None else process
+        # (The reader process is POSIX: it is handed its pipe with ``pass_fds``.)
+        by_size = size >= PROCESS_MIN_BYTES and os.name == "posix"
+        self.process = by_size if process is None else process
         self.header: ExportHeader | None = None
         self.others: dict[str, list[Record]] = {}
         self.count = 0
@@ -244,7 +246,7 @@ class EventStream:
 
     def _start(self) -> Iterator[_Message]:
         """Start the reader process; its messages."""
-        receiving, sending = os.pipe()
+        receiving, sending = (_above_std(fd) for fd in os.pipe())
         self._pipe = os.fdopen(receiving, "rb")
         self._errors = tempfile.TemporaryFile()  # noqa: SIM115 (closed by _close)
         try:
@@ -301,6 +303,18 @@ class EventStream:
             if held is not None:
                 held.close()
         self._pipe = self._errors = None
+
+
+def _above_std(fd: int) -> int:
+    """``fd``, moved to 3 or above if it took the number of a closed standard stream (a
+    process started with them closed): the reader's standard streams would replace it there."""
+    if fd > 2:
+        return fd
+    import fcntl  # POSIX, as the reader process
+
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.close(fd)
+    return moved
 
 
 def _widen(pipe: int) -> None:

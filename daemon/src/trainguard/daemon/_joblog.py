@@ -27,7 +27,7 @@ from pathlib import Path
 from trainguard.agent.bus import Bus, BusConfig, KafkaSecurity, Record, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
 
-from ._audit import AuditTrail, entries_by_job, read_trail
+from ._audit import AuditTrail, MalformedAudit, entries_by_job, read_trail
 from ._config import MachineConfig
 from ._export import ExportHeader, load
 from ._export_stream import EventStream
@@ -293,8 +293,9 @@ def replay_file(
     Raises:
         OSError: the file cannot be read.
         MalformedExport: it is not a valid export file (found while reading it: the replay is
-            then discarded).
-        MalformedAudit: its audit trail is not valid.
+            then discarded); also when its audit trail does not parse and the rest of the file
+            is damaged.
+        MalformedAudit: its audit trail is not valid (in an intact file).
         UnknownJob: it holds another job, or no event.
     """
     with EventStream(path, process=process) as stream:
@@ -302,8 +303,15 @@ def replay_file(
         assert header is not None  # set on entry
         if job_id is not None and job_id != header.job_id:
             raise UnknownJob(f"{path} holds job {header.job_id!r}, not {job_id!r}")
-        trail = _trail(header.job_id, stream.others["audit"])
-        result = replay(header.job_id, stream, trail, default, timeline=timeline)
+        try:
+            trail = _trail(header.job_id, stream.others["audit"])
+            result = replay(header.job_id, stream, trail, default, timeline=timeline)
+        except MalformedAudit:
+            # The audit records come first, before gzip could check the file: read the rest,
+            # so that damage to the file is named as such (and as read_file would name it).
+            for _ in stream:
+                pass
+            raise
         if stream.first is None or stream.last is None:
             raise UnknownJob(f"{path} holds no event of job {header.job_id!r}")
         return FileReplay(
