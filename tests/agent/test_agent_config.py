@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.agent import DEFAULT_BUS_URL, Agent, AgentConfig, ConfigError
-from trainguard.agent.bus import parse_bus_url
+from trainguard.agent.bus import parse_bus_url, sqlite_url
 
 
 def test_defaults_apply_when_nothing_is_set():
@@ -26,6 +26,15 @@ def test_default_bus_is_a_file_in_the_working_directory():
 def test_an_absolute_bus_path_takes_three_slashes_or_four():
     assert parse_bus_url("sqlite:///tmp/x/bus.db") == ("sqlite", "/tmp/x/bus.db")
     assert parse_bus_url("sqlite:////tmp/x/bus.db") == ("sqlite", "/tmp/x/bus.db")
+
+
+def test_the_url_of_a_relative_bus_path_names_it_from_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+    url = sqlite_url(Path("work") / "bus.db")
+    assert url == f"sqlite://{tmp_path.resolve()}/work/bus.db"
+    assert parse_bus_url(url) == ("sqlite", f"{tmp_path.resolve()}/work/bus.db")
 
 
 def test_arguments_beat_trainguard_variables_which_beat_launcher_variables():

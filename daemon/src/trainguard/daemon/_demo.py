@@ -33,6 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from trainguard.agent import ConfigError, parse_faults
+from trainguard.agent.bus import sqlite_url
 from trainguard.daemon._rehearsal import (
     JobRecord,
     charlm_command,
@@ -183,7 +184,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="trainguard-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "run"
-    bus_url = options.bus or f"sqlite:///{workdir / 'bus.db'}"
+    bus_url = options.bus or sqlite_url(workdir / "bus.db")
     prefix = f"demo-{uuid.uuid4().hex[:8]}."
     console.print(f"bus {bus_url} (topics {prefix}*), work folder {workdir}")
     config = workdir / "daemon.toml"

@@ -25,7 +25,15 @@ from typing import Any
 
 import orjson
 
-from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, Record, TopicPartition, open_bus
+from trainguard.agent.bus import (
+    DEFAULT_TOPICS,
+    Bus,
+    BusConfig,
+    Record,
+    TopicPartition,
+    open_bus,
+    sqlite_url,
+)
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import (
     Abort,
@@ -244,7 +252,7 @@ def reference_run(
     sup = supervise(
         "reference",
         charlm_command(out, steps=steps, checkpoint_every=checkpoint_every, seed=seed, extra=extra),
-        bus_url=f"sqlite:///{out / 'bus.db'}",
+        bus_url=sqlite_url(out / "bus.db"),
         prefix="ref.",
         nproc_per_node=world_size,
         log_path=out / "supervisor.log",

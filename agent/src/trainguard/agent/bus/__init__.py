@@ -14,6 +14,7 @@ from trainguard.agent.bus._config import (
     KafkaSecurity,
     load_kafka_security,
     parse_bus_url,
+    sqlite_url,
     topic_prefixes,
 )
 from trainguard.agent.bus._errors import (
@@ -45,6 +46,7 @@ __all__ = [
     "load_kafka_security",
     "open_bus",
     "parse_bus_url",
+    "sqlite_url",
     "topic_prefixes",
 ]
 

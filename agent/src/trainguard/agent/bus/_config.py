@@ -309,6 +309,12 @@ def topic_prefixes(names: Iterable[str]) -> list[str]:
     )
 
 
+def sqlite_url(path: Path) -> str:
+    """The embedded-bus URL of the database file ``path``, made absolute (``sqlite:///`` and a
+    relative path would name a file under the root: see :func:`parse_bus_url`)."""
+    return f"sqlite://{path.resolve()}"
+
+
 def parse_bus_url(url: str) -> tuple[Literal["sqlite", "kafka"], str]:
     """Split a bus URL into its kind and location.
 
