@@ -104,6 +104,19 @@ def test_a_clean_system_exit_is_a_finish(make_agent, bus_url):
     assert lifecycles(read_events(bus_url, JOB), "finished")
 
 
+def test_no_heartbeat_follows_the_last_word(make_agent, bus_url):
+    """The background beat can fire between ``finished`` and ``close()``: it is not sent, so
+    ``finished`` stays the process's last event (a heartbeat after it would say it runs)."""
+    agent = make_agent(heartbeat_interval_s=60.0).__enter__()
+    agent.ready(0)
+    agent._lifecycle("finished", step=0)  # what leaving the with block says, then close()
+    agent._link.submit(agent._heartbeat)  # a beat that fired in between
+    agent.close()
+    events = read_events(bus_url, JOB)
+    assert events[-1].kind == "finished"  # type: ignore[union-attr]
+    assert [e.kind for e in lifecycles(events, "finished")] == ["finished"]
+
+
 def create_bus(url: str) -> None:
     """Create the bus file with its topics (as any earlier client would have)."""
 

@@ -59,6 +59,7 @@ from trainguard.schemas import (
     Abort,
     Event,
     Heartbeat,
+    Lifecycle,
     Restore,
     Resume,
     SchemaError,
@@ -78,6 +79,9 @@ _POLL_S = 1.0
 """Longest wait of one command poll, seconds (bounds how late a broken consumer is noticed)."""
 
 _STOP_GRACE_S = 5.0
+
+_LAST_WORDS = frozenset({"finished", "error"})
+"""Lifecycle kinds after which a process sends no heartbeat."""
 """Seconds :meth:`Link.close` waits for the loop thread after cancelling it."""
 
 # One counter for the whole process: a sender is (rank, host, pid), and seqs must keep rising
@@ -235,6 +239,7 @@ class Link:
         self._thread: threading.Thread | None = None
         self._main: asyncio.Task[None] | None = None
         self._stopping = False
+        self._said_last = False  # a finished or error event is queued: no heartbeat follows
         self._wake = asyncio.Event()  # something was queued, or stop
         self._broken: BusError | None = None  # the listener's failure, for the sender
 
@@ -250,7 +255,8 @@ class Link:
 
         ``seq`` is assigned, the event built (and MACed, with an event key) and encoded under
         the queue's lock, so queue order and ``seq`` order agree. A heartbeat beyond ``ring``
-        waiting ones evicts the oldest. The event returned carries its ``auth``.
+        waiting ones evicts the oldest; one after a ``finished`` or ``error`` lifecycle event
+        (the process's last word) is not queued. The event returned carries its ``auth``.
 
         Raises:
             SchemaError: the event breaks the wire contract (nothing is queued).
@@ -261,6 +267,12 @@ class Link:
             if self._event_key is not None:
                 event = add_mac(event, self._event_key.kid, self._event_key.secret)
             heartbeat = isinstance(event, Heartbeat)
+            if heartbeat and self._said_last:
+                # The background beat can fire between the training thread's last word and
+                # close(): a heartbeat after it would tell the daemon the process still runs.
+                return event
+            if isinstance(event, Lifecycle) and event.kind in _LAST_WORDS:
+                self._said_last = True
             item = _Queued(seq, encode(event), heartbeat)
             if heartbeat and sum(q.heartbeat for q in self._queue) >= self._ring:
                 oldest = next(i for i, q in enumerate(self._queue) if q.heartbeat)
