@@ -37,6 +37,7 @@ from trainguard.agent._shards import (
     shard_path,
     write_shard,
 )
+from trainguard.agent._step_file import StepRecorder
 from trainguard.agent.bus import BusConfig
 from trainguard.schemas import (
     Abort,
@@ -210,6 +211,9 @@ class Agent:
         self._in_process: Restore | None = None
         self._training = False  # ready() returned: the loop is at step boundaries now
         self._watched: nn.Module | None = None
+        self._steps = self._step_recorder()
+        # The mapped step of the supervisor's step file, stored into directly by step().
+        self._step_cell = None if self._steps is None else self._steps.cell
         self._link = Link(
             BusConfig(
                 url=c.bus_url,
@@ -231,6 +235,18 @@ class Agent:
             verify_keys=c.keys.verify,
             event_key=c.keys.event,
         )
+
+    def _step_recorder(self) -> StepRecorder | None:
+        """The recorder of ``config.step_file``, or ``None`` (none set, or it cannot be
+        mapped: the supervisor then reports exits without the step, as for plain mode)."""
+        path = self.config.step_file
+        if path is None:
+            return None
+        try:
+            return StepRecorder(path)
+        except (OSError, ValueError) as exc:
+            self._log.warning("step file not used", path=str(path), error=str(exc))
+            return None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -276,6 +292,9 @@ class Agent:
         self._state = "closed"
         self._writer.shutdown(wait=True)
         self._link.close(timeout_s)
+        self._step_cell = None
+        if self._steps is not None:
+            self._steps.close()
 
     @property
     def stats(self) -> AgentStats:
@@ -431,6 +450,8 @@ class Agent:
         self._require_open()
         with self._gate:
             self._progress = (step, None, self._progress[2], None)
+        if self._steps is not None:
+            self._steps.record(step)  # where the rank stands now, for an exit report
         generation = self.config.generation
         if generation > 0:
             restore = self._restore or self._link.commands.restores.get(generation)
@@ -521,6 +542,14 @@ class Agent:
                 self._in_process = None
             else:
                 request = None
+        cell = self._step_cell
+        if cell is not None:
+            # Before a fault may end the process: the supervisor reports this step then.
+            # (try/except, not contextlib.suppress: free when nothing is raised, per step.)
+            try:  # noqa: SIM105
+                cell[0] = step
+            except (TypeError, ValueError, OverflowError):
+                pass  # not an int64 step: the exit report falls back to the heartbeats'
         self._phase = "train"
         if armed:
             self._faults.after_step(step)
