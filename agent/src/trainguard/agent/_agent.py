@@ -433,13 +433,16 @@ class Agent:
 
         After a restore (generation > 0) this acknowledges it with a lifecycle ``restored``
         (step, cursor, the snapshot loaded) and blocks until the daemon's ``resume`` of this
-        generation, which it sends once every rank has acknowledged; that keeps all ranks of a
-        job in one generation. In generation 0 it only records the step. Call it again after
-        reloading for a :class:`RestoreRequested`.
+        generation, which it sends once every rank has acknowledged exactly the target's step
+        and data position (``docs/recovery.md``); that keeps all ranks of a job in one
+        generation. In generation 0 it only records the step. Call it again after reloading
+        for a :class:`RestoreRequested`.
 
         Args:
             step: the step the model state corresponds to (0 for a fresh start).
-            cursor: the data cursor at ``step``, if this rank tracks one.
+            cursor: the data cursor at ``step``. Required after a restore to a snapshot (every
+                snapshot has one): an acknowledgement without it, or at another position, is
+                a failed restore of this rank, and the daemon orders the restore again.
 
         Raises:
             RestoreTimeout: no ``resume`` within ``config.resume_timeout_s`` seconds.
@@ -456,6 +459,14 @@ class Agent:
         if generation > 0:
             restore = self._restore or self._link.commands.restores.get(generation)
             target = restore.target if restore is not None else None
+            if target is not None and cursor is None:
+                # The daemon resumes only acknowledgements at the target's data position.
+                self._log.warning(
+                    "restore acknowledged without a data cursor: the daemon will not resume "
+                    "it (pass cursor= the sampler's position, docs/recovery.md)",
+                    step=step,
+                    snapshot_id=target.snapshot_id,
+                )
             self._lifecycle(
                 "restored",
                 step=step,
