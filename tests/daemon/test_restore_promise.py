@@ -160,6 +160,7 @@ def test_a_rank_acknowledging_offset_0_of_step_300_fails_the_job_after_the_attem
     assert evidence in failed.reason
     assert abort.reason == failed.reason
     assert state.phase == "failed"
+    assert {rec.status for rec in state.ranks.values()} == {"alive"}  # wrong, not dead
 
 
 def test_acknowledgements_of_the_initial_state_must_agree_with_one_another() -> None:
@@ -356,6 +357,24 @@ def test_a_nan_on_the_first_step_after_every_restore_suspects_an_incomplete_rest
         "gradient scaler",
     ):
         assert words in failed.reason, failed.reason
+
+
+def test_a_failure_at_a_step_never_passed_before_may_also_be_the_batch() -> None:
+    """Killed right after committing step 30, the job then fails at step 31 after every
+    restore: it never trained step 31 before, so a batch that always fails is suspect too."""
+    sim, state, restore = killed_job(steps=31)
+    at = T0 + 40 * S
+    while state.phase == "restoring":
+        state, _ = run(rejoin(sim, restore, at, {}), state)
+        state, decisions = run([sim.nan(2, 31, at + 10 * S)], state)
+        restore = next(iter(issued(decisions, Restore)), restore)
+        at += 20 * S
+    [failed] = of_type(decisions, JobFailed)
+    assert "(rank 2 at step 31 (job/i2, job/i3, job/i4)): suspect an incomplete restore" in (
+        failed.reason
+    )
+    assert "or a batch that fails whenever it is trained." in failed.reason
+    assert "trained past before" not in failed.reason
 
 
 def test_an_exit_report_names_the_last_step_the_worker_completed() -> None:

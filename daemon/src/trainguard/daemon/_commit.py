@@ -107,10 +107,10 @@ def disagreement(
     """Whether ``rank``'s data cursor after ``step`` (from its ``source``, e.g. ``"checkpoint
     shard"``) disagrees with what another rank reported for that step in this generation.
 
-    The reference is, in this order: the lowest other rank's pending shard of ``step``, the
-    first data-cursor event of ``step`` from another rank (``Watch.positions``), the committed
-    snapshot of ``step`` of this generation. Compared: data version, seed, epoch and global
-    sample offset.
+    The reference is, in this order: another rank's pending shard of ``step`` (they all agree,
+    or the job would have failed), the first data-cursor event of ``step`` from another rank
+    (``Watch.positions``), the committed snapshot of ``step`` of this generation. Compared:
+    data version, seed, epoch and global sample offset. O(1): one reference is enough.
 
     Returns:
         A ``cursor_mismatch`` failure naming both sides and their values, or ``None``.
@@ -166,9 +166,9 @@ def _reference(
     """Who else reported a cursor for ``step``: ``(who, ranks, hosts, cursor, where)``."""
     shards = state.pending.get(step)
     if shards is not None:
-        others = [r for r in shards if r != rank]
-        if others:
-            shard = shards[min(others)]
+        # The map's order depends only on its keys: the same reference in every replay.
+        shard = next((c for r, c in shards.items() if r != rank), None)
+        if shard is not None:
             who = f"rank {shard.rank} on host {shard.host}"
             return who, (shard.rank,), (shard.host,), shard.cursor, "its checkpoint shard"
     first = state.watch.positions.get(step)

@@ -434,14 +434,18 @@ def _after_restore(
     state: JobState, incident_id: str, failure: Failure, config: MachineConfig
 ) -> AfterRestore | None:
     """``failure`` as evidence against the restore that began the current generation: when
-    it struck within ``startup_steps`` steps after the restored step, else ``None``."""
+    it struck within ``startup_steps`` steps after the restored step, else ``None``. Where it
+    struck: ``failure.step``, else the furthest last step of the ranks it names, else (it
+    names none) the generation's highest step."""
     base = state.watch.base_step
     if state.generation == 0 or base is None:
         return None
     step = failure.step
-    if step is None:
+    if step is None and failure.ranks:
         known = [rec.step for r in failure.ranks if (rec := state.ranks.get(r)) is not None]
         step = max((s for s in known if s is not None), default=None)
+    elif step is None and state.watch.lead_step >= 0:
+        step = state.watch.lead_step  # an incident of the whole job (a loss spike)
     if step is None or not base <= step <= base + config.startup_steps:
         return None
     return AfterRestore(incident_id, tuple(sorted(set(failure.ranks))), step, base)
@@ -510,18 +514,17 @@ def _suspicion(loop: Loop, config: MachineConfig) -> str:
         for (ranks, step), ids in where.items()
     )
     mark = loop.mark_step
+    # Steps the job had passed before were computed without the failure then: a batch that
+    # always fails is ruled out, and the restored state is the suspect.
     passed = mark is not None and all(e.step <= mark for e in early)
-    seen = (
-        f", steps the job had trained past before (it reached step {mark})"
-        if passed
-        else ", or a batch that fails whenever it is trained"
-    )
+    seen = f", steps the job had trained past before (it reached step {mark})" if passed else ""
+    other = "" if passed else ", or a batch that fails whenever it is trained"
     return (
         f" {len(early)} of the {len(loop.incidents)} incidents struck within "
         f"{config.startup_steps} steps after a restore ({places}){seen}: suspect an "
         f"incomplete restore, state that the checkpoint does not carry (a gradient scaler, "
         f"a learning-rate scheduler, an optimizer's or data loader's state, RNG streams) or "
-        f"that the restarted process rebuilds differently."
+        f"that the restarted process rebuilds differently{other}."
     )
 
 
@@ -624,7 +627,9 @@ def _retry(
             f"attempt(s) (max_restore_attempts={config.max_restore_attempts}); last failure: "
             f"{failure.reason}"
         )
-        return give_up(state, reason, config, dead=failure.ranks)
+        # Ranks that acknowledged wrongly are alive: only silent or exited ones are dead.
+        dead = () if failure.cause == "restore_mismatch" else failure.ranks
+        return give_up(state, reason, config, dead=dead)
     target = state.restore_target(incident.onset_after_step)
     refused = _refusal(state, target, incident.onset_after_step, config)
     if refused is not None:
