@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import structlog
 import torch
 
 from tests.agent import _jobbus as daemon
@@ -132,11 +133,13 @@ def test_the_daemon_can_end_the_wait_for_resume(make_agent, bus_url, saved, comm
     def restart() -> None:
         with make_agent(generation=1) as agent:
             agent.restore_target()
-            agent.ready(10)
+            agent.ready(10)  # without the cursor: warned, and never resumed by a daemon
 
-    with pytest.raises(error, match=match):
+    with structlog.testing.capture_logs() as logs, pytest.raises(error, match=match):
         restart()
     helper.join()
+    [warned] = [e for e in logs if e["event"].startswith("restore acknowledged without")]
+    assert (warned["log_level"], warned["step"]) == ("warning", 10)
     # The daemon's own orders are not reported back to it as errors.
     assert not lifecycles(read_events(bus_url, JOB), "error")
 

@@ -45,6 +45,15 @@ if mode == "stubborn":
     time.sleep(600)
 if mode == "sleep":
     time.sleep(600)
+if mode == "agent-kill" and gen == "0":
+    # A real agent, killed by its fault after completing step 41.
+    from trainguard.agent import Agent
+    with Agent() as agent:
+        agent.ready(0)
+        for step in range(1, 100):
+            agent.step(step)
+if mode == "agent-kill":
+    sys.exit(7)  # before any step: no step to report
 """
 
 
@@ -130,6 +139,8 @@ async def test_plain_mode_reports_the_exit_and_restarts_into_the_new_generation(
         assert await asyncio.wait_for(task, 30) == 0
         env = json.loads((tmp_path / "out" / "1--.json").read_text())
         assert env["TRAINGUARD_GENERATION"] == "1"
+        assert "TRAINGUARD_STEP_FILE" not in env  # one command, several ranks: no step
+        assert exited.step is None
         assert env["TRAINGUARD_JOB"] == JOB
         started = [e for e in await lifecycles(bus) if e.kind == "started"]
         assert [e.generation for e in started] == [0, 1]
@@ -195,6 +206,31 @@ async def test_an_older_generation_restore_is_ignored(tmp_path: Path) -> None:
         assert [e.generation for e in started] == [2]
         await bus.publish("commands", JOB, abort_at(2))
         assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+async def test_an_exit_report_carries_the_last_step_the_worker_completed(tmp_path: Path) -> None:
+    """Launcher mode: the agent records each completed step in the worker's step file, and
+    the supervisor reports the last one with the exit, also after a SIGKILL; a worker of a
+    new generation that completed no step is reported without one."""
+    env = {"TRAINGUARD_FAULTS": "kill@step=41,rank=0", "TRAINGUARD_CHECKPOINT_DIR": str(tmp_path)}
+    cfg = config(tmp_path, "agent-kill", nproc_per_node=1, env=env)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+
+        def exits(events: list[Lifecycle]) -> list[Lifecycle]:
+            return [e for e in events if e.kind == "exited" and e.rank is None]
+
+        [killed] = exits(await wait_for(bus, lambda es: len(exits(es)) == 1, timeout_s=60))
+        assert (killed.ranks, killed.signal, killed.step) == ((0,), signal.SIGKILL, 41)
+        await bus.publish("commands", JOB, restore(1))
+        exited = exits(await wait_for(bus, lambda es: len(exits(es)) == 2, timeout_s=60))
+        assert (exited[1].generation, exited[1].exit_code, exited[1].step) == (1, 7, None)
+        await bus.publish("commands", JOB, abort_at(1))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+    env0 = json.loads((tmp_path / "out" / "0-0.json").read_text())
+    assert Path(env0["TRAINGUARD_STEP_FILE"]).parent.name.startswith("trainguard-steps-")
+    # Removed with the supervisor.
+    assert not await asyncio.to_thread(Path(env0["TRAINGUARD_STEP_FILE"]).exists)
 
 
 def abort_at(generation: int) -> bytes:

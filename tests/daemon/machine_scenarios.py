@@ -400,6 +400,7 @@ def _ack(sim: Sim, rank: int, target: Manifest | None, at: int) -> Observed:
         "restored",
         at,
         step=0 if target is None else target.step,
+        cursor=None if target is None else target.cursor,
         snapshot_id=None if target is None else target.snapshot_id,
     )
 

@@ -117,7 +117,11 @@ async def record_job(factory: BusFactory) -> None:
 
             [order] = await eventually(restore)
         assert order.target is not None
-        ack = {"step": order.target.step, "snapshot_id": order.target.snapshot_id}
+        ack = {
+            "step": order.target.step,
+            "cursor": order.target.cursor,
+            "snapshot_id": order.target.snapshot_id,
+        }
         async with running(DaemonService(daemon_config(factory, "daemon-b"))) as second:
             await asyncio.wait_for(second.ready.wait(), 30)
             await _publish(

@@ -455,6 +455,7 @@ def test_an_in_process_restore_names_a_future_step_boundary() -> None:
             "restored",
             T0 + 66 * S + r,
             step=restore.target.step if restore.target else 0,
+            cursor=restore.target.cursor if restore.target else None,
             snapshot_id=restore.target.snapshot_id if restore.target else None,
         )
         for r in range(4)

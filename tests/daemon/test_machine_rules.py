@@ -80,17 +80,18 @@ def test_step_commits_when_every_rank_reported_its_shard() -> None:
     assert state.pending.get(10) is None
 
 
-def test_shards_that_disagree_on_the_cursor_do_not_commit() -> None:
+def test_shards_that_disagree_on_the_cursor_fail_the_job() -> None:
     sim = Sim()
     state, _ = run(sim.start(T0))
     shards = [sim.checkpoint(r, 10, T0 + S + r) for r in range(3)]
     shards.append(sim.checkpoint(3, 10, T0 + S + 3, offset=7))
     state, decisions = run(shards, state)
-    [anomaly] = decisions
-    assert isinstance(anomaly, Anomaly)
-    assert anomaly.kind == "checkpoint_mismatch"
-    assert "rank 3" in anomaly.reason
-    assert state.committed == ()
+    [opened] = of_type(decisions, IncidentOpened)
+    assert opened.cause == "cursor_mismatch"
+    assert len(opened.ranks) == 2
+    assert 3 in opened.ranks  # and one of the ranks it disagrees with
+    assert of_type(decisions, Committed) == []
+    assert state.phase == "failed"
 
 
 def test_older_step_completing_after_a_newer_commit_is_not_kept() -> None:
@@ -279,18 +280,27 @@ def test_corrupt_shard_restores_the_previous_committed_snapshot() -> None:
     assert retry.target is not None
     assert retry.target.snapshot_id == "job/g0/s20"
     assert retry.attempt == 2
-    # Restoring s20 abandons the timeline after it: s30 is no restore target any more.
+    # Restoring s20 abandons the timeline after it: s30 is no restore target any more, but why
+    # it failed is kept until the next commit (a give-up names every snapshot tried).
     assert [m.snapshot_id for m in state.committed] == ["job/g0/s10", "job/g0/s20"]
-    assert state.bad_snapshots == frozenset()
+    assert [sid for sid, _ in state.bad_snapshots] == ["job/g0/s30"]
 
 
-def test_acknowledging_another_snapshot_is_rejected() -> None:
+def test_acknowledging_another_snapshot_is_a_failed_restore_of_that_rank() -> None:
     sim, state, restore = killed_job()
-    sim.generation = restore.generation
-    ack = sim.lifecycle(0, "restored", T0 + 45 * S, step=20, snapshot_id="job/g0/s20")
-    new_state, decisions = decide(state, ack, CFG)
-    assert new_state is state
-    assert [d.code for d in of_type(decisions, Rejected)] == ["wrong_snapshot"]
+    assert restore.target is not None
+    acks = sim.recover(restore, T0 + 45 * S, ranks=range(1, 4))
+    wrong = sim.lifecycle(
+        0, "restored", T0 + 46 * S, step=30, snapshot_id="job/g0/s20", cursor=restore.target.cursor
+    )
+    state, decisions = run([*acks, wrong], state)
+    assert of_type(decisions, Rejected) == []
+    assert issued(decisions, Resume) == []
+    [retry] = issued(decisions, Restore)
+    assert retry.generation == 2
+    assert "rank 0 on host h0 acknowledged snapshot job/g0/s20 (expected job/g0/s30)" in (
+        retry.reason
+    )
 
 
 def test_exhausted_restore_attempts_fail_the_job_loudly() -> None:
@@ -526,7 +536,13 @@ def test_errors_without_consequence_are_reported_as_anomalies() -> None:
         ),
     ]
     assert len(decisions) == 3
-    assert state.bad_snapshots == {"job/g0/s10"}
+    assert state.bad_snapshots == (
+        (
+            "job/g0/s10",
+            "rank 3 on host h1 reported that snapshot job/g0/s10 failed verification: "
+            "digest mismatch",
+        ),
+    )
     assert state.phase == "running"
 
 

@@ -229,6 +229,7 @@ def features(state: JobState) -> set[str]:
         found |= {"incident", f"mode:{incident.mode}"}
         found |= {"target"} if incident.target is not None else set()
         found |= {"acks"} if incident.acks else set()
+        found |= {"ack cursor"} if any(a.cursor for a in incident.acks.values()) else set()
         found |= {"skip"} if incident.skip is not None else set()
     spike = state.watch.spike
     if spike is not None:
@@ -241,6 +242,8 @@ def features(state: JobState) -> set[str]:
         "committed": bool(state.committed),
         "bad snapshots": bool(state.bad_snapshots),
         "crash loop": bool(state.loop.incidents),
+        "after restore": bool(state.loop.after_restore),
+        "positions": bool(state.watch.positions),
         "progress timeout": state.trend.progress_timeout_ns is not None,
         "loss level": state.trend.loss_mad is not None,
         "straggling": any(r.straggling for r in state.ranks.values()),
@@ -308,12 +311,26 @@ def finished_job() -> Folding:
     return record(inputs, CFG)
 
 
+def early_exit_after_a_restore() -> Folding:
+    """A job reporting its data cursors is killed, restored, and killed again before its first
+    step after the restore: the crash-loop guard keeps that incident as evidence."""
+    sim = Sim()
+    inputs = [*sim.start(T0), *sim.train(range(25), start=T0 + S)]
+    inputs += [sim.cursor(r, 24, T0 + 26 * S + r) for r in range(4)]
+    _, decisions = run([*inputs, sim.kill(1, T0 + 30 * S)])
+    [restore] = issued(decisions, Restore)
+    inputs += [sim.kill(1, T0 + 30 * S), *sim.recover(restore, T0 + 31 * S)]
+    inputs.append(sim.kill(2, T0 + 33 * S))
+    return record(inputs, CFG)
+
+
 SCENARIOS: list[Callable[[], Folding]] = [
     spike_then_in_process_restore,
     spike_on_a_flat_loss,
     straggler,
     failed_restores,
     finished_job,
+    early_exit_after_a_restore,
 ]
 
 
@@ -332,7 +349,7 @@ def test_every_kind_of_value_round_trips() -> None:
     expected |= {"incident", "target", "acks", "skip", "spike", "infinite z", "checksums"}
     expected |= {"agreed", "versions", "pending", "committed", "bad snapshots", "crash loop"}
     expected |= {"progress timeout", "loss level", "straggling", "dead rank", "long phase"}
-    expected |= {"supervisor sender"}
+    expected |= {"supervisor sender", "ack cursor", "after restore", "positions"}
     assert expected - seen == set()
 
 
@@ -488,14 +505,19 @@ def refused(document: object) -> StateFormatError:
         (["state", "committed", 0, "schema"], "manifest/9.0", "state.committed[0].schema"),
         (["state", "committed", 0, "cursor"], None, "state.committed[0].cursor"),
         (["state", "committed"], {"0": None}, "state.committed"),
-        (["state", "incident", "acks"], [1, 1], "state.incident.acks[1]"),
+        (["state", "incident", "acks", 1, 0], 0, "state.incident.acks[1][0]"),
         (["state", "incident", "acks"], [1.0], "state.incident.acks[0]"),
+        (
+            ["state", "incident", "acks", 0, 1, "cursor", "seed"],
+            "7",
+            "state.incident.acks[0][1].cursor.seed",
+        ),
         (["state", "incident", "skip"], {"from_step": 1}, "state.incident.skip.to_step"),
         (["state", "incident", "cause"], "boredom", "state.incident.cause"),
         (["state", "trend", "step_times", "recent"], ["fast"], "state.trend.step_times.recent[0]"),
         (["state", "loop", "incidents"], [["job/i1"]], "state.loop.incidents[0]"),
         (["state", "bad_snapshots"], "job/g0/s10", "state.bad_snapshots"),
-        (["state", "bad_snapshots"], ["a", "a"], "state.bad_snapshots[1]"),
+        (["state", "bad_snapshots"], [["a", "why"], "a"], "state.bad_snapshots[1]"),
         (["state", "watch", "extra"], 1, "state.watch.extra"),
         (["state", "watch", "spike"], {}, "state.watch.spike.onset_after_step"),
         (["state"], [], "state"),

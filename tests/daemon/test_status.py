@@ -13,9 +13,10 @@ from pathlib import Path
 
 import orjson
 import pytest
+import structlog
 
 from tests.buses import BusFactory
-from tests.daemon.service_support import eventually, read_all, running
+from tests.daemon.service_support import CURSOR, eventually, read_all, running
 from tests.daemon.test_service import (
     JOB,
     beat,
@@ -169,3 +170,50 @@ async def test_status_leaves_out_what_the_daemon_refused(tmp_path: Path) -> None
     assert (shown["step"], shown["refused"], shown["last_incident"]) == (4, 1, None)
     text = status(factory, JOB)
     assert "1 record(s) left out: the daemon refused them as not authentic" in text.stdout
+
+
+async def record_jobs_that_cannot_commit(factory: BusFactory) -> None:
+    """``JOB``'s ranks disagree on the sampler seed of step 10; ``OTHER``'s on the snapshot
+    their job started from (step 10 complete, never committed)."""
+    odd_seed = dataclasses.replace(shard(1, 2, 10), cursor=dataclasses.replace(CURSOR, seed=8))
+    other_origin = dataclasses.replace(shard(1, 2, 10), parent="base/g0/s5")
+    async with factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, started(0), started(1), beat(0, 1, 10), beat(1, 1, 10))
+        await publish(bus, shard(0, 2, 10), odd_seed)
+        running_job: list[Event] = [started(0), started(1), beat(0, 1, 10), beat(1, 1, 10)]
+        await publish(bus, *map(other, [*running_job, shard(0, 2, 10), other_origin]))
+
+
+@pytest.mark.anyio
+async def test_a_job_that_cannot_commit_says_so_in_status_metrics_and_logs(
+    sqlite_bus: BusFactory,
+) -> None:
+    await record_jobs_that_cannot_commit(sqlite_bus)
+    config = daemon_config(sqlite_bus)
+    service = DaemonService(config)
+    with structlog.testing.capture_logs() as logs:
+        async with running(service):
+            await eventually(lambda: _folded(service, 12))
+    assert service.jobs[JOB].phase == "failed"
+    errors = {(e["event"], e["job_id"]) for e in logs if e["log_level"] == "error"}
+    assert {("job failed", JOB), ("step not committed", OTHER)} <= errors
+    registry = service.metrics.registry
+    counted = {
+        reason: registry.get_sample_value(
+            "trainguard_steps_not_committed_total", {"reason": reason}
+        )
+        for reason in ("cursor_mismatch", "checkpoint_mismatch")
+    }
+    assert counted == {"cursor_mismatch": 1.0, "checkpoint_mismatch": 1.0}
+
+    jobs = await read_status(config.bus, config.machine)
+    seed_reason, origin_reason = jobs[JOB].not_committed, jobs[OTHER].not_committed
+    assert seed_reason is not None
+    assert "disagree on the data order after step 10" in seed_reason
+    assert origin_reason is not None
+    assert "disagree on the snapshot the job started from" in origin_reason
+    rows = {row["job_id"]: row for row in json.loads(status(sqlite_bus, "--format", "json").stdout)}
+    assert rows[OTHER]["not_committed"] == origin_reason
+    [line] = [line for line in status(sqlite_bus).stdout.splitlines() if OTHER in line]
+    assert "blocked" in line
+    assert "not committing: shards of step 10" in status(sqlite_bus, OTHER).stdout

@@ -423,7 +423,15 @@ def test_a_rank_that_keeps_exiting_fails_the_job_after_the_configured_cycles(mak
     assert causes == [("exited", g) for g in range(4)], run.describe()
     assert [r.generation for r in record.restores()] == [1, 2, 3], run.describe()
     failed = only([d for d in record.decisions() if d["decision"] == "job_failed"], "failure", run)
-    for words in ("crash loop", "exited x4", "max_restore_cycles=3", "exit code 7"):
+    # The exit report carries the step the worker completed (its step file), not the last
+    # heartbeat's: the reason names the rank, the exit code and step 25 exactly.
+    for words in (
+        "crash loop",
+        "exited x4",
+        "max_restore_cycles=3",
+        "rank 1 on host",
+        "exited with exit code 7 in generation 3 after its last completed step 25",
+    ):
         assert words in failed["reason"], f"{words!r} not in {failed['reason']!r}"
     abort = only(record.aborts(), "abort", run)
     assert abort.reason == failed["reason"], run.describe()

@@ -37,6 +37,7 @@ from trainguard.agent._shards import (
     shard_path,
     write_shard,
 )
+from trainguard.agent._step_file import StepRecorder
 from trainguard.agent.bus import BusConfig
 from trainguard.schemas import (
     Abort,
@@ -210,6 +211,9 @@ class Agent:
         self._in_process: Restore | None = None
         self._training = False  # ready() returned: the loop is at step boundaries now
         self._watched: nn.Module | None = None
+        self._steps = self._step_recorder()
+        # The mapped step of the supervisor's step file, stored into directly by step().
+        self._step_cell = None if self._steps is None else self._steps.cell
         self._link = Link(
             BusConfig(
                 url=c.bus_url,
@@ -231,6 +235,18 @@ class Agent:
             verify_keys=c.keys.verify,
             event_key=c.keys.event,
         )
+
+    def _step_recorder(self) -> StepRecorder | None:
+        """The recorder of ``config.step_file``, or ``None`` (none set, or it cannot be
+        mapped: the supervisor then reports exits without the step, as for plain mode)."""
+        path = self.config.step_file
+        if path is None:
+            return None
+        try:
+            return StepRecorder(path)
+        except (OSError, ValueError) as exc:
+            self._log.warning("step file not used", path=str(path), error=str(exc))
+            return None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -276,6 +292,9 @@ class Agent:
         self._state = "closed"
         self._writer.shutdown(wait=True)
         self._link.close(timeout_s)
+        self._step_cell = None
+        if self._steps is not None:
+            self._steps.close()
 
     @property
     def stats(self) -> AgentStats:
@@ -414,13 +433,16 @@ class Agent:
 
         After a restore (generation > 0) this acknowledges it with a lifecycle ``restored``
         (step, cursor, the snapshot loaded) and blocks until the daemon's ``resume`` of this
-        generation, which it sends once every rank has acknowledged; that keeps all ranks of a
-        job in one generation. In generation 0 it only records the step. Call it again after
-        reloading for a :class:`RestoreRequested`.
+        generation, which it sends once every rank has acknowledged exactly the target's step
+        and data position (``docs/recovery.md``); that keeps all ranks of a job in one
+        generation. In generation 0 it only records the step. Call it again after reloading
+        for a :class:`RestoreRequested`.
 
         Args:
             step: the step the model state corresponds to (0 for a fresh start).
-            cursor: the data cursor at ``step``, if this rank tracks one.
+            cursor: the data cursor at ``step``. Required after a restore to a snapshot (every
+                snapshot has one): an acknowledgement without it, or at another position, is
+                a failed restore of this rank, and the daemon orders the restore again.
 
         Raises:
             RestoreTimeout: no ``resume`` within ``config.resume_timeout_s`` seconds.
@@ -431,10 +453,20 @@ class Agent:
         self._require_open()
         with self._gate:
             self._progress = (step, None, self._progress[2], None)
+        if self._steps is not None:
+            self._steps.record(step)  # where the rank stands now, for an exit report
         generation = self.config.generation
         if generation > 0:
             restore = self._restore or self._link.commands.restores.get(generation)
             target = restore.target if restore is not None else None
+            if target is not None and cursor is None:
+                # The daemon resumes only acknowledgements at the target's data position.
+                self._log.warning(
+                    "restore acknowledged without a data cursor: the daemon will not resume "
+                    "it (pass cursor= the sampler's position, docs/recovery.md)",
+                    step=step,
+                    snapshot_id=target.snapshot_id,
+                )
             self._lifecycle(
                 "restored",
                 step=step,
@@ -521,6 +553,14 @@ class Agent:
                 self._in_process = None
             else:
                 request = None
+        cell = self._step_cell
+        if cell is not None:
+            # Before a fault may end the process: the supervisor reports this step then.
+            # (try/except, not contextlib.suppress: free when nothing is raised, per step.)
+            try:  # noqa: SIM105
+                cell[0] = step
+            except (TypeError, ValueError, OverflowError):
+                pass  # not an int64 step: the exit report falls back to the heartbeats'
         self._phase = "train"
         if armed:
             self._faults.after_step(step)

@@ -62,6 +62,7 @@ _ENVIRONMENT: Mapping[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
     "in_process_restore": (("TRAINGUARD_IN_PROCESS_RESTORE",), _boolean),
     "code_version": (("TRAINGUARD_CODE_VERSION",), str),
     "init_from": (("TRAINGUARD_INIT_FROM",), str),
+    "step_file": (("TRAINGUARD_STEP_FILE",), Path),
 }
 """Setting name -> (environment variables, highest precedence first; parser of their value)."""
 
@@ -116,6 +117,9 @@ class AgentConfig:
             insecure (``docs/security.md``).
         heartbeat_queue: most heartbeats kept while the bus is slow or away (>= 1); older ones
             are dropped and counted.
+        step_file: a file in which :meth:`Agent.step` records the last step completed, for the
+            supervisor's exit report (``TRAINGUARD_STEP_FILE``, set by ``trainguard run
+            --nproc-per-node``; see :mod:`._step_file`), or ``None``.
 
     Raises:
         ConfigError: a value is out of range or does not fit the wire contract (the message
@@ -142,6 +146,7 @@ class AgentConfig:
     host: str = field(default_factory=socket.gethostname)
     heartbeat_queue: int = 16
     keys: AgentKeys = field(default_factory=AgentKeys)
+    step_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -207,8 +212,9 @@ class AgentConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("job_id"):
             raise ConfigError("job id missing: pass job_id=... or set TRAINGUARD_JOB")
-        if "checkpoint_dir" in values:
-            values["checkpoint_dir"] = Path(values["checkpoint_dir"])
+        for name in ("checkpoint_dir", "step_file"):
+            if name in values:
+                values[name] = Path(values[name])
         return cls(**values)
 
     def checkpoint_template(self, *, step: int, cursor: DataCursor, pid: int) -> Checkpoint:

@@ -69,7 +69,9 @@ class ResumableDistributedSampler(Sampler[int]):
         rank: this process's rank in ``[0, world_size)``.
         world_size: number of data-parallel ranks, >= 1.
         per_rank_batch_size: samples per rank per step (the loader's ``batch_size``), >= 1.
-        seed: unsigned 64-bit seed of the epoch permutations; the same on every rank.
+        seed: unsigned 64-bit seed of the epoch permutations; the same on every rank (never
+            ``torch.initial_seed()``, which differs by rank in a process that did not seed
+            torch: the daemon fails a job whose ranks' cursors disagree, docs/recovery.md).
         data_version: the dataset's version (``dataset_version``), the same on every rank.
         start: cursor to resume from (e.g. from a checkpoint), taken on any world size and
             global batch size; ``None`` starts at epoch 0, offset 0.

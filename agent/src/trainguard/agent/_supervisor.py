@@ -17,6 +17,11 @@ on; if that restore fails, the daemon's next one restarts.
 
 Every worker runs in its own session (process group), so a restore can stop everything it
 started, grandchildren included: SIGTERM to the group, SIGKILL after ``grace_s`` seconds.
+
+In launcher mode each worker also gets a step file of its own (``TRAINGUARD_STEP_FILE``, in a
+temporary folder removed at the end): its agent records there the last step it completed,
+and the supervisor reports that step with the worker's exit (:mod:`._step_file`), also after
+a SIGKILL. In plain mode one command hosts several ranks and exits carry no step.
 Workers get ``TRAINGUARD_JOB``, ``TRAINGUARD_BUS``, ``TRAINGUARD_TOPIC_PREFIX`` and
 ``TRAINGUARD_GENERATION``; the agent inside reads its restore target from the restore command
 of that generation. Everything else of the supervisor's environment passes through unchanged,
@@ -39,15 +44,18 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
 from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
 from trainguard.agent._errors import AgentError, ConfigError
 from trainguard.agent._keystore import AgentKeys
+from trainguard.agent._step_file import STEP_FILE_ENV, read_step_file, reset_step_file
 from trainguard.agent.bus import Bus, BusConfig, BusError, Consumer, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import Abort, Lifecycle, Restore, Resume, SchemaError, add_mac, encode
@@ -141,6 +149,7 @@ class _Worker:
     ranks: tuple[int, ...]
     proc: asyncio.subprocess.Process
     watcher: asyncio.Task[None] | None = None
+    step_file: Path | None = None
 
 
 class Supervisor:
@@ -163,6 +172,7 @@ class Supervisor:
         self._orders: asyncio.Queue[Restore | Abort] = asyncio.Queue()
         self._all_exited = asyncio.Event()
         self._failed = False
+        self._step_dir: Path | None = None
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         """Start the workers, follow the job's commands, restart on restore orders.
@@ -174,6 +184,8 @@ class Supervisor:
         async with open_bus(self._c.bus) as bus:
             commands = await self._follow_commands(bus)
             listener = asyncio.ensure_future(self._listen(commands))
+            if self._c.nproc_per_node is not None:
+                self._step_dir = Path(tempfile.mkdtemp(prefix="trainguard-steps-"))
             try:
                 return await self._supervise(bus, stop or asyncio.Event())
             finally:
@@ -182,6 +194,8 @@ class Supervisor:
                     await listener
                 await commands.close()
                 await self._stop_workers(None)
+                if self._step_dir is not None:
+                    shutil.rmtree(self._step_dir, ignore_errors=True)
 
     async def _follow_commands(self, bus: Bus) -> Consumer:
         tp = TopicPartition(
@@ -291,11 +305,13 @@ class Supervisor:
         world = c.nnodes * c.nproc_per_node
         out: list[tuple[tuple[int, ...], dict[str, str]]] = []
         for local, rank in enumerate(c.local_ranks()):
+            step_file = self._step_file(rank)
             out.append(
                 (
                     (rank,),
                     {
                         **base,
+                        **({} if step_file is None else {STEP_FILE_ENV: str(step_file)}),
                         "RANK": str(rank),
                         "LOCAL_RANK": str(local),
                         "WORLD_SIZE": str(world),
@@ -307,6 +323,10 @@ class Supervisor:
                 )
             )
         return out
+
+    def _step_file(self, rank: int) -> Path | None:
+        """``rank``'s step file (launcher mode), or ``None``."""
+        return None if self._step_dir is None else self._step_dir / f"rank{rank}.step"
 
     def _port(self) -> int:
         if self._c.master_port is not None:
@@ -322,10 +342,18 @@ class Supervisor:
         self._failed = False
         port = self._port()
         for ranks, env in self._worker_env(port):
+            step_file = self._step_file(ranks[0]) if len(ranks) == 1 else None
+            if step_file is not None:
+                try:
+                    reset_step_file(step_file)  # no step of a previous generation
+                except OSError as exc:
+                    log.warning("step file not written", path=str(step_file), error=str(exc))
+                    step_file = None
+                    env.pop(STEP_FILE_ENV, None)
             proc = await asyncio.create_subprocess_exec(
                 *self._c.command, env=env, start_new_session=True, preexec_fn=_die_with_parent
             )
-            worker = _Worker(ranks, proc)
+            worker = _Worker(ranks, proc, step_file=step_file)
             self._workers.append(worker)
             await self._report(bus, "started", worker)
             worker.watcher = asyncio.ensure_future(self._watch(bus, worker))
@@ -342,9 +370,11 @@ class Supervisor:
             self._all_exited.set()
 
     async def _report(self, bus: Bus, kind: str, worker: _Worker, code: int | None = None) -> None:
-        exit_code = signal_no = None
+        exit_code = signal_no = step = None
         if code is not None:
             exit_code, signal_no = (None, -code) if code < 0 else (code, None)
+            if worker.step_file is not None:
+                step = read_step_file(worker.step_file)
         event = Lifecycle(
             job_id=self._c.job_id,
             generation=self._generation,
@@ -357,6 +387,7 @@ class Supervisor:
             ranks=worker.ranks,
             exit_code=exit_code,
             signal=signal_no,
+            step=step,
         )
         key = self._c.keys.event
         if key is not None:
@@ -369,6 +400,7 @@ class Supervisor:
             generation=self._generation,
             exit_code=exit_code,
             signal=signal.Signals(signal_no).name if signal_no else None,
+            step=step,
         )
 
     async def _stop_workers(self, bus: Bus | None) -> None:

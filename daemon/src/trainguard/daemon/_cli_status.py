@@ -119,7 +119,7 @@ def _print_jobs(rows: Sequence[Mapping[str, object]]) -> None:
             _phase(str(row["phase"])),
             str(row["generation"]),
             _text(row["step"]),
-            _text(row["committed_step"]),
+            _text(row["committed_step"]) + (" [red]blocked[/red]" if row["not_committed"] else ""),
             f"{row['ranks_alive']}/{_text(row['world_size'])}",
             str(row["incidents"]),
             _incident(row["last_incident"]),
@@ -146,6 +146,8 @@ def _print_job(summary: Mapping[str, object], ranks: Sequence[Mapping[str, objec
             f"{last['reason']}",
             highlight=False,
         )
+    if summary["not_committed"]:
+        console.print(f"[red]not committing:[/red] {summary['not_committed']}", highlight=False)
     if summary["failure"]:
         console.print(f"[red]failed:[/red] {summary['failure']}", highlight=False)
     if summary["refused"]:

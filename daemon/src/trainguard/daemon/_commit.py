@@ -5,13 +5,27 @@ has reported a shard for (G, S), all with one data version and one world size; t
 is world-size independent, so every rank's must be the same too, and so must the snapshot the
 job started from (``parent``: shards of different origins are not one model). Only committed
 steps are restore targets.
+
+Ranks whose data cursors disagree at one step (seed, epoch, data version or offset; from
+shards or data-cursor events) can never commit: :func:`disagreement` finds the first such
+pair as the cursor arrives, and the machine fails the job with it (``docs/recovery.md``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from trainguard.schemas import Checkpoint, Manifest, Shard
+from rpds import HashTrieMap
+
+from trainguard.schemas import Checkpoint, DataCursor, Manifest, Shard
+
+from ._config import MachineConfig
+from ._evidence import Measures
+from ._recovery import Failure
+from ._state import JobState
+
+_POSITION = ("data_version", "seed", "epoch", "offset")
+"""The cursor fields ranks must agree on (``world_size`` is the sender's, informational)."""
 
 
 def snapshot_id(job_id: str, generation: int, step: int) -> str:
@@ -84,4 +98,96 @@ def commit(
         cursor=first.cursor,
         metadata=first.metadata,
         parent=first.parent,
+    )
+
+
+def disagreement(
+    state: JobState, rank: int, host: str, step: int, cursor: DataCursor, source: str
+) -> Failure | None:
+    """Whether ``rank``'s data cursor after ``step`` (from its ``source``, e.g. ``"checkpoint
+    shard"``) disagrees with what another rank reported for that step in this generation.
+
+    The reference is, in this order: another rank's pending shard of ``step`` (they all agree,
+    or the job would have failed), the first data-cursor event of ``step`` from another rank
+    (``Watch.positions``), the committed snapshot of ``step`` of this generation. Compared:
+    data version, seed, epoch and global sample offset. O(1): one reference is enough.
+
+    Returns:
+        A ``cursor_mismatch`` failure naming both sides and their values, or ``None``.
+    """
+    reference = _reference(state, rank, step)
+    if reference is None:
+        return None
+    who, ranks, hosts, theirs, what = reference
+    differing = [name for name in _POSITION if getattr(cursor, name) != getattr(theirs, name)]
+    if not differing:
+        return None
+    fields = ", ".join(name.replace("_", " ") for name in differing)
+    reason = (
+        f"the ranks disagree on the data order after step {step} in generation "
+        f"{state.generation}: rank {rank} on host {host} reports {_position_text(cursor)} in "
+        f"its {source}, {who} {_position_text(theirs)} in {what} (they differ in the "
+        f"{fields}). No step can be committed while they do, and no restore can reconcile "
+        f"them: each rank rebuilds its data order from its own settings (a sampler seed that "
+        f"differs by rank, such as torch.initial_seed() in a process that never seeded torch; "
+        f"another dataset, batch size or offset arithmetic), so the job fails here"
+    )
+    return Failure(
+        "cursor_mismatch",
+        reason,
+        tuple(sorted({rank, *ranks})),
+        (host, *hosts),
+        measures=Measures(step=step, differing=fields),
+    )
+
+
+def note_position(
+    state: JobState, rank: int, step: int, cursor: DataCursor, config: MachineConfig
+) -> JobState:
+    """Keep ``rank``'s data cursor after ``step`` as the step's reference if it is the first
+    (``Watch.positions``); steps more than ``max_step_lag`` behind the newest are dropped
+    (ranks that far apart are an incident of their own), which bounds the map."""
+    watch = state.watch
+    positions = watch.positions
+    if step in positions:
+        return state
+    positions = positions.insert(step, (rank, cursor))
+    if len(positions) > config.max_step_lag:
+        newest = max(positions)
+        positions = HashTrieMap(
+            (s, p) for s, p in positions.items() if s >= newest - config.max_step_lag
+        )
+    return state._replace(watch=watch._replace(positions=positions))
+
+
+def _reference(
+    state: JobState, rank: int, step: int
+) -> tuple[str, tuple[int, ...], tuple[str, ...], DataCursor, str] | None:
+    """Who else reported a cursor for ``step``: ``(who, ranks, hosts, cursor, where)``."""
+    shards = state.pending.get(step)
+    if shards is not None:
+        # The map's order depends only on its keys: the same reference in every replay.
+        shard = next((c for r, c in shards.items() if r != rank), None)
+        if shard is not None:
+            who = f"rank {shard.rank} on host {shard.host}"
+            return who, (shard.rank,), (shard.host,), shard.cursor, "its checkpoint shard"
+    first = state.watch.positions.get(step)
+    if first is not None and first[0] != rank:
+        other, cursor = first
+        rec = state.ranks.get(other)
+        host = () if rec is None else (rec.host,)
+        who = f"rank {other}" + ("" if rec is None else f" on host {rec.host}")
+        return who, (other,), host, cursor, "its data cursor"
+    for manifest in state.committed:
+        if manifest.generation == state.generation and manifest.step == step:
+            who = f"committed snapshot {manifest.snapshot_id}"
+            return who, (), (), manifest.cursor, "its manifest"
+    return None
+
+
+def _position_text(cursor: DataCursor) -> str:
+    """``"seed 7, epoch 0, offset 320 (data version 'v1')"``."""
+    return (
+        f"seed {cursor.seed}, epoch {cursor.epoch}, offset {cursor.offset} (data version "
+        f"{cursor.data_version!r})"
     )

@@ -67,6 +67,10 @@ class MachineConfig:
             ever reached grew by at least this many steps since the first incident of the
             current run of incidents without progress (the job got further than before, not
             just back to where it failed).
+        allow_restart_from_scratch: when no committed snapshot of the job can be restored
+            (each failed verification, or was written after the incident's onset), restart
+            it from its initial state instead of failing it. Off by default: that restart
+            discards every step trained (``docs/recovery.md``).
 
     Dead ranks and stalls:
         heartbeat_timeout_s: seconds without any event from a rank of the current generation
@@ -144,6 +148,7 @@ class MachineConfig:
     keep_snapshots: int = 8
     max_restore_cycles: int = 3
     crash_loop_progress_steps: int = 10
+    allow_restart_from_scratch: bool = False
     progress_quantile: float = 0.99
     progress_factor: float = 3.0
     progress_floor_s: float = 5.0

@@ -25,7 +25,6 @@ RejectCode: TypeAlias = Literal[
     "duplicate",
     "world_size_conflict",
     "rank_out_of_range",
-    "wrong_snapshot",
 ]
 """Why an input was rejected (left the state unchanged)."""
 
@@ -41,7 +40,8 @@ AnomalyKind: TypeAlias = Literal[
     "data_version_changed",
     "checkpoint_ignored",
 ]
-"""Something reported and recorded but not by itself acted on."""
+"""Something reported and recorded but not by itself acted on (``checkpoint_mismatch``, a
+step that can never commit, is also logged at error level and counted)."""
 
 IncidentOutcome: TypeAlias = Literal["resumed", "failed", "finished"]
 

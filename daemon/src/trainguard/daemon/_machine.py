@@ -8,10 +8,11 @@ Order of work for an observed event:
 
 1. in a ``finished`` or ``failed`` job, change nothing (the state is final);
 2. screen it (wrong job, stale or future generation, duplicate ``seq``, world-size conflict,
-   rank out of range, restore acknowledgement for the wrong snapshot): a rejected event leaves
-   the state untouched and yields one :class:`Rejected`;
+   rank out of range): a rejected event leaves the state untouched and yields one
+   :class:`Rejected`;
 3. fold it (one handler per event type, running the detectors that event feeds), then settle
-   phase changes it completes (all ranks heard, all restores acknowledged, all ranks finished);
+   phase changes it completes (all ranks heard, all restores acknowledged, and acknowledged
+   as ordered, all ranks finished);
 4. check the deadlines (heartbeat silence, stalls, startup, restore) at the new clock.
 
 A :class:`Tick` runs steps 1 and 4 only. Recovery (incidents, restore retries, abort) lives in
@@ -27,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import assert_never
 
-from rpds import HashTrieMap, HashTrieSet
+from rpds import HashTrieMap
 
 from trainguard.schemas import (
     Checkpoint,
@@ -38,17 +39,27 @@ from trainguard.schemas import (
     Resume,
 )
 
-from ._commit import commit
+from ._commit import commit, disagreement, note_position
 from ._config import MachineConfig
 from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Issue, Rejected, Transition
 from ._divergence import judge_checksum, judge_lag, judge_loss, nan_loss, note_data_version
 from ._evidence import Measures, exit_status, hosts_text, ranks_text, seconds_text, steps_text
 from ._inputs import Input, Observed, Tick
-from ._recovery import Failure, fail_over, give_up, next_command_seq, target_text
+from ._recovery import (
+    Failure,
+    acknowledged,
+    fail_now,
+    fail_over,
+    give_up,
+    next_command_seq,
+    target_text,
+    wrong_acks_text,
+)
 from ._stall import rank_changed, scan_stalls, straggler, warm
 from ._state import (
     LONG_PHASES,
     TERMINAL_PHASES,
+    Ack,
     JobState,
     RankState,
     RankStatus,
@@ -247,21 +258,6 @@ def _screen(state: JobState, event: Event) -> Rejected | None:
             code="rank_out_of_range",
             reason=f"{_sender(event)} names {ranks_text(outside)}, outside world size {bound}",
         )
-    if (
-        isinstance(event, Lifecycle)
-        and event.kind == "restored"
-        and event.rank is not None
-        and event.snapshot_id is not None
-        and state.incident is not None
-    ):
-        expected = state.incident.target
-        if expected is None or event.snapshot_id != expected.snapshot_id:
-            return Rejected(
-                code="wrong_snapshot",
-                reason=f"{_sender(event)} acknowledged restoring {event.snapshot_id}, but "
-                f"restore attempt {state.incident.attempt} of {state.incident.incident_id} "
-                f"targets {target_text(expected)}",
-            )
     return None
 
 
@@ -299,7 +295,9 @@ def _accept(state: JobState, event: Event, at_ns: int) -> JobState:
     if any(r >= stated for r in ranks):
         ranks = HashTrieMap((r, s) for r, s in ranks.items() if r < stated)
         if incident is not None:
-            incident = replace(incident, acks=HashTrieSet(a for a in incident.acks if a < stated))
+            incident = replace(
+                incident, acks=HashTrieMap((r, a) for r, a in incident.acks.items() if r < stated)
+            )
         versions = Counter(s.data_version for s in ranks.values() if s.data_version is not None)
         watch = watch._replace(
             long_phases=sum(
@@ -330,8 +328,7 @@ def _handle(state: JobState, event: Event, config: MachineConfig) -> tuple[JobSt
         case Checkpoint():
             return _on_checkpoint(state, event, config)
         case DataCursorEvent():
-            state = _touch(state, event.rank, event.host, event.pid, config)
-            return _on_cursor(state, event.rank, event.cursor.data_version, event.step, config)
+            return _on_data_cursor(state, event, config)
         case Lifecycle():
             return _on_lifecycle(state, event, config)
         case _:
@@ -611,6 +608,23 @@ def _on_cursor(
     return state, _NONE if anomaly is None else (anomaly,)
 
 
+def _on_data_cursor(
+    state: JobState, event: DataCursorEvent, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Fold a data-cursor event: its data version, then (outside a restore) whether it agrees
+    with what other ranks reported for its step; a disagreement fails the job."""
+    generation = state.generation
+    state = _touch(state, event.rank, event.host, event.pid, config)
+    state, noted = _on_cursor(state, event.rank, event.cursor.data_version, event.step, config)
+    if state.generation != generation or state.phase in (*TERMINAL_PHASES, "restoring"):
+        return state, noted
+    odd = disagreement(state, event.rank, event.host, event.step, event.cursor, "data cursor")
+    if odd is not None:
+        state, failed = fail_now(state, odd, config)
+        return state, noted + failed
+    return note_position(state, event.rank, event.step, event.cursor, config), noted
+
+
 def _on_checkpoint(
     state: JobState, event: Checkpoint, config: MachineConfig
 ) -> tuple[JobState, Decisions]:
@@ -646,6 +660,9 @@ def _add_shard(
         # A newer step of this generation is committed already: this one can never be the
         # better target, and keeping it would let late shards accumulate.
         return state, _NONE
+    odd = disagreement(state, event.rank, event.host, event.step, event.cursor, "checkpoint shard")
+    if odd is not None:
+        return fail_now(state, odd, config)
     shards = state.pending.get(event.step, HashTrieMap()).insert(event.rank, event)
     world_size = event.world_size  # equal to state.world_size: screened
     if len(shards) < world_size:
@@ -658,7 +675,7 @@ def _add_shard(
         )
     committed = (*state.committed, result)[-config.keep_snapshots :]
     kept = {m.snapshot_id for m in committed}
-    bad = frozenset(s for s in state.bad_snapshots if s in kept)
+    bad = tuple((sid, why) for sid, why in state.bad_snapshots if sid in kept)
     reason = (
         f"all {world_size} ranks reported their shard of step {event.step} in generation "
         f"{state.generation} (data version {result.data_version!r})"
@@ -694,7 +711,10 @@ def _on_lifecycle(
     )
     incident = state.incident
     if restored and state.phase == "restoring" and incident is not None:
-        state = state._replace(incident=replace(incident, acks=incident.acks.insert(event.rank)))
+        ack = Ack(event.snapshot_id, event.step, event.cursor)
+        state = state._replace(
+            incident=replace(incident, acks=incident.acks.insert(event.rank, ack))
+        )
     # An acknowledgement's cursor is the snapshot's, not what the rank's data loader reads:
     # only data-cursor events and shards feed the data-version detector.
     return state, _NONE
@@ -719,8 +739,15 @@ def _on_exited(
     dead = sorted(r for r, rec in records.items() if rec is None or rec.status != "finished")
     if not dead:
         return state, _NONE
-    steps = steps_text(
-        (rec.step for r, rec in records.items() if rec is not None and r in dead), reported=True
+    # The supervisor knows the last step a worker completed (agents record it for it), which
+    # is better evidence than the last heartbeat's step.
+    steps = (
+        steps_text(
+            (rec.step for r, rec in records.items() if rec is not None and r in dead),
+            reported=True,
+        )
+        if event.step is None
+        else f" after its last completed step {event.step}"
     )
     who = f"{ranks_text(dead)} on host {event.host}"
     if event.rank is not None:
@@ -730,7 +757,8 @@ def _on_exited(
             f"{who} exited {status} in generation {generation}{steps} "
             f"(reported by the supervisor, pid {event.pid})"
         )
-    return fail_over(state, Failure("exited", reason, tuple(dead), (event.host,)), config)
+    failure = Failure("exited", reason, tuple(dead), (event.host,), step=event.step)
+    return fail_over(state, failure, config)
 
 
 def _on_error(
@@ -785,7 +813,8 @@ def _on_error(
             ),
         )
     reason = f"{who} reported that snapshot {sid} failed verification{detail}"
-    state = state._replace(bad_snapshots=state.bad_snapshots | {sid})
+    if all(bad != sid for bad, _ in state.bad_snapshots):
+        state = state._replace(bad_snapshots=(*state.bad_snapshots, (sid, reason)))
     noted = Anomaly(kind="snapshot_corrupt", reason=f"{reason}; no longer a restore target")
     incident = state.incident
     if (
@@ -830,6 +859,9 @@ def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions
             Transition(old="starting", new="running", generation=generation, reason=reason),
         )
     if state.phase == "restoring" and incident is not None and len(incident.acks) == world_size:
+        wrong = acknowledged(state, incident)
+        if wrong is not None:
+            return fail_over(state, wrong, config)
         step = 0 if incident.target is None else incident.target.step
         seq = next_command_seq(state)
         # Ranks of an in-process restore reported steps up to its at_step before reloading.
@@ -894,6 +926,7 @@ def _expire(
             f"{target_text(incident.target)} (generation {state.generation}) not acknowledged "
             f"within {seconds_text(config.restore_timeout_ns)}"
             + (f" by {ranks_text(missing)}" if missing else "")
+            + wrong_acks_text(state, incident)
         )
         hosts = tuple(rec.host for r in missing if (rec := state.ranks.get(r)) is not None)
         failure = Failure("restore_timeout", reason, missing, hosts)

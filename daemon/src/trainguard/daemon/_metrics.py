@@ -41,7 +41,7 @@ from trainguard.schemas import (
     UnknownSchema,
 )
 
-from ._decisions import Decision, IncidentOpened, Issue, RejectCode, Rejected
+from ._decisions import Anomaly, Decision, IncidentOpened, Issue, RejectCode, Rejected
 from ._inputs import Input, Observed
 from ._intake import Refused
 from ._snapshot import FALLBACK_REASONS, FallbackReason
@@ -121,6 +121,9 @@ _EVENT_TYPES: Final = (
 _PHASES: Final[tuple[JobPhase, ...]] = get_args(JobPhase)
 _CAUSES: Final[tuple[IncidentCause, ...]] = get_args(IncidentCause)
 _COMMANDS: Final = ("restore", "resume", "abort")
+_NOT_COMMITTED: Final = ("cursor_mismatch", "checkpoint_mismatch")
+"""Why a step never commits: ranks disagreeing on the data order (an incident that fails the
+job), or shards disagreeing otherwise (an anomaly: data version, origin)."""
 _MODES: Final = ("restart", "in_process")
 
 _ELAPSED_MEASURES: Final[Mapping[str, str]] = {
@@ -254,6 +257,14 @@ class DaemonMetrics:
             ["type"],
             registry=r,
         )
+        self._not_committed = Counter(
+            "trainguard_steps_not_committed",
+            "Steps that can never commit because their ranks' shards or data cursors "
+            "disagree, by reason: cursor_mismatch (the data order; the job fails) or "
+            "checkpoint_mismatch (data version or origin).",
+            ["reason"],
+            registry=r,
+        )
         self._ticks = Counter(
             "trainguard_ticks_written",
             "Clock ticks written into the events topic.",
@@ -298,6 +309,8 @@ class DaemonMetrics:
                 self._restores.labels(cause, mode)
         for command in _COMMANDS:
             self._commands.labels(command)
+        for reason in _NOT_COMMITTED:
+            self._not_committed.labels(reason)
         for reason in REJECT_CLASSES:
             self._rejected.labels(reason)
         for phase in _PHASES:
@@ -326,11 +339,15 @@ class DaemonMetrics:
             match decision:
                 case IncidentOpened(cause=cause):
                     self._incidents.labels(cause).inc()
+                    if cause == "cursor_mismatch":
+                        self._not_committed.labels(cause).inc()
                     latency = detection_latency_s(before, decision, after.clock_ns)
                     if latency is not None:
                         self._detection.labels(cause).observe(latency)
                 case Rejected(code=code):
                     self._rejected.labels(code).inc()
+                case Anomaly(kind="checkpoint_mismatch"):
+                    self._not_committed.labels("checkpoint_mismatch").inc()
                 case Issue(command=Resume()) if before.incident is not None:
                     took_ns = after.clock_ns - before.incident.opened_ns
                     self._resume.labels(before.incident.mode).observe(took_ns / _NS_PER_S)

@@ -13,10 +13,22 @@ snapshot committed after X from the restore targets: they belong to the abandone
 a divergence, they may hold the diverged state), and a step re-committed in a later generation
 is another snapshot.
 
+No silent restart from scratch: when no committed snapshot of the job's timeline can be
+restored (each failed verification or was written after the onset), the job fails with a reason
+naming every one of them, unless ``allow_restart_from_scratch`` allows the restart from the
+initial state (which then says so in its reason).
+
+Acknowledgements: a restore resumes only once every rank acknowledged exactly the target's
+snapshot, step and data position (:func:`acknowledged`); otherwise it is retried.
+
 Crash-loop guard: an incident opened without progress (the highest step ever reached grew by
 less than ``crash_loop_progress_steps`` since the first incident of the current run) extends the
 run; once ``max_restore_cycles`` restores of a run led to no progress, the next incident fails
-the job instead of restoring again.
+the job instead of restoring again. An incident that strikes within ``startup_steps`` steps
+after a restore is evidence against that restore: its reason says so, and the crash loop's
+reason names those incidents and suspects an incomplete restore.
+
+``docs/recovery.md`` states these rules.
 """
 
 from __future__ import annotations
@@ -25,9 +37,9 @@ import math
 from collections import Counter
 from dataclasses import KW_ONLY, dataclass, replace
 
-from rpds import HashTrieMap, HashTrieSet
+from rpds import HashTrieMap
 
-from trainguard.schemas import Abort, Manifest, Restore, RestoreMode, StepRange
+from trainguard.schemas import Abort, DataCursor, Manifest, Restore, RestoreMode, StepRange
 
 from ._config import MachineConfig
 from ._decisions import (
@@ -38,8 +50,8 @@ from ._decisions import (
     JobFailed,
     Transition,
 )
-from ._evidence import NO_MEASURES, Measures
-from ._state import Incident, IncidentCause, JobState, Loop, Watch
+from ._evidence import NO_MEASURES, Measures, ranks_text
+from ._state import Ack, AfterRestore, Incident, IncidentCause, JobState, Loop, Watch
 
 IN_PROCESS_CAUSES: frozenset[IncidentCause] = frozenset(
     {"nan_loss", "loss_spike", "checksum_mismatch"}
@@ -63,6 +75,9 @@ class Failure:
             or ``None`` when the onset is the failure's time.
         measures: the numbers the detector compared.
         skip: steps whose batches the restored ranks skip, or ``None``.
+        step: the step the failure struck at when its evidence says so (the last step an
+            exited worker completed), else ``None``: the named ranks' last reported steps
+            stand for it.
     """
 
     cause: IncidentCause
@@ -73,6 +88,7 @@ class Failure:
     onset_after_step: int | None = None
     measures: Measures = NO_MEASURES
     skip: StepRange | None = None
+    step: int | None = None
 
 
 def target_text(target: Manifest | None) -> str:
@@ -153,17 +169,15 @@ def give_up(
 
 def _timeline(state: JobState, target: Manifest | None) -> JobState:
     """Forget the snapshots committed after ``target`` (all of them for a start from scratch):
-    the restore abandons the timeline they belong to."""
+    the restore abandons the timeline they belong to. Why those of them that failed
+    verification failed is kept (``JobState.bad_snapshots``): a give-up names them."""
     committed = state.committed
     wanted = None if target is None else target.snapshot_id
     index = next((i for i, m in enumerate(committed) if m.snapshot_id == wanted), None)
     kept = () if index is None else committed[: index + 1]
     if len(kept) == len(committed):
         return state
-    ids = {m.snapshot_id for m in kept}
-    return state._replace(
-        committed=kept, bad_snapshots=frozenset(s for s in state.bad_snapshots if s in ids)
-    )
+    return state._replace(committed=kept)
 
 
 def _new_generation(
@@ -188,6 +202,143 @@ def _new_generation(
         command_seq=command_seq,
         watch=Watch(base_step=base, step_floor=-1 if base is None else base),
     )
+
+
+_POSITION: tuple[tuple[str, str], ...] = (
+    ("data_version", "data version"),
+    ("seed", "seed"),
+    ("epoch", "epoch"),
+    ("offset", "offset"),
+)
+"""The fields of a data cursor an acknowledgement must match, with their names in reasons
+(``world_size`` is informational: a restore may re-partition the remaining samples)."""
+
+_LISTED_ACKS = 8
+"""Wrong acknowledgements described in a reason before the rest are only counted."""
+
+
+def acknowledged(state: JobState, incident: Incident) -> Failure | None:
+    """Judge the acknowledgements of ``incident``'s current attempt, once every rank's is in.
+
+    A rank's ``lifecycle restored`` must name the target's snapshot and stand at its step and
+    data position: the cursor's data version, seed, epoch and global sample offset, compared
+    as they are (both are cursors in the same units); an acknowledgement without a cursor
+    does not match a target, which always has one. For the job's initial state (target
+    ``None``) the daemon knows no position of its own: the ranks must agree with one another,
+    the largest group of agreeing ranks (the one holding the lowest rank on a tie) being the
+    reference.
+
+    Returns:
+        ``None`` when every acknowledgement matches, else a ``restore_mismatch`` failure
+        naming each rank that does not, with what it acknowledged and what was expected.
+    """
+    wrong = wrong_acks(state, incident)
+    if not wrong:
+        return None
+    ranks = tuple(r for r, _ in wrong)
+    hosts = tuple(rec.host for r in ranks if (rec := state.ranks.get(r)) is not None)
+    reason = (
+        f"restore attempt {incident.attempt} of {incident.incident_id} to "
+        f"{target_text(incident.target)} (generation {state.generation}) was not carried out "
+        f"as ordered: {_listed(wrong)}"
+    )
+    return Failure(
+        "restore_mismatch", reason, ranks, hosts, measures=Measures(wrong_acks=len(wrong))
+    )
+
+
+def wrong_acks(state: JobState, incident: Incident) -> list[tuple[int, str]]:
+    """``(rank, what it acknowledged against what was expected)`` for every acknowledgement
+    received so far that does not match (see :func:`acknowledged`), by rank."""
+    acks = sorted(incident.acks.items())
+    target = incident.target
+    if target is not None:
+        expected = Ack(target.snapshot_id, target.step, target.cursor)
+        source = "expected"
+        reference: set[int] = set()
+    else:
+        groups: dict[tuple[object, ...], list[tuple[int, Ack]]] = {}
+        for rank, ack in acks:
+            groups.setdefault(_position(ack), []).append((rank, ack))
+        if len(groups) < 2:
+            return []
+        members = max(groups.values(), key=lambda group: (len(group), -group[0][0]))
+        expected = members[0][1]
+        source = f"{ranks_text(r for r, _ in members)} acknowledged"
+        reference = {r for r, _ in members}
+    out: list[tuple[int, str]] = []
+    for rank, ack in acks:
+        if rank in reference:
+            continue
+        differences = _differences(ack, expected, source)
+        if differences:
+            rec = state.ranks.get(rank)
+            who = f"rank {rank}" if rec is None else f"rank {rank} on host {rec.host}"
+            out.append((rank, f"{who} acknowledged {', '.join(differences)}"))
+    return out
+
+
+def _position(ack: Ack) -> tuple[object, ...]:
+    """What of ``ack`` must match: snapshot, step and the cursor's position fields."""
+    cursor = ack.cursor
+    where = None if cursor is None else tuple(getattr(cursor, name) for name, _ in _POSITION)
+    return (ack.snapshot_id, ack.step, where)
+
+
+def _differences(ack: Ack, expected: Ack, source: str) -> list[str]:
+    """What ``ack`` says differently from ``expected``: ``"step 0 (expected 20)"``, ..."""
+    out: list[str] = []
+    if ack.snapshot_id != expected.snapshot_id:
+        out.append(
+            f"snapshot {_snapshot(ack.snapshot_id)} ({source} {_snapshot(expected.snapshot_id)})"
+        )
+    if ack.step != expected.step:
+        out.append(f"step {_step(ack.step)} ({source} {_step(expected.step)})")
+    got, wanted = ack.cursor, expected.cursor
+    if got is None and wanted is not None:
+        out.append(f"no data cursor ({source} {_cursor_text(wanted)})")
+    elif got is not None and wanted is None:
+        out.append(f"data cursor {_cursor_text(got)} ({source} none)")
+    elif got is not None and wanted is not None:
+        for name, label in _POSITION:
+            mine, theirs = getattr(got, name), getattr(wanted, name)
+            if mine != theirs:
+                out.append(f"{label} {_value(mine)} ({source} {_value(theirs)})")
+    return out
+
+
+def _cursor_text(cursor: DataCursor) -> str:
+    """``"offset 640 of epoch 0 (seed 7, data version 'v1')"``."""
+    return (
+        f"offset {cursor.offset} of epoch {cursor.epoch} (seed {cursor.seed}, data version "
+        f"{cursor.data_version!r})"
+    )
+
+
+def _snapshot(snapshot_id: str | None) -> str:
+    return "none (the initial state)" if snapshot_id is None else snapshot_id
+
+
+def _step(step: int | None) -> str:
+    return "none" if step is None else str(step)
+
+
+def _value(value: object) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _listed(wrong: list[tuple[int, str]]) -> str:
+    """The first few wrong acknowledgements, and a count of the rest."""
+    text = "; ".join(what for _, what in wrong[:_LISTED_ACKS])
+    more = len(wrong) - _LISTED_ACKS
+    return text + (f"; and {more} more rank(s)" if more > 0 else "")
+
+
+def wrong_acks_text(state: JobState, incident: Incident) -> str:
+    """``"; rank 2 on host h1 acknowledged step 0 (expected 20)"`` for the wrong
+    acknowledgements received so far (a restore timeout's reason), or ``""``."""
+    wrong = wrong_acks(state, incident)
+    return f"; {_listed(wrong)}" if wrong else ""
 
 
 def _restore(
@@ -230,8 +381,18 @@ def _mode(
     return "in_process", max(state.watch.lead_step, 0) + margin
 
 
-def _refusal(state: JobState, target: Manifest | None, config: MachineConfig) -> str | None:
-    """Why restoring ``target`` is refused (its data version is not the job's), or ``None``."""
+def _refusal(
+    state: JobState, target: Manifest | None, onset_after_step: int | None, config: MachineConfig
+) -> str | None:
+    """Why restoring ``target`` is refused, or ``None``: the initial state of a job with
+    committed snapshots (unless ``allow_restart_from_scratch``), or a target on another data
+    version than the job's."""
+    if target is None and state.committed and not config.allow_restart_from_scratch:
+        return (
+            f"{_unusable(state, onset_after_step)}; restarting from the job's initial state "
+            f"would discard every step trained (up to step {state.trend.high_water_step}), so "
+            f"the job fails instead (set allow_restart_from_scratch to restart it from there)"
+        )
     current = state.data_version
     if target is None or current is None or config.allow_data_version_change:
         return None
@@ -244,23 +405,88 @@ def _refusal(state: JobState, target: Manifest | None, config: MachineConfig) ->
     )
 
 
+def _unusable(state: JobState, onset_after_step: int | None) -> str:
+    """Every committed snapshot of the job's timeline, and every one this timeline's restores
+    abandoned after it failed verification, with why it cannot be restored."""
+    bad = dict(state.bad_snapshots)
+    why = [f"{sid}: {reason}" for sid, reason in state.bad_snapshots]
+    why += [
+        f"{m.snapshot_id}: written at step {m.step}, after the incident's onset (known sound "
+        f"up to step {onset_after_step})"
+        for m in reversed(state.committed)
+        if m.snapshot_id not in bad
+    ]
+    return f"no committed snapshot can be restored ({'; '.join(why)})"
+
+
+def _scratch_note(state: JobState, target: Manifest | None, onset_after_step: int | None) -> str:
+    """For a restart from the initial state of a job with committed snapshots (allowed by
+    ``allow_restart_from_scratch``): why none of them is used, loudly; else ``""``."""
+    if target is not None or not state.committed:
+        return ""
+    return (
+        f"; {_unusable(state, onset_after_step)}: restarting from the job's initial state, "
+        f"discarding every step trained (allow_restart_from_scratch)"
+    )
+
+
+def _after_restore(
+    state: JobState, incident_id: str, failure: Failure, config: MachineConfig
+) -> AfterRestore | None:
+    """``failure`` as evidence against the restore that began the current generation: when
+    it struck within ``startup_steps`` steps after the restored step, else ``None``. Where it
+    struck: ``failure.step``, else the furthest last step of the ranks it names, else (it
+    names none) the generation's highest step."""
+    base = state.watch.base_step
+    if state.generation == 0 or base is None:
+        return None
+    step = failure.step
+    if step is None and failure.ranks:
+        known = [rec.step for r in failure.ranks if (rec := state.ranks.get(r)) is not None]
+        step = max((s for s in known if s is not None), default=None)
+    elif step is None and state.watch.lead_step >= 0:
+        step = state.watch.lead_step  # an incident of the whole job (a loss spike)
+    if step is None or not base <= step <= base + config.startup_steps:
+        return None
+    return AfterRestore(incident_id, tuple(sorted(set(failure.ranks))), step, base)
+
+
+def _after_restore_text(evidence: AfterRestore) -> str:
+    """``"step 1101 is the first step after the restore to step 1100"`` and the like."""
+    step, base = evidence.step, evidence.base_step
+    if step == base:
+        return f"it struck before the first step after the restore to step {base} completed"
+    if step == base + 1:
+        return f"step {step} is the first step after the restore to step {base}"
+    return f"step {step} is {step - base} steps after the restore to step {base}"
+
+
 def _next_loop(
-    state: JobState, incident_id: str, cause: IncidentCause, config: MachineConfig
+    state: JobState,
+    incident_id: str,
+    cause: IncidentCause,
+    evidence: AfterRestore | None,
+    config: MachineConfig,
 ) -> Loop:
-    """The crash-loop count once incident ``incident_id`` opens."""
+    """The crash-loop count once incident ``incident_id`` opens (``evidence``: it struck
+    right after a restore)."""
     loop, high = state.loop, state.trend.high_water_step
+    early = () if evidence is None else (evidence,)
     if loop.mark_step is None or high >= loop.mark_step + config.crash_loop_progress_steps:
-        return Loop(streak=0, mark_step=high, incidents=((incident_id, cause),))
+        return Loop(
+            streak=0, mark_step=high, incidents=((incident_id, cause),), after_restore=early
+        )
     return Loop(
         streak=loop.streak + 1,
         mark_step=loop.mark_step,
         incidents=(*loop.incidents, (incident_id, cause)),
+        after_restore=(*loop.after_restore, *early),
     )
 
 
 def _loop_reason(loop: Loop, failure: Failure, config: MachineConfig) -> str:
     """The loud reason of a crash loop: how many incidents, their repeating causes, the step
-    the job could not get past."""
+    the job could not get past, and those that struck right after a restore."""
     counts = Counter(cause for _, cause in loop.incidents)
     causes = ", ".join(
         f"{cause} x{n}" for cause, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -270,18 +496,41 @@ def _loop_reason(loop: Loop, failure: Failure, config: MachineConfig) -> str:
         f"crash loop: {len(loop.incidents)} incidents in a row ({first} .. {last}) repeating "
         f"{causes}, and the job never got {config.crash_loop_progress_steps} steps past step "
         f"{loop.mark_step} between them (max_restore_cycles={config.max_restore_cycles}); "
-        f"no more restores. Latest: {failure.reason}"
+        f"no more restores.{_suspicion(loop, config)} Latest: {failure.reason}"
     )
 
 
-def _open(
-    state: JobState, failure: Failure, config: MachineConfig
-) -> tuple[JobState, tuple[Decision, ...]]:
-    """Open the job's next incident and issue its first restore (or fail the job: a crash
-    loop, or a target on another data version)."""
-    number = state.incidents_opened + 1
-    incident_id = f"{state.job_id}/i{number}"
-    opened = IncidentOpened(
+def _suspicion(loop: Loop, config: MachineConfig) -> str:
+    """What the run's incidents right after restores suggest, or ``""`` when there were
+    none: where they struck (ranks and steps) and the suspect, an incomplete restore."""
+    early = loop.after_restore
+    if not early:
+        return ""
+    where: dict[tuple[tuple[int, ...], int], list[str]] = {}
+    for evidence in early:
+        where.setdefault((evidence.ranks, evidence.step), []).append(evidence.incident_id)
+    places = "; ".join(
+        f"{ranks_text(ranks) if ranks else 'no rank named'} at step {step} ({', '.join(ids)})"
+        for (ranks, step), ids in where.items()
+    )
+    mark = loop.mark_step
+    # Steps the job had passed before were computed without the failure then: a batch that
+    # always fails is ruled out, and the restored state is the suspect.
+    passed = mark is not None and all(e.step <= mark for e in early)
+    seen = f", steps the job had trained past before (it reached step {mark})" if passed else ""
+    other = "" if passed else ", or a batch that fails whenever it is trained"
+    return (
+        f" {len(early)} of the {len(loop.incidents)} incidents struck within "
+        f"{config.startup_steps} steps after a restore ({places}){seen}: suspect an "
+        f"incomplete restore, state that the checkpoint does not carry (a gradient scaler, "
+        f"a learning-rate scheduler, an optimizer's or data loader's state, RNG streams) or "
+        f"that the restarted process rebuilds differently{other}."
+    )
+
+
+def _opened(state: JobState, incident_id: str, failure: Failure) -> IncidentOpened:
+    """The decision opening incident ``incident_id`` for ``failure``."""
+    return IncidentOpened(
         incident_id=incident_id,
         cause=failure.cause,
         generation=state.generation,
@@ -291,16 +540,47 @@ def _open(
         onset_after_step=failure.onset_after_step,
         measures=failure.measures,
     )
-    loop = _next_loop(state, incident_id, failure.cause, config)
+
+
+def fail_now(
+    state: JobState, failure: Failure, config: MachineConfig
+) -> tuple[JobState, tuple[Decision, ...]]:
+    """Open an incident for ``failure`` and fail the job at once, without a restore: for a
+    failure no restore can repair (ranks whose data orders disagree rebuild the same
+    disagreement from their own settings after any restore).
+
+    Returns:
+        The ``failed`` state and :func:`give_up`'s decisions, the incident's opening first.
+    """
+    number = state.incidents_opened + 1
+    incident_id = f"{state.job_id}/i{number}"
+    opened = _opened(state, incident_id, failure)
+    state = state._replace(incidents_opened=number)
+    return give_up(state, f"incident {incident_id}: {failure.reason}", config, opened=opened)
+
+
+def _open(
+    state: JobState, failure: Failure, config: MachineConfig
+) -> tuple[JobState, tuple[Decision, ...]]:
+    """Open the job's next incident and issue its first restore (or fail the job: a crash
+    loop, or a target on another data version)."""
+    number = state.incidents_opened + 1
+    incident_id = f"{state.job_id}/i{number}"
+    evidence = _after_restore(state, incident_id, failure, config)
+    if evidence is not None:
+        failure = replace(failure, reason=f"{failure.reason}; {_after_restore_text(evidence)}")
+    opened = _opened(state, incident_id, failure)
+    loop = _next_loop(state, incident_id, failure.cause, evidence, config)
     state = state._replace(loop=loop)
     if loop.streak >= config.max_restore_cycles:
         state = state._replace(incidents_opened=number)
         return give_up(state, _loop_reason(loop, failure, config), config, opened=opened)
     target = state.restore_target(failure.onset_after_step)
-    refused = _refusal(state, target, config)
+    refused = _refusal(state, target, failure.onset_after_step, config)
     if refused is not None:
         state = state._replace(incidents_opened=number)
         return give_up(state, f"incident {incident_id}: {refused}", config, opened=opened)
+    note = _scratch_note(state, target, failure.onset_after_step)
     mode, at_step = _mode(state, failure, config)
     incident = Incident(
         incident_id=incident_id,
@@ -331,7 +611,7 @@ def _open(
         Issue(
             command=restore,
             reason=f"incident {incident_id} attempt 1: restore {target_text(target)}{how} in "
-            f"generation {generation}",
+            f"generation {generation}{note}",
         ),
     )
 
@@ -347,17 +627,20 @@ def _retry(
             f"attempt(s) (max_restore_attempts={config.max_restore_attempts}); last failure: "
             f"{failure.reason}"
         )
-        return give_up(state, reason, config, dead=failure.ranks)
+        # Ranks that acknowledged wrongly are alive: only silent or exited ones are dead.
+        dead = () if failure.cause == "restore_mismatch" else failure.ranks
+        return give_up(state, reason, config, dead=dead)
     target = state.restore_target(incident.onset_after_step)
-    refused = _refusal(state, target, config)
+    refused = _refusal(state, target, incident.onset_after_step, config)
     if refused is not None:
         return give_up(state, f"incident {incident.incident_id}: {refused}", config)
+    note = _scratch_note(state, target, incident.onset_after_step)
     retried = replace(
         incident,
         attempt=incident.attempt + 1,
         target=target,
         issued_ns=state.clock_ns,
-        acks=HashTrieSet(),
+        acks=HashTrieMap(),
         mode="restart",
         at_step=None,
     )
@@ -377,6 +660,6 @@ def _retry(
             command=restore,
             reason=f"incident {incident.incident_id} attempt {retried.attempt} of "
             f"{config.max_restore_attempts}: restore {target_text(retried.target)} in "
-            f"generation {generation} because {failure.reason}",
+            f"generation {generation} because {failure.reason}{note}",
         ),
     )

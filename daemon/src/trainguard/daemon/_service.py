@@ -377,6 +377,10 @@ class DaemonService:
                     await self._dead_letter(bus, record, reason)
                 case JobFailed(reason=reason):
                     log.error("job failed", job_id=job, reason=reason)
+                case Anomaly(kind="checkpoint_mismatch", reason=reason):
+                    # Every shard of a step is in and the step still cannot commit: the job
+                    # runs unprotected until one does.
+                    log.error("step not committed", job_id=job, reason=reason)
                 case IncidentOpened() | Anomaly():
                     # What an operator should look at: a stall, a divergence, a straggler, a
                     # suspect host.

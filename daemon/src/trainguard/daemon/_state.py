@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, TypeAlias
 
-from rpds import HashTrieMap, HashTrieSet
+from rpds import HashTrieMap
 
-from trainguard.schemas import Checkpoint, Manifest, Phase, RestoreMode, StepRange
+from trainguard.schemas import Checkpoint, DataCursor, Manifest, Phase, RestoreMode, StepRange
 
 from ._window import Window
 
@@ -42,6 +42,8 @@ IncidentCause: TypeAlias = Literal[
     "step_lag",
     "data_version_mismatch",
     "in_process_missed",
+    "restore_mismatch",
+    "cursor_mismatch",
 ]
 """What opened an incident or forced a restore to be retried (the detector's name)."""
 
@@ -104,6 +106,20 @@ class RankState(NamedTuple):
     data_version: str | None = None
 
 
+class Ack(NamedTuple):
+    """What a rank's ``lifecycle restored`` says it restored (``docs/recovery.md``).
+
+    Attributes:
+        snapshot_id: the snapshot it loaded, ``None`` for the job's initial state.
+        step: the step it stands at, ``None`` when the acknowledgement names none.
+        cursor: its data cursor at ``step``, ``None`` when it names none.
+    """
+
+    snapshot_id: str | None
+    step: int | None
+    cursor: DataCursor | None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Incident:
     """An open incident and the progress of its restore.
@@ -117,7 +133,8 @@ class Incident:
         target: the snapshot the current attempt restores, ``None`` for a start from scratch.
         issued_ns: daemon clock (ns) when the current attempt's ``restore`` was issued; the
             restore times out ``restore_timeout_s`` later.
-        acks: ranks that acknowledged the current attempt (``lifecycle restored``).
+        acks: rank -> what it acknowledged restoring in the current attempt (``lifecycle
+            restored``); checked against ``target`` once every rank acknowledged.
         onset_after_step: the incident began after this step (the last one known good), so
             every target is a committed step ``<=`` it; ``None`` when the onset is the incident
             time (a dead or stalled rank: any committed snapshot so far will do).
@@ -133,7 +150,7 @@ class Incident:
     attempt: int
     target: Manifest | None
     issued_ns: int
-    acks: HashTrieSet[int] = field(default_factory=HashTrieSet)
+    acks: HashTrieMap[int, Ack] = field(default_factory=HashTrieMap)
     onset_after_step: int | None = None
     mode: RestoreMode = "restart"
     at_step: int | None = None
@@ -215,6 +232,9 @@ class Watch(NamedTuple):
             complete yet.
         agreed: replica group -> the latest step at which its checksums agreed.
         versions: data version -> ranks whose latest cursor has it.
+        positions: step -> ``(rank, cursor)`` of the first data-cursor event of that step in
+            the generation, the reference later cursors of the step must agree with; steps
+            more than ``max_step_lag`` behind the newest are dropped.
     """
 
     base_step: int | None = None
@@ -228,6 +248,23 @@ class Watch(NamedTuple):
     checksums: HashTrieMap[tuple[int, int], HashTrieMap[int, str]] = HashTrieMap()
     agreed: HashTrieMap[int, int] = HashTrieMap()
     versions: HashTrieMap[str, int] = HashTrieMap()
+    positions: HashTrieMap[int, tuple[int, DataCursor]] = HashTrieMap()
+
+
+class AfterRestore(NamedTuple):
+    """An incident that struck within the first steps after a restore (evidence against it).
+
+    Attributes:
+        incident_id: the incident.
+        ranks: the ranks its failure named.
+        step: the step it struck at (the furthest of those ranks' last completed steps).
+        base_step: the step the restore had put the job back to.
+    """
+
+    incident_id: str
+    ranks: tuple[int, ...]
+    step: int
+    base_step: int
 
 
 class Loop(NamedTuple):
@@ -238,11 +275,14 @@ class Loop(NamedTuple):
         mark_step: ``Trend.high_water_step`` when the run's first incident opened (``None``
             before any incident); progress means getting ``crash_loop_progress_steps`` past it.
         incidents: ids and causes of the run's incidents, oldest first.
+        after_restore: the run's incidents that struck within the first steps after a
+            restore, oldest first.
     """
 
     streak: int = 0
     mark_step: int | None = None
     incidents: tuple[tuple[str, IncidentCause], ...] = ()
+    after_restore: tuple[AfterRestore, ...] = ()
 
 
 class JobState(NamedTuple):
@@ -271,7 +311,10 @@ class JobState(NamedTuple):
             committed yet.
         committed: committed snapshots in commit order (newest last), at most
             ``keep_snapshots``.
-        bad_snapshots: ids of committed snapshots whose shards failed verification.
+        bad_snapshots: ``(snapshot id, why)`` of each committed snapshot whose shards failed
+            verification, in the order reported. A restore keeps those of the snapshots it
+            abandons (the incident's give-up reason names every snapshot tried); the next
+            commit forgets those no longer committed.
         incident: the open incident, or ``None``.
         incidents_opened: incidents opened so far (numbers incident ids).
         command_seq: ``seq`` of the last command issued (0: none yet).
@@ -300,7 +343,7 @@ class JobState(NamedTuple):
     senders: HashTrieMap[Sender, int] = HashTrieMap()
     pending: HashTrieMap[int, HashTrieMap[int, Checkpoint]] = HashTrieMap()
     committed: tuple[Manifest, ...] = ()
-    bad_snapshots: frozenset[str] = frozenset()
+    bad_snapshots: tuple[tuple[str, str], ...] = ()
     incident: Incident | None = None
     incidents_opened: int = 0
     command_seq: int = 0
@@ -319,8 +362,9 @@ class JobState(NamedTuple):
         timeline's snapshots (a restore drops those committed after its target), so a step
         re-committed in a later generation is found first.
         """
+        bad = {sid for sid, _ in self.bad_snapshots}
         for manifest in reversed(self.committed):
-            if manifest.snapshot_id in self.bad_snapshots:
+            if manifest.snapshot_id in bad:
                 continue
             if onset_after_step is None or manifest.step <= onset_after_step:
                 return manifest

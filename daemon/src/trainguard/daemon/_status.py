@@ -41,7 +41,7 @@ from trainguard.schemas import JSONValue
 
 from ._audit import AuditTrail, entries_by_job, read_trail
 from ._config import MachineConfig
-from ._decisions import IncidentOpened
+from ._decisions import Anomaly, Committed, IncidentOpened
 from ._inputs import Input
 from ._intake import Refused, Taken, take
 from ._machine import decide
@@ -65,6 +65,9 @@ class JobStatus:
         last_incident_ns: the daemon clock (bus time, ns) when it opened.
         refused: records of the job left out because the daemon refused them as not
             authentic (its audit trail says so; module docstring).
+        not_committed: why the job's latest step with every shard in did not commit (its
+            ranks' shards or data cursors disagree), until a step commits again; else
+            ``None``.
     """
 
     state: JobState
@@ -72,20 +75,26 @@ class JobStatus:
     last_incident: IncidentOpened | None = None
     last_incident_ns: int | None = None
     refused: int = 0
+    not_committed: str | None = None
 
 
 def _fold_one(jobs: dict[str, JobStatus], job: str, item: Input, config: MachineConfig) -> None:
-    """Fold one input of ``job`` (the daemon's fold), noting an incident it opens."""
+    """Fold one input of ``job`` (the daemon's fold), noting an incident it opens and whether
+    its steps commit."""
     status = jobs.get(job) or JobStatus(new_job(job))
     state, decisions = decide(status.state, item, config)
-    opened = [d for d in decisions if isinstance(d, IncidentOpened)]
+    last, last_ns, blocked = status.last_incident, status.last_incident_ns, status.not_committed
+    for decision in decisions:
+        if isinstance(decision, IncidentOpened):
+            last, last_ns = decision, state.clock_ns
+            if decision.cause == "cursor_mismatch":
+                blocked = decision.reason
+        elif isinstance(decision, Committed):
+            blocked = None
+        elif isinstance(decision, Anomaly) and decision.kind == "checkpoint_mismatch":
+            blocked = decision.reason
     # Positional: this runs for every input, and ``dataclasses.replace`` costs several times more.
-    if opened:
-        jobs[job] = JobStatus(state, status.inputs + 1, opened[-1], state.clock_ns, status.refused)
-    else:
-        jobs[job] = JobStatus(
-            state, status.inputs + 1, status.last_incident, status.last_incident_ns, status.refused
-        )
+    jobs[job] = JobStatus(state, status.inputs + 1, last, last_ns, status.refused, blocked)
 
 
 async def read_status(
@@ -170,10 +179,10 @@ async def read_topic(
 
 def job_summary(status: JobStatus, now_ns: int) -> dict[str, JSONValue]:
     """One job's row: phase, generation, step (highest of the current generation's ranks),
-    last committed step, ranks alive of the world size, incidents, the latest incident (id,
-    cause, reason, seconds since it opened, whether still open), seconds since its last
-    input, inputs folded, and records left out as refused by the daemon. Ages are ``now_ns``
-    (wall clock) minus bus times."""
+    last committed step, why its steps do not commit (``not_committed``, or ``None``), ranks
+    alive of the world size, incidents, the latest incident (id, cause, reason, seconds since
+    it opened, whether still open), seconds since its last input, inputs folded, and records
+    left out as refused by the daemon. Ages are ``now_ns`` (wall clock) minus bus times."""
     state = status.state
     steps = [r.step for r in state.ranks.values() if r.step is not None]
     last: dict[str, JSONValue] | None = None
@@ -192,6 +201,7 @@ def job_summary(status: JobStatus, now_ns: int) -> dict[str, JSONValue]:
         "generation": state.generation,
         "step": max(steps, default=None),
         "committed_step": state.committed[-1].step if state.committed else None,
+        "not_committed": status.not_committed,
         "ranks_alive": sum(r.status == "alive" for r in state.ranks.values()),
         "world_size": state.world_size,
         "incidents": state.incidents_opened,
