@@ -236,10 +236,11 @@ def test_a_loss_spike_is_restored_in_process_and_its_batches_never_trained(
     skip = restore.skip
     assert skip is not None, run.describe()
     assert restore.target is not None, run.describe()
-    # From just after the last step known sound to the step that confirmed the spike: the
-    # batches before and during it (PaLM's practice), the spike's first step included.
+    # From just after the last normal loss sample (of step onset + 1: the parameters after
+    # onset gave it) to the step that confirmed the spike: the batches during it (PaLM's
+    # practice), the spike's first step included.
     assert restore.target.step < skip.from_step <= 60 <= skip.to_step, f"{skip} {run.describe()}"
-    assert skip.from_step == incident["onset_after_step"] + 1, run.describe()
+    assert skip.from_step == incident["onset_after_step"] + 2, run.describe()
     k = skip.to_step - skip.from_step + 1
 
     # What "exact" means after a skip: step numbers stay, and from skip.from_step on every
