@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import Decision, Issue
 from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide, fold
+from trainguard.daemon._machine import decide, fold, unacted_command
 from trainguard.daemon._state import JobState, new_job
 from trainguard.schemas import (
     Checkpoint,
@@ -57,6 +57,12 @@ def run(
 ) -> tuple[JobState, tuple[Decision, ...]]:
     """Fold ``inputs`` into ``state`` (a new job by default) with ``cfg`` (``config()``)."""
     return fold(new_job(JOB) if state is None else state, inputs, cfg or config())
+
+
+def acted(state: JobState, at: int) -> Tick:
+    """The tick the daemon's shell appends at ``at`` once it published ``state``'s commands:
+    timeouts that start with a command count from it."""
+    return Tick(at, state.command_seq)
 
 
 def of_type(decisions: Iterable[Decision], kind: type[D]) -> list[D]:
@@ -120,9 +126,12 @@ class Sim:
         loss: float | None = 2.5,
         step_time_s: float | None = 1.0,
         checksum: str | None = None,
+        step_age_s: float | None = None,
     ) -> Observed:
+        """A heartbeat appended at ``at``, sent at ``at`` too (``ts``: the sender's clock
+        agrees with the bus's, and the bus took it at once)."""
         event = Heartbeat(
-            **self._head(rank, generation),
+            **(self._head(rank, generation) | {"ts": at}),
             world_size=world_size or self.world_size,
             step=step,
             phase=phase,
@@ -130,6 +139,7 @@ class Sim:
             loss=loss,
             samples=step * 8,
             param_checksum=checksum,
+            step_age_s=step_age_s,
         )
         return Observed(at, None, event)
 
@@ -300,11 +310,14 @@ def running_job(
 
 def killed_job(steps: int = 38) -> tuple[Sim, JobState, Restore]:
     """A 4-rank job trained ``steps`` steps (commits at 10, 20, 30), then rank 1 was killed:
-    the simulation, the state (restoring, generation 1) and the restore issued."""
+    the simulation, the state (restoring, generation 1, the restore on the bus) and the
+    restore issued."""
     sim = Sim()
     state, _ = running_job(sim, steps)
-    state, decisions = run([sim.kill(1, T0 + (steps + 1) * S)], state)
+    at = T0 + (steps + 1) * S
+    state, decisions = run([sim.kill(1, at)], state)
     [restore] = issued(decisions, Restore)
+    state, _ = run([acted(state, at)], state)
     return sim, state, restore
 
 
@@ -358,7 +371,9 @@ def play(
     """Turn abstract ``steps`` into inputs of processes that follow the daemon's current
     generation (as restarted processes do) and fold them one by one; return the last state
     and each input with its decisions. ``recover`` is every rank of the world size
-    heartbeating and acknowledging the current restore at once."""
+    heartbeating and acknowledging the current restore at once. As the daemon's shell does,
+    a tick naming the latest command follows every input that issued one, and every tick
+    names it."""
     cfg = cfg or config()
     at = state.clock_ns
     trace: list[tuple[Input, tuple[Decision, ...]]] = []
@@ -389,7 +404,7 @@ def play(
         elif what == "finish":
             item = sim.lifecycle(rank, "finished", at, step=31)
         else:
-            item = Tick(at)
+            item = acted(state, at)
         state, trace = _step(state, item, trace, cfg)
     return state, trace
 
@@ -413,4 +428,8 @@ def _step(
 ) -> tuple[JobState, list[tuple[Input, tuple[Decision, ...]]]]:
     state, decisions = decide(state, item, cfg)
     trace.append((item, decisions))
+    if unacted_command(state) is not None:
+        tick = acted(state, state.clock_ns)
+        state, decisions = decide(state, tick, cfg)
+        trace.append((tick, decisions))
     return state, trace

@@ -50,7 +50,7 @@ from trainguard.agent.bus import (
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._intake import Taken, take
 from trainguard.daemon._keys_admin import KeyAdmin
-from trainguard.daemon._machine import decide
+from trainguard.daemon._machine import decide, unacted_command
 from trainguard.daemon._service import DaemonService
 from trainguard.daemon._settings import DaemonConfig, SecurityConfig
 from trainguard.daemon._state import JobState, new_job
@@ -385,13 +385,19 @@ async def _run_daemon(folder: Path, keys: Keys, batch: list[Item]) -> tuple[Daem
         poll_s=0.002,
         snapshot_interval_s=0,
     )
-    # The clock stays at 0: no deadline is ever due, so the daemon appends no ticks.
+    # The clock stays at 0: no deadline is ever due, so the only ticks the daemon appends are
+    # those naming the commands it published; it stops once it folded them.
     service = DaemonService(config, clock=lambda: 0, keys=keys.daemon)
     stop = asyncio.Event()
+
+    def done() -> bool:
+        jobs = service.jobs.values()
+        return SENTINEL in service.jobs and all(unacted_command(s) is None for s in jobs)
+
     with capture_logs() as logs:
         task = asyncio.create_task(service.run(stop))
         async with asyncio.timeout(60):
-            while SENTINEL not in service.jobs and not task.done():  # noqa: ASYNC110 (no event to wait on)
+            while not done() and not task.done():  # noqa: ASYNC110 (no event to wait on)
                 await asyncio.sleep(0.005)
         stop.set()
         await task  # re-raises anything that escaped the service
@@ -399,7 +405,8 @@ async def _run_daemon(folder: Path, keys: Keys, batch: list[Item]) -> tuple[Daem
 
 
 def _reference(records: list[Record], valid: set[int]) -> dict[str, JobState]:
-    """The job states of a fold of the valid records alone, in bus order, at their bus times."""
+    """The job states of a fold of the valid records alone (the daemon's ticks included), in
+    bus order, at their bus times."""
     states: dict[str, JobState] = {}
     for record in records:
         if record.offset not in valid:
@@ -421,7 +428,11 @@ def test_bad_input_is_dead_lettered_and_changes_no_job(keys: Keys, data: st.Data
         events = asyncio.run(_read(config, "events"))
         parked = asyncio.run(_read(config, "dead-letter"))
 
-    assert [r.value for r in events] == [item.value for item in batch]
+    assert [r.value for r in events[: len(batch)]] == [item.value for item in batch]
+    ticks = events[len(batch) :]
+    assert all(
+        isinstance(taken := take(r), Taken) and isinstance(taken.message, ClockTick) for r in ticks
+    )
     errors = [entry for entry in logs if entry["log_level"] in ("error", "critical")]
     assert errors == []
 
@@ -430,7 +441,7 @@ def test_bad_input_is_dead_lettered_and_changes_no_job(keys: Keys, data: st.Data
         assert record.value is not None
         entry = orjson.loads(record.value)
         entries[(entry["partition"], entry["offset"])] = entry
-    for record, item in zip(events, batch, strict=True):
+    for record, item in zip(events[: len(batch)], batch, strict=True):
         if item.valid:
             continue
         entry = entries.get((record.partition, record.offset))
@@ -438,5 +449,6 @@ def test_bad_input_is_dead_lettered_and_changes_no_job(keys: Keys, data: st.Data
         assert entry["reason"]
         assert entry["value_sha256"] == hashlib.sha256(item.value or b"").hexdigest()
 
-    valid = {record.offset for record, item in zip(events, batch, strict=True) if item.valid}
+    valid = {r.offset for r, item in zip(events[: len(batch)], batch, strict=True) if item.valid}
+    valid |= {r.offset for r in ticks}
     assert service.jobs == _reference(events, valid)

@@ -15,6 +15,7 @@ from tests.daemon.machine_scenarios import (
     T0,
     S,
     Sim,
+    acted,
     config,
     issued,
     killed_job,
@@ -307,8 +308,9 @@ def test_exhausted_restore_attempts_fail_the_job_loudly() -> None:
     sim, state, first = killed_job()
     restores = [first]
     for _ in range(3):
-        assert state.incident is not None
-        state, decisions = run([Tick(state.incident.issued_ns + 120 * S + 1)], state)
+        # The tick the shell writes once the restore is out, then its timeout's.
+        state, _ = run([acted(state, state.clock_ns)], state)
+        state, decisions = run([Tick(state.watch.acted_ns + 120 * S + 1)], state)
         restores += issued(decisions, Restore)
     assert [r.attempt for r in restores] == [1, 2, 3]
     assert state.phase == "failed"

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import dataclasses
 import hashlib
+import math
 from typing import Any
 
 import orjson
@@ -16,16 +17,18 @@ import structlog
 
 from tests.buses import BusFactory
 from tests.daemon.service_support import JobEvents, eventually, read_all, running
-from trainguard.agent.bus import DEFAULT_TOPICS, Bus
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, Record, TopicPartition
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon._settings import DaemonConfig
 from trainguard.schemas import (
+    Abort,
     ClockTick,
     Event,
     Lifecycle,
     Manifest,
     Restore,
+    Resume,
     decode,
     encode,
 )
@@ -163,6 +166,69 @@ async def test_silence_is_detected_through_ticks_written_into_the_log(
         assert any(isinstance(decode(v), ClockTick) for v in values if v is not None)
 
 
+async def test_a_daemon_back_from_an_outage_times_its_restore_from_when_it_published_it(
+    bus_factory: BusFactory,
+) -> None:
+    """The daemon is stopped while the job goes on: a NaN loss at step 12, then more training
+    and checkpoints for longer than the restore timeout. Back, it catches up on that backlog
+    and restores; nobody acknowledges, so it retries, but a restore timeout after it
+    published the restore, not at once (the old code retried as soon as it caught up: its
+    timeout ran from the NaN)."""
+    config = daemon_config(bus_factory, restore_timeout_s=2.0)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, started(0), started(1), beat(0, 1, 10), beat(1, 1, 10))
+        await publish(bus, shard(0, 2, 10), shard(1, 2, 10))
+        async with running(DaemonService(config)):
+            await eventually(lambda: read_all(bus, "manifests"))
+        nan = dataclasses.replace(beat(0, 3, 12), loss=math.nan)
+        await publish(bus, nan, beat(1, 3, 12))
+        seq = 4
+        away = asyncio.get_running_loop().time() + 3.0
+        while asyncio.get_running_loop().time() < away:  # the outage: the job trains on
+            step = seq + 9
+            await publish(bus, beat(0, seq, step), beat(1, seq, step))
+            if step % 5 == 0:
+                seq += 1
+                await publish(bus, shard(0, seq, step), shard(1, seq, step))
+            seq += 1
+            await asyncio.sleep(0.2)
+        async with running(DaemonService(config)):
+            [first, retry] = await eventually(lambda: _restores_at_least(bus, 2))
+        [published] = [r for r in await _records(bus, "commands") if _seq(r) == first.seq]
+    assert (first.generation, first.attempt, retry.attempt) == (1, 1, 2)
+    assert first.target is not None
+    assert first.target.step == 10
+    assert "non-finite loss" in first.reason
+    assert "not acknowledged within 2 s" in retry.reason
+    # The retry was decided at a tick at least a restore timeout after the restore went out.
+    assert retry.ts >= published.timestamp_ms * 1_000_000 + 2_000_000_000
+
+
+async def test_a_restore_published_by_a_daemon_that_died_before_its_tick_is_timed_from_the_restart(
+    bus_factory: BusFactory,
+) -> None:
+    """A daemon publishes a restore and dies before it appends the tick naming it. The next
+    one appends that tick when it starts, and the restore times out a restore timeout after
+    that tick, not after the (older) decision."""
+
+    class DiesBeforeItsTick(DaemonService):
+        async def _write_due_ticks(self, bus: Bus) -> None:
+            return None
+
+    config = daemon_config(bus_factory, restore_timeout_s=2.0)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, started(0), started(1), shard(0, 1, 5), shard(1, 1, 5), killed(0))
+        async with running(DiesBeforeItsTick(config)):
+            [first] = await eventually(lambda: _restores(bus))
+        assert not [t for t in await _ticks(bus) if t[1].command_seq]
+        await asyncio.sleep(2.5)  # longer than the restore timeout: the daemon is away
+        async with running(DaemonService(config)):
+            [_, retry] = await eventually(lambda: _restores_at_least(bus, 2))
+        ticks = [at for at, tick in await _ticks(bus) if tick.command_seq == first.seq]
+    assert ticks, "the restarted daemon appends the tick naming the restore"
+    assert retry.ts >= min(ticks) + 2_000_000_000
+
+
 async def test_bad_input_is_parked_with_its_reason_and_changes_nothing(
     bus_factory: BusFactory,
 ) -> None:
@@ -263,6 +329,42 @@ async def _parked(bus: Bus) -> list[dict[str, Any]]:
 
 async def _restores(bus: Bus) -> list[Restore]:
     return [c for c in await commands(bus) if isinstance(c, Restore)]
+
+
+async def _restores_at_least(bus: Bus, n: int) -> list[Restore] | None:
+    restores = await _restores(bus)
+    return restores if len(restores) >= n else None
+
+
+async def _records(bus: Bus, topic: str) -> list[Record]:
+    """Every record of ``topic`` from offset 0, with its bus append time."""
+    ends = {tp: end for tp, end in (await bus.end_offsets(topic)).items() if end > 0}
+    records: list[Record] = []
+    if not ends:
+        return records
+    async with await bus.assign(dict.fromkeys(ends, 0)) as consumer:
+        seen: dict[TopicPartition, int] = dict.fromkeys(ends, 0)
+        while any(seen[tp] < end for tp, end in ends.items()):
+            for record in await consumer.getmany(timeout_s=1.0):
+                seen[record.tp] = record.offset + 1
+                records.append(record)
+    return records
+
+
+def _seq(record: Record) -> int:
+    command = decode(record.value or b"")
+    assert isinstance(command, Restore | Resume | Abort)
+    return command.seq
+
+
+async def _ticks(bus: Bus) -> list[tuple[int, ClockTick]]:
+    """The ticks on ``events`` with their bus append times (ns)."""
+    ticks = []
+    for record in await _records(bus, "events"):
+        message = decode(record.value or b"")
+        if isinstance(message, ClockTick):
+            ticks.append((record.timestamp_ms * 1_000_000, message))
+    return ticks
 
 
 async def _folded(service: DaemonService, n: int = 1) -> bool:

@@ -26,6 +26,7 @@ from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon._joblog import read_bus
 from trainguard.daemon._keys_admin import KeyAdmin
+from trainguard.daemon._machine import unacted_command
 from trainguard.daemon._replay import replay, verify
 from trainguard.daemon._settings import DaemonConfig, SecurityConfig
 from trainguard.daemon._snapshot import SnapshotHeader, read_header
@@ -176,12 +177,20 @@ async def test_a_daemon_restarted_from_snapshots_holds_and_decides_what_a_full_f
         await publish(bus, later)
 
         b = DaemonService(daemon_config(bus_factory, "daemon-b"), keys=keys)
+
+        async def caught_up() -> bool:
+            # Its own ticks too: the one naming the restore it published.
+            acted = all(unacted_command(s) is None for s in b.jobs.values())
+            return acted and b.counters["folded"] == await total_records(bus) - covered
+
         async with running(b):
             await eventually(lambda: _restores(bus), timeout_s=60.0)
             await eventually(lambda: _folded(b, len(later)), timeout_s=60.0)
+            await eventually(caught_up, timeout_s=60.0)
             states = dict(b.jobs)
-        # It read only what came after the snapshots.
-        assert b.counters["folded"] == len(later) == await total_records(bus) - covered
+        # It read only what came after the snapshots: the later records and its own ticks.
+        folded = b.counters["folded"]
+        assert folded == len(later) + b.counters["ticks"] == await total_records(bus) - covered
         assert states[A].phase == "restoring"
         assert (states[B].phase, states[D].phase) == ("finished", "running")
 

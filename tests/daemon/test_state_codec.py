@@ -249,6 +249,8 @@ def features(state: JobState) -> set[str]:
         "straggling": any(r.straggling for r in state.ranks.values()),
         "dead rank": any(r.status == "dead" for r in state.ranks.values()),
         "long phase": state.watch.long_phases > 0,
+        "acted": state.watch.acted_ns > 0,
+        "held": state.watch.held,
         "supervisor sender": any(rank is None for rank, _, _ in state.senders),
     }
     return found | {name for name, present in checks.items() if present}
@@ -349,7 +351,7 @@ def test_every_kind_of_value_round_trips() -> None:
     expected |= {"incident", "target", "acks", "skip", "spike", "infinite z", "checksums"}
     expected |= {"agreed", "versions", "pending", "committed", "bad snapshots", "crash loop"}
     expected |= {"progress timeout", "loss level", "straggling", "dead rank", "long phase"}
-    expected |= {"supervisor sender", "ack cursor", "after restore", "positions"}
+    expected |= {"supervisor sender", "ack cursor", "after restore", "positions", "acted", "held"}
     assert expected - seen == set()
 
 
@@ -368,7 +370,7 @@ def test_floats_and_integers_keep_their_exact_values_and_types() -> None:
             step_times=Window(recent=(0.1, 5e-324, 1.7976931348623157e308, 1)),
             loss_median=1e-300,
         ),
-        watch=Watch(spike=Spike(None, 3, math.nan, math.inf, -math.inf, 1, 2.0, 0.0)),
+        watch=Watch(spike=Spike(None, 3, 3, math.nan, math.inf, -math.inf, 1, 2.0, 0.0)),
     )
     data = encode_state(state)
     back = decode_state(data)

@@ -3,8 +3,9 @@ the way its agents report it, with faults as data.
 
 :func:`simulate` turns a :class:`Job` (pace, phases, faults) into the bus inputs the daemon
 would fold: every rank heartbeats every ``heartbeat_s`` with jitter (reporting its last
-completed step, that step's time as the agent measures it, loss, phase), sends an immediate
-heartbeat when it declares a phase or computes a parameter checksum, and announces checkpoint
+completed step, how long ago it completed, that step's time as the agent measures it, loss,
+phase; step 0 in phase ``init`` until its ``ready()``), sends an immediate heartbeat when it
+calls ``ready()``, declares a phase or computes a parameter checksum, and announces checkpoint
 shards; records reach the bus after a delivery delay, in order per sender.
 :func:`drive` folds them like the daemon's shell, ticking at :func:`next_deadline`.
 
@@ -28,7 +29,7 @@ from tests.daemon.machine_scenarios import JOB, T0, S, config, host_of
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import Decision, IncidentOpened
 from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide, next_deadline
+from trainguard.daemon._machine import decide, next_deadline, unacted_command
 from trainguard.daemon._state import JobState, new_job
 from trainguard.schemas import (
     Checkpoint,
@@ -86,12 +87,15 @@ class Pace:
 @dataclass(frozen=True)
 class PhaseSpec:
     """After step ``after_step`` completes, ``ranks`` (all when ``None``) declare ``phase`` for
-    ``duration_s`` while the others wait for them; a ``checkpoint`` phase ends with shards."""
+    ``duration_s`` while the others wait for them; a ``checkpoint`` phase ends with shards.
+    ``silent``: the ranks in the phase send no heartbeat after declaring it (a save holding
+    the GIL)."""
 
     after_step: int
     phase: Phase
     duration_s: float
     ranks: tuple[int, ...] | None = None
+    silent: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ class Faults:
             all-reduced gradient carries the NaN into every replica).
         spike: ``(step, factor, steps)``: every rank's loss is multiplied by ``factor`` for
             ``steps`` steps from ``step`` on.
+        blip: ``(step, factor)``: every rank's loss is multiplied by ``factor`` at ``step``,
+            and the excess decays by 60 % per step after it (a spike that heals itself).
         odd_checksum: ``(rank, step)``: the rank's parameter checksums differ from ``step`` on.
         odd_version: ``(rank, step)``: the rank's checkpoint cursors name another data version
             from ``step`` on.
@@ -118,6 +124,7 @@ class Faults:
     stuck_in: tuple[int, int, Phase] | None = None
     nan: tuple[int, int] | None = None
     spike: tuple[int, float, int] | None = None
+    blip: tuple[int, float] | None = None
     odd_checksum: tuple[int, int] | None = None
     odd_version: tuple[int, int] | None = None
     restart_from_zero: tuple[int, int] | None = None
@@ -134,7 +141,11 @@ class Job:
         heartbeat_s: agent heartbeat interval.
         jitter_s: each heartbeat is sent up to this late (< heartbeat_s / 2).
         delay_s: bus delivery delay, at most this much (records of one sender stay in order).
-        init_s: time from start to the first step's beginning (phase ``init``).
+        init_s: time from start to the first step's beginning (phase ``init``); the ranks call
+            ``ready()`` then.
+        start_step: the step the job starts from (a snapshot of another job, ``--init-from``):
+            step ``k`` of the simulation is reported as ``start_step + k``; heartbeats before
+            ``ready()`` report step 0.
         first_step_s: duration of step 1 (compilation).
         checkpoint_every: steps between checkpoints (0: none); a checkpoint is an async write
             announced ``checkpoint_write_s`` after the step, unless a ``checkpoint`` phase
@@ -155,6 +166,7 @@ class Job:
     jitter_s: float = 0.2
     delay_s: float = 0.05
     init_s: float = 5.0
+    start_step: int = 0
     first_step_s: float = 3.0
     checkpoint_every: int = 10
     checkpoint_write_s: float = 0.3
@@ -239,8 +251,8 @@ class _Simulation:
         self.rng = random.Random(job.seed)
         self.ends: dict[int, int] = {}
         self.step_times: dict[int, float] = {}
-        # Declared phases: (start, end, after step, phase, ranks).
-        self.windows: list[tuple[int, int, int, Phase, tuple[int, ...]]] = []
+        # Declared phases: (start, end, after step, phase, ranks, silent).
+        self.windows: list[tuple[int, int, int, Phase, tuple[int, ...], bool]] = []
         self.end_ns = 0
         self.finished_ns = 2**62
         self.events: list[tuple[int, int, _Event]] = []  # (send time, rank, event)
@@ -252,7 +264,7 @@ class _Simulation:
         for rank in range(self.job.world_size):
             self._rank(rank)
         inputs = self._deliver()
-        starts = [(r, phase, start) for start, _, _, phase, ranks in self.windows for r in ranks]
+        starts = [(r, phase, start) for start, _, _, phase, ranks, _ in self.windows for r in ranks]
         return Trace(inputs, self.ends, self.step_times, starts, self.end_ns)
 
     def _timeline(self) -> None:
@@ -271,12 +283,14 @@ class _Simulation:
             previous = t
             stuck = faults.stuck_in
             if stuck is not None and stuck[1] == k:
-                self.windows.append((t, 2**62, k, stuck[2], (stuck[0],)))
+                self.windows.append((t, 2**62, k, stuck[2], (stuck[0],), False))
                 break
             spec = phases.get(k)
             if spec is not None:
                 ranks = tuple(range(job.world_size)) if spec.ranks is None else spec.ranks
-                self.windows.append((t, t + _ns(spec.duration_s), k, spec.phase, ranks))
+                self.windows.append(
+                    (t, t + _ns(spec.duration_s), k, spec.phase, ranks, spec.silent)
+                )
                 t += _ns(spec.duration_s)
         self.end_ns = t + _ns(job.tail_s)
         complete = faults.hang_after is None and faults.stuck_in is None
@@ -289,10 +303,17 @@ class _Simulation:
         return self.completed[index] if index >= 0 else 0
 
     def _phase_at(self, rank: int, at: int) -> Phase:
-        for start, end, _, phase, ranks in self.windows:
+        for start, end, _, phase, ranks, _ in self.windows:
             if rank in ranks and start <= at < end:
                 return phase
         return "init" if at < self.ends.get(1, 2**62) else "train"
+
+    def _silent_at(self, rank: int, at: int) -> bool:
+        """Whether ``rank`` is in a silent declared phase at ``at``."""
+        return any(
+            silent and rank in ranks and start < at < end
+            for start, end, _, _, ranks, silent in self.windows
+        )
 
     def _loss(self, rank: int, k: int, noise: random.Random) -> float | None:
         faults = self.job.faults
@@ -306,6 +327,9 @@ class _Simulation:
         spike = faults.spike
         if spike is not None and spike[0] <= k < spike[0] + spike[2]:
             value *= spike[1]
+        blip = faults.blip
+        if blip is not None and k >= blip[0]:
+            value *= 1 + (blip[1] - 1) * 0.4 ** (k - blip[0])
         return value
 
     def _rank(self, rank: int) -> None:
@@ -316,7 +340,7 @@ class _Simulation:
 
         def beat(at: int, *, checksum: str | None = None, phase: Phase | None = None) -> None:
             k = self._completed_at(at)
-            reported = k
+            reported = job.start_step + k if at >= self.ends[0] else 0  # 0 before ready()
             restart = faults.restart_from_zero
             if restart is not None and restart[0] == rank and k > restart[1]:
                 reported = k - restart[1]
@@ -335,6 +359,7 @@ class _Simulation:
                 loss=self._loss(rank, k, noise),
                 samples=reported * 8,
                 param_checksum=checksum,
+                step_age_s=(at - self.ends[k]) / S if k >= 1 else None,
             )
             self.events.append((at, rank, hb))
 
@@ -346,12 +371,14 @@ class _Simulation:
             at = T0 + _ns(offset + i * job.heartbeat_s + rng.uniform(0, job.jitter_s))
             if at >= min(self.end_ns, done):
                 break
-            beat(at)
+            if not self._silent_at(rank, at):
+                beat(at)
         if done < self.end_ns:
             finished = Lifecycle(**head.fields(), ts=done, kind="finished", step=job.steps)
             self.events.append((done + rank, rank, finished))
         skew = _ns(rng.uniform(0, 0.005))
-        for start, _, _, phase, ranks in self.windows:
+        beat(self.ends[0] + skew)  # ready() heartbeats at once
+        for start, _, _, phase, ranks, _ in self.windows:
             if rank in ranks:
                 beat(start + skew + 1, phase=phase)  # agent.phase() heartbeats at once
         for k in self.completed[1:]:
@@ -370,6 +397,7 @@ class _Simulation:
         ``k``, else an async write."""
         job = self.job
         window = next((w for w in self.windows if w[2] == k and w[3] == "checkpoint"), None)
+        step = job.start_step + k
         if window is not None and rank not in window[4]:
             return
         at = window[1] if window is not None else self.ends[k] + _ns(job.checkpoint_write_s)
@@ -377,12 +405,12 @@ class _Simulation:
             return
         odd = job.faults.odd_version
         version = "v2" if odd is not None and odd[0] == rank and k >= odd[1] else "v1"
-        uri = f"file:///ckpt/{JOB}/g0/s{k}/rank{rank}.pt"
+        uri = f"file:///ckpt/{JOB}/g0/s{step}/rank{rank}.pt"
         shard = Checkpoint(
             **head.fields(),
             ts=at,
             world_size=job.world_size,
-            step=k,
+            step=step,
             shard_uri=uri,
             size_bytes=1024,
             digest="sha256:" + hashlib.sha256(uri.encode()).hexdigest(),
@@ -390,7 +418,7 @@ class _Simulation:
                 data_version=version,
                 seed=7,
                 epoch=0,
-                offset=k * 8 * job.world_size,
+                offset=step * 8 * job.world_size,
                 world_size=job.world_size,
             ),
         )
@@ -424,7 +452,8 @@ def drive(
     first_incident: bool = False,
 ) -> tuple[JobState, Folded]:
     """Fold ``inputs`` like the daemon's shell: before each input, and after the last one up
-    to ``until``, tick at every :func:`next_deadline` that has passed.
+    to ``until``, tick at every :func:`next_deadline` that has passed; right after an input
+    that issued a command, tick to say it is on the bus (every tick names the latest command).
 
     Args:
         first_incident: stop after the first input that opened an incident.
@@ -444,14 +473,17 @@ def drive(
         nonlocal current
         current, decisions = decide(current, item, cfg)
         folded.append((item, decisions))
-        return first_incident and any(isinstance(d, IncidentOpened) for d in decisions)
+        found = first_incident and any(isinstance(d, IncidentOpened) for d in decisions)
+        if not found and unacted_command(current) is not None:
+            return fold_one(Tick(current.clock_ns, current.command_seq))
+        return found
 
     def tick_until(limit: int) -> bool:
         while True:
             due = next_deadline(current, cfg)
             if due is None or due > limit:
                 return False
-            if fold_one(Tick(due)):
+            if fold_one(Tick(due, current.command_seq)):
                 return True
             after = next_deadline(current, cfg)
             assert after is None or after > due, "a tick at the deadline must move it"
@@ -525,6 +557,7 @@ def healthy_jobs(draw: st.DrawFn) -> Job:
             phase=draw(st.sampled_from(["checkpoint", "eval", "data"])),
             duration_s=draw(st.floats(1.0, 60.0)),
             ranks=draw(st.none() | st.just((0,))),
+            silent=draw(st.booleans()),
         )
         for k in sorted(phase_steps)
     )
@@ -536,12 +569,37 @@ def healthy_jobs(draw: st.DrawFn) -> Job:
         jitter_s=draw(st.floats(0.0, heartbeat / 2 - 0.01)),
         delay_s=draw(st.floats(0.0, 0.2)),
         init_s=draw(st.floats(1.0, 60.0)),
+        start_step=draw(st.sampled_from([0, 0, 147, 5000])),
         # Start-up (init phase) stays within the init limit: 60 s + 900 s < 1200 s.
         first_step_s=min(900.0, pace.base_s * draw(st.floats(1.0, 20.0))),
         checkpoint_every=draw(st.sampled_from([0, 5, 10])),
         checksum_every=draw(st.sampled_from([0, 5])),
         loss_noise=draw(st.floats(0.0, 0.05)),
         phases=phases,
+        tail_s=2.0,
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@st.composite
+def fast_jobs(draw: st.DrawFn) -> Job:
+    """Healthy jobs of 50 to 500 steps/s on 2 to 4 ranks (more steps between two heartbeats
+    than ``max_step_lag``), heartbeats every 0.5 to 1 s with jitter and bus delays, some
+    started from another job's snapshot."""
+    pace = draw(paces(low_s=0.002, high_s=0.02))
+    heartbeat = draw(st.floats(0.5, 1.0))
+    return Job(
+        world_size=draw(st.integers(2, 4)),
+        steps=min(20_000, int(draw(st.floats(20.0, 60.0)) / pace.base_s)),
+        pace=pace,
+        heartbeat_s=heartbeat,
+        jitter_s=draw(st.floats(0.0, heartbeat / 2 - 0.01)),
+        delay_s=draw(st.floats(0.0, 0.2)),
+        init_s=draw(st.floats(1.0, 10.0)),
+        start_step=draw(st.sampled_from([0, 147, 5000])),
+        first_step_s=pace.base_s * draw(st.floats(1.0, 50.0)),
+        checkpoint_every=draw(st.sampled_from([0, 500])),
+        loss_noise=draw(st.floats(0.0, 0.05)),
         tail_s=2.0,
         seed=draw(st.integers(0, 2**32 - 1)),
     )

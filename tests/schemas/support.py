@@ -121,6 +121,7 @@ heartbeats = st.builds(
     loss=st.none() | st.floats(),  # NaN and +-inf included
     samples=counts,
     param_checksum=st.none() | st.from_regex(r"[0-9a-f]{1,128}", fullmatch=True),
+    step_age_s=st.none() | st.floats(min_value=0, allow_nan=False, allow_infinity=False),
 )
 checkpoints = st.builds(
     Checkpoint,
@@ -203,7 +204,7 @@ def restores(draw: st.DrawFn) -> Restore:
 
 resumes = st.builds(Resume, **_command, step=counts)
 aborts = st.builds(Abort, **_command, reason=text(1, 60))
-ticks = st.builds(ClockTick, **_command)
+ticks = st.builds(ClockTick, **_command, command_seq=st.none() | counts)
 
 STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
     Heartbeat: heartbeats,

@@ -185,9 +185,16 @@ class Agent:
             job_id=c.job_id, rank=c.rank, generation=c.generation
         )
         self._phase: Phase = "init"
-        # (step, loss, samples so far, step time in s): replaced as a whole, so the loop thread
-        # never sees a step with another step's loss.
-        self._progress: tuple[int, float | None, int, float | None] = (0, None, 0, None)
+        # (step, loss, samples so far, step time in s, monotonic time the step completed in
+        # this process): replaced as a whole, so the loop thread never sees a step with another
+        # step's loss.
+        self._progress: tuple[int, float | None, int, float | None, float | None] = (
+            0,
+            None,
+            0,
+            None,
+            None,
+        )
         self._last_step_at: float | None = None
         faults = parse_faults(c.faults)
         self._faults = FaultInjector(faults, c.rank, self._root / c.job_id / ".faults-fired")
@@ -431,12 +438,14 @@ class Agent:
     def ready(self, step: int, cursor: DataCursor | None = None) -> None:
         """Declare this rank ready to train from ``step`` (the next step is ``step + 1``).
 
-        After a restore (generation > 0) this acknowledges it with a lifecycle ``restored``
-        (step, cursor, the snapshot loaded) and blocks until the daemon's ``resume`` of this
-        generation, which it sends once every rank has acknowledged exactly the target's step
-        and data position (``docs/recovery.md``); that keeps all ranks of a job in one
-        generation. In generation 0 it only records the step. Call it again after reloading
-        for a :class:`RestoreRequested`.
+        A heartbeat reports ``step`` at once: the daemon then knows where this rank starts
+        (heartbeats before it say step 0, which the daemon does not take for a trained step as
+        long as the phase is ``init``). After a restore (generation > 0) this acknowledges it
+        with a lifecycle ``restored`` (step, cursor, the snapshot loaded) and blocks until the
+        daemon's ``resume`` of this generation, which it sends once every rank has
+        acknowledged exactly the target's step and data position (``docs/recovery.md``); that
+        keeps all ranks of a job in one generation. Call it again after reloading for a
+        :class:`RestoreRequested`.
 
         Args:
             step: the step the model state corresponds to (0 for a fresh start).
@@ -452,9 +461,10 @@ class Agent:
         """
         self._require_open()
         with self._gate:
-            self._progress = (step, None, self._progress[2], None)
+            self._progress = (step, None, self._progress[2], None, None)
         if self._steps is not None:
             self._steps.record(step)  # where the rank stands now, for an exit report
+        self._link.submit(self._heartbeat)
         generation = self.config.generation
         if generation > 0:
             restore = self._restore or self._link.commands.restores.get(generation)
@@ -547,6 +557,7 @@ class Agent:
                 None if loss is None else float(loss),
                 self._progress[2] + samples,
                 None if last is None else now - last,
+                now,
             )
             request = self._in_process
             if request is not None and request.at_step is not None and step >= request.at_step:
@@ -683,7 +694,7 @@ class Agent:
     def _heartbeat(self, seq: int) -> Heartbeat:
         """This rank's heartbeat now (built on any thread; ``_progress`` is replaced whole)."""
         c = self.config
-        step, loss, samples, step_time_s = self._progress
+        step, loss, samples, step_time_s, done_at = self._progress
         return Heartbeat(
             job_id=c.job_id,
             generation=c.generation,
@@ -698,6 +709,8 @@ class Agent:
             step_time_s=step_time_s,
             loss=loss,
             samples=samples,
+            # How long ago the step completed: the daemon dates its progress by it.
+            step_age_s=None if done_at is None else max(0.0, time.monotonic() - done_at),
         )
 
     # -- checkpoints -------------------------------------------------------------------------

@@ -114,7 +114,10 @@ class MachineConfig:
         loss_spike_return_z: a later sample below this z-score ends the spike as a blip
             (reported, not restored).
         loss_spike_persist: samples (the first included) a spike must last without returning
-            before it becomes an incident.
+            before it becomes an incident, unless it is healing (its latest sample rose above
+            the median by less than half as much as its peak did).
+        loss_spike_heal_samples: samples a healing spike may last without returning (below
+            ``loss_spike_return_z``) before it is an incident anyway, >= ``loss_spike_persist``.
         model_parallel_size: ranks ``r`` and ``r'`` hold replicas of the same parameters, whose
             checksums must agree, iff ``r % model_parallel_size == r' % model_parallel_size``
             (data parallelism outermost, as torch ``DeviceMesh(("dp", ...))`` and Megatron-LM
@@ -132,8 +135,8 @@ class MachineConfig:
     Raises:
         ValueError: an empty ``daemon_id``, an unknown ``restore_mode``, a duration not in (0, 1e9] seconds, a count
             below its minimum, a probability or factor out of range, a window that is not a
-            multiple of 8, a progress floor above its ceiling, or a heartbeat interval not below
-            the heartbeat timeout.
+            multiple of 8, a progress floor above its ceiling, a heal limit below the spike
+            persistence, or a heartbeat interval not below the heartbeat timeout.
     """
 
     daemon_id: str
@@ -170,6 +173,7 @@ class MachineConfig:
     loss_spike_min_rise: float = 0.1
     loss_spike_return_z: float = 3.0
     loss_spike_persist: int = 4
+    loss_spike_heal_samples: int = 16
     model_parallel_size: int = 1
     max_step_lag: int = 100
     max_clock_skew_s: float = 300.0
@@ -214,6 +218,8 @@ class MachineConfig:
             raise ValueError(f"straggler_factor must be > 1, got {self.straggler_factor!r}")
         if self.loss_spike_return_z > self.loss_spike_z:
             raise ValueError("loss_spike_return_z must not exceed loss_spike_z")
+        if self.loss_spike_heal_samples < self.loss_spike_persist:
+            raise ValueError("loss_spike_heal_samples must not be below loss_spike_persist")
         _to_ns("in_process_lead_s", self.in_process_lead_s)
         # Frozen dataclass: derived fields are set once here, the documented way around frozen.
         for name in (

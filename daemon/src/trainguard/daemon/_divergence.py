@@ -29,6 +29,13 @@ _PENDING_CHECKSUMS = 64
 """Incomplete ``(step, group)`` checksum sets kept; older ones are dropped (a rank that never
 reports checksums must not make the state grow)."""
 
+_HEALING = 0.5
+"""A spike whose latest sample rose above the median by less than this fraction of its peak's
+rise is healing (falling back towards the trend): it gets up to ``loss_spike_heal_samples``
+samples to return before it is restored."""
+
+_NS_PER_S = 1_000_000_000
+
 
 def known_good(watch: Watch) -> int | None:
     """The latest step after which the parameters are known sound from the loss, else the
@@ -65,9 +72,11 @@ def judge_loss(
     A sample whose robust z-score reaches ``loss_spike_z`` and which exceeds the median by at
     least ``loss_spike_min_rise * |median|`` opens a spike, judged against the median and MAD
     of that moment. A later sample with a z-score below ``loss_spike_return_z`` ends it as a
-    *blip* (an :class:`Anomaly`); a spike that lasts ``loss_spike_persist`` samples is a
-    failure whose restore skips the batches from just after the last step known sound to
-    ``step``.
+    *blip* (an :class:`Anomaly`). A spike that lasted ``loss_spike_persist`` samples is a
+    failure unless it is *healing* (its latest sample rose above the median by less than half
+    as much as its peak did); a healing spike is a failure once it lasted
+    ``loss_spike_heal_samples`` samples. The failure's restore skips the batches from the step
+    after the latest normal loss sample to ``step``.
 
     Returns:
         The spike watched afterwards (``None`` if none), whether the sample is normal (it then
@@ -84,6 +93,7 @@ def judge_loss(
             return None, True, None, None
         spike = Spike(
             onset_after_step=known_good(watch),
+            skip_from=_skip_from(watch, step),
             first_step=step,
             first_loss=loss,
             z=z,
@@ -99,7 +109,21 @@ def judge_loss(
         spike = spike._replace(samples=spike.samples + 1, peak_loss=max(spike.peak_loss, loss))
     if spike.samples < config.loss_spike_persist:
         return spike, False, None, None
-    return None, False, None, _spike_failure(spike, step, loss, generation, config)
+    healing = loss - spike.median < _HEALING * (spike.peak_loss - spike.median)
+    if healing and spike.samples < config.loss_spike_heal_samples:
+        return spike, False, None, None
+    return None, False, None, _spike_failure(spike, step, loss, healing, generation, config)
+
+
+def _skip_from(watch: Watch, step: int) -> int:
+    """The first step whose batch a restore for a spike first seen at ``step`` skips: the
+    step after the latest normal lead sample (its batch trained normally; ``sound_step`` is
+    the step before it), else after the generation's base step, never after ``step``."""
+    if watch.sound_step is not None:
+        return min(watch.sound_step + 2, step)
+    if watch.base_step is not None:
+        return min(watch.base_step + 1, step)
+    return step
 
 
 def _blip(spike: Spike, step: int, loss: float, generation: int, config: MachineConfig) -> Anomaly:
@@ -107,8 +131,9 @@ def _blip(spike: Spike, step: int, loss: float, generation: int, config: Machine
         f"loss blip in generation {generation}: {number_text(spike.first_loss)} at step "
         f"{spike.first_step} (robust z {number_text(spike.z)} >= {config.loss_spike_z:g} "
         f"against median {number_text(spike.median)}) returned to the trend "
-        f"({number_text(loss)} at step {step}) after {spike.samples} sample(s), within the "
-        f"{config.loss_spike_persist} a spike must last; not restored"
+        f"({number_text(loss)} at step {step}) after {spike.samples} sample(s), before it "
+        f"lasted {config.loss_spike_persist} (or {config.loss_spike_heal_samples} while "
+        f"falling back) to be restored; not restored"
     )
     return Anomaly(
         kind="loss_blip",
@@ -128,18 +153,22 @@ def _blip(spike: Spike, step: int, loss: float, generation: int, config: Machine
 
 
 def _spike_failure(
-    spike: Spike, step: int, loss: float, generation: int, config: MachineConfig
+    spike: Spike, step: int, loss: float, healing: bool, generation: int, config: MachineConfig
 ) -> Failure:
     good = spike.onset_after_step
-    first = spike.first_step if good is None else good + 1
-    skip = StepRange(from_step=min(first, step), to_step=step)
+    skip = StepRange(from_step=min(spike.skip_from, step), to_step=step)
+    how = (
+        f"still falling back after {spike.samples} samples (peak {number_text(spike.peak_loss)})"
+        if healing
+        else f"after {spike.samples} samples"
+    )
     reason = (
         f"loss spike in generation {generation}: {number_text(spike.first_loss)} at step "
         f"{spike.first_step} (robust z {number_text(spike.z)} >= {config.loss_spike_z:g} "
         f"against median {number_text(spike.median)}, MAD {number_text(spike.mad)}), still "
-        f"{number_text(loss)} at step {step} after {spike.samples} samples; parameters known "
-        f"sound up to step {'none' if good is None else good}; skipping the batches of steps "
-        f"{skip.from_step}-{skip.to_step}"
+        f"{number_text(loss)} at step {step} {how}; parameters known sound up to step "
+        f"{'none' if good is None else good}; skipping the batches of steps "
+        f"{skip.from_step}-{skip.to_step} (from the step after the last normal loss)"
     )
     return Failure(
         "loss_spike",
@@ -159,6 +188,7 @@ def _spike_failure(
             mad=spike.mad,
             samples=spike.samples,
             persist=config.loss_spike_persist,
+            healing=healing,
         ),
     )
 
@@ -263,34 +293,57 @@ def _mismatch(
     return anomalies, failure
 
 
-def judge_lag(state: JobState, config: MachineConfig) -> tuple[Watch, Failure | None]:
-    """Compare the lowest step of the alive ranks with the generation's lead step, scanning the
-    ranks (O(n)) only when the known lower bound is too far behind."""
-    watch = state.watch
-    lead, lag = watch.lead_step, config.max_step_lag
-    if lead - watch.step_floor <= lag:
-        return watch, None
-    alive = [rec for rec in state.ranks.values() if rec.status == "alive" and rec.step is not None]
-    low = min((rec.step for rec in alive if rec.step is not None), default=lead)
-    if lead - low <= lag:
-        return watch._replace(step_floor=low), None
-    behind = sorted(
-        (rec for rec in alive if rec.step is not None and lead - rec.step > lag),
-        key=lambda rec: rec.rank,
-    )
+def judge_lag(
+    state: JobState,
+    rec: RankState,
+    lead: int,
+    late_ns: int,
+    step_time_s: float | None,
+    config: MachineConfig,
+) -> Failure | None:
+    """Judge training rank ``rec``'s heartbeat (showing ``rec.step``) against ``lead``, the
+    highest training step any rank reported before it.
+
+    The other ranks' reports are older than this one, so comparing them with it compares the
+    ranks at equal times, up to this heartbeat's delivery: ``late_ns``, how much longer than
+    the rank's quickest it took to reach the bus (its step may be older by that much). The
+    steps the job makes in that time (``late_ns`` over the job's median step time, else over
+    the heartbeat's own ``step_time_s``, seconds) are allowed on top of ``max_step_lag``. O(1):
+    a rank is judged at its own heartbeats only.
+
+    Returns:
+        A ``step_lag`` failure naming ``rec``, or ``None``.
+    """
+    step = rec.step if rec.step is not None else lead
+    lag, limit = lead - step, config.max_step_lag
+    if lag <= limit:
+        return None
+    pace = state.trend.step_time_median_s or step_time_s
+    allowance = 0
+    if late_ns > 0 and pace is not None and pace > 0:
+        allowance = math.ceil(late_ns / _NS_PER_S / pace)
+    if lag <= limit + allowance:
+        return None
+    delay = number_text(late_ns / _NS_PER_S)
+    late = f", plus {allowance} made while its heartbeat was {delay} s late" if allowance else ""
     reason = (
-        f"{ranks_text(rec.rank for rec in behind)} on {hosts_text(rec.host for rec in behind)} "
-        f"at step {low} trail the lead step {lead} by {lead - low} steps (max_step_lag "
-        f"{lag}) in generation {state.generation}"
+        f"rank {rec.rank} on host {rec.host} at step {step} trails the lead step {lead} by "
+        f"{lag} steps (max_step_lag {limit}{late}) in generation {state.generation}"
     )
-    failure = Failure(
+    return Failure(
         "step_lag",
         reason,
-        tuple(rec.rank for rec in behind),
-        tuple(rec.host for rec in behind),
-        measures=Measures(lead_step=lead, lowest_step=low, lag=lead - low, max_step_lag=lag),
+        (rec.rank,),
+        (rec.host,),
+        measures=Measures(
+            lead_step=lead,
+            step=step,
+            lag=lag,
+            max_step_lag=limit,
+            allowance_steps=allowance,
+            late_s=late_ns / _NS_PER_S,
+        ),
     )
-    return watch, failure
 
 
 def note_data_version(

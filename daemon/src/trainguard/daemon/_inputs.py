@@ -36,10 +36,18 @@ class Tick(NamedTuple):
     """The daemon's clock reached ``at_ns`` (nanoseconds since the Unix epoch).
 
     The shell schedules ticks at :func:`trainguard.daemon._machine.next_deadline` so timeouts
-    fire without waiting for the next event.
+    fire without waiting for the next event, and right after it published a command.
+
+    Attributes:
+        at_ns: the tick record's bus append time (ns since the Unix epoch).
+        command_seq: ``seq`` of the job's latest command that was on the bus when the tick was
+            appended (``ClockTick.command_seq``; 0: none yet), or ``None`` when the tick does
+            not say (written before ``tick/1.2``): timeouts that start with a command count
+            from the first tick naming it.
     """
 
     at_ns: int
+    command_seq: int | None = None
 
 
 Input: TypeAlias = Observed | Tick

@@ -4,9 +4,9 @@ and a replay share, so that a replay folds exactly what the daemon folded.
 A record becomes an input when its value decodes as an event or a ``ClockTick``, the
 message's ``job_id`` equals the record key, and the :class:`Authenticator` (if any) finds it
 authentic; its time is the record's bus append time (never the sender's ``ts``). A
-``ClockTick`` becomes a :class:`~trainguard.daemon.Tick`, any other event an
-:class:`~trainguard.daemon.Observed`. Anything else is refused with a reason (the daemon parks it
-on ``dead-letter``; a replay shows it). Pure: no I/O, no clock.
+``ClockTick`` becomes a :class:`~trainguard.daemon.Tick` (with the command ``seq`` it names),
+any other event an :class:`~trainguard.daemon.Observed`. Anything else is refused with a reason
+(the daemon parks it on ``dead-letter``; a replay shows it). Pure: no I/O, no clock.
 
 Authentication is the one verdict that depends on more than the record: the daemon judges MACs
 with the keys it holds (:mod:`trainguard.daemon._security`) and records every refusal in the
@@ -175,7 +175,7 @@ def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refuse
             return Refused(reason, "auth", auth=code)
     at_ns = record.timestamp_ms * _NS_PER_MS
     if isinstance(message, ClockTick):
-        return Taken(message.job_id, Tick(at_ns), message)
+        return Taken(message.job_id, Tick(at_ns, message.command_seq), message)
     # Named tuples built in C (``new_tuple``): one of each per record.
     item = new_tuple(Observed, (at_ns, record.offset, message))
     return new_tuple(Taken, (message.job_id, item, message))

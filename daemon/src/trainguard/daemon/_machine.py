@@ -15,8 +15,11 @@ Order of work for an observed event:
    as ordered, all ranks finished);
 4. check the deadlines (heartbeat silence, stalls, startup, restore) at the new clock.
 
-A :class:`Tick` runs steps 1 and 4 only. Recovery (incidents, restore retries, abort) lives in
-:mod:`trainguard.daemon._recovery`; the detectors in :mod:`trainguard.daemon._stall` and
+A :class:`Tick` runs steps 1 and 4 only, after noting the command it shows on the bus
+(``Tick.command_seq``): a timeout that starts with one of the daemon's own commands counts from
+the first tick naming it, never from the input that decided it (a daemon catching up on a
+backlog decides from old inputs but acts now). Recovery (incidents, restore retries, abort)
+lives in :mod:`trainguard.daemon._recovery`; the detectors in :mod:`trainguard.daemon._stall` and
 :mod:`trainguard.daemon._divergence` (``docs/detection.md`` tabulates them).
 """
 
@@ -55,7 +58,7 @@ from ._recovery import (
     target_text,
     wrong_acks_text,
 )
-from ._stall import rank_changed, scan_stalls, straggler, warm
+from ._stall import least_deadline_ns, lower_due, rank_changed, scan_stalls, straggler, warm
 from ._state import (
     LONG_PHASES,
     TERMINAL_PHASES,
@@ -108,8 +111,11 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
             state = _accept(state, event, at_ns)
             state, decisions = _handle(state, event, config)
             return _settled(state, config, decisions)
-        case Tick(at_ns=at_ns):
-            return _expire(_advance(state, at_ns), config, _NONE)
+        case Tick(at_ns=at_ns, command_seq=command_seq):
+            state = _advance(state, at_ns)
+            if command_seq is not None:
+                state = _acted(state, command_seq, config)
+            return _expire(state, config, _NONE)
         case _:
             assert_never(item)
 
@@ -175,11 +181,45 @@ def next_deadline(state: JobState, config: MachineConfig) -> int | None:
         due.append(state.silence_floor_ns + config.heartbeat_timeout_ns + 1)
     if state.phase == "starting" and state.generation_started_ns is not None:
         due.append(state.generation_started_ns + config.startup_timeout_ns + 1)
-    if state.phase == "restoring" and state.incident is not None:
-        due.append(state.incident.issued_ns + config.restore_timeout_ns + 1)
+    if state.phase == "restoring" and state.incident is not None and _restore_acted(state):
+        due.append(state.watch.acted_ns + config.restore_timeout_ns + 1)
     if state.phase == "running" and state.watch.progress_due_ns is not None:
         due.append(state.watch.progress_due_ns + 1)
     return min(due, default=None)
+
+
+def unacted_command(state: JobState) -> int | None:
+    """The ``seq`` of the job's latest command while no tick has shown it on the bus yet
+    (``Tick.command_seq``), else ``None``.
+
+    The timeouts that start with a command (a restore's; after a resume, the ranks' stall
+    deadlines) wait for such a tick: the shell appends one to the job's events as soon as the
+    command is published, and again after a restart that finds it missing.
+    """
+    if state.phase in TERMINAL_PHASES or state.watch.acted_seq >= state.command_seq:
+        return None
+    return state.command_seq
+
+
+def _acted(state: JobState, command_seq: int, config: MachineConfig) -> JobState:
+    """Note that the job's commands up to ``command_seq`` are on the bus at the current clock
+    (a tick said so); a ``seq`` the machine has not issued counts as its latest one."""
+    watch = state.watch
+    seq = min(command_seq, state.command_seq)
+    if seq <= watch.acted_seq:
+        return state
+    clock = state.clock_ns
+    watch = watch._replace(acted_seq=seq, acted_ns=clock)
+    if watch.held and seq >= state.command_seq:
+        # The resume is out: the ranks' deadlines start now, none earlier than the shortest.
+        watch = lower_due(watch._replace(held=False), clock + least_deadline_ns(config))
+    return state._replace(watch=watch)
+
+
+def _restore_acted(state: JobState) -> bool:
+    """Whether a tick has shown the current restore (the latest command while restoring) on
+    the bus: its timeout runs from then."""
+    return state.watch.acted_seq >= state.command_seq
 
 
 def _at_rest(state: JobState, item: Input) -> tuple[JobState, Decisions]:
@@ -341,11 +381,13 @@ def _on_heartbeat(
     """Fold a heartbeat: the rank's record, and in a running job the detectors it feeds (the hot
     path: O(log32 n) for the maps, O(1) amortised for the rest).
 
-    A heartbeat that raises the generation's highest step is a *lead sample*: its step time
-    (unless the rank is in its start-up steps or just left a declared phase) joins the job's
-    step times and its loss is judged for spikes; one sample per observed step, whatever the
-    number of ranks. Every heartbeat is checked for a non-finite loss, for stragglers and, with
-    a ``param_checksum``, against its replicas.
+    A training heartbeat that raises the generation's highest step is a *lead sample*: its
+    step time (unless the rank is in its start-up steps or just left a declared phase) joins
+    the job's step times and its loss is judged for spikes; one sample per observed step,
+    whatever the number of ranks. Every heartbeat is checked for a non-finite loss, for
+    stragglers and, with a ``param_checksum``, against its replicas; every training heartbeat
+    for step lag. A heartbeat in phase ``init`` reports where the rank will start (0 before its
+    ``ready()``), not a step it trained: it sets the rank's first step and raises nothing.
 
     ``at_ns`` is the heartbeat's time; it is recorded here with its ``seq`` (as
     :func:`_accept` does for other events), so that folding a heartbeat copies the state once.
@@ -355,9 +397,14 @@ def _on_heartbeat(
     step, rank, host, phase = beat.step, beat.rank, beat.host, beat.phase
     watch, trend = state.watch, state.trend
     running = state.phase == "running"
+    training = phase != "init"
     prev = state.ranks.get(rank)
     decisions: Decisions = _NONE
     sampled = advanced = False
+    # Its delay from the sender's clock to the bus's: the least one is the sender's clock
+    # offset plus its quickest delivery, the excess how late this heartbeat is.
+    delay = at_ns - beat.ts
+    late = 0
     if prev is None or prev.step is None:
         rec = RankState(
             rank=rank,
@@ -372,16 +419,17 @@ def _on_heartbeat(
             first_step=step,
             after_phase=phase in LONG_PHASES,
             data_version=None if prev is None else prev.data_version,
+            delay_floor_ns=delay,
         )
     else:
         # One unpacking instead of a dozen attribute reads (fields as in RankState).
         (
             _,
             _,
-            _,
+            prev_pid,
             status,
             prev_phase,
-            _,
+            prev_heard_ns,
             _,
             prev_advanced_ns,
             phase_since_ns,
@@ -391,10 +439,20 @@ def _on_heartbeat(
             straggling,
             after_phase,
             data_version,
+            delay_floor,
         ) = prev
         advanced = step > prev.step
-        if first is None:
-            first = step
+        if first is None or not training:
+            first = step  # in init: where the rank will start from
+        if delay_floor is None or delay < delay_floor or prev_pid != beat.pid:
+            delay_floor = delay
+        late = delay - delay_floor
+        advanced_ns = prev_advanced_ns
+        if advanced:
+            # The step completed step_age_s before the heartbeat was built: date it so (on
+            # the bus clock, late by the delivery), but not before the rank last spoke.
+            age = beat.step_age_s
+            advanced_ns = clock if age is None else max(clock - round(age * 1e9), prev_heard_ns)
         seconds = beat.step_time_s
         # The step time spans everything since the rank's previous step: not a sample of the
         # job's pace if that is one of its start-up steps or includes a declared phase of this
@@ -425,7 +483,7 @@ def _on_heartbeat(
                 phase,
                 clock,
                 step,
-                clock if advanced else prev_advanced_ns,
+                advanced_ns,
                 phase_since_ns if prev_phase == phase else clock,
                 first,
                 average,
@@ -433,6 +491,7 @@ def _on_heartbeat(
                 straggling,
                 phase in LONG_PHASES or (after_phase and not advanced),
                 data_version,
+                delay_floor,
             ),
         )
     if not advanced or prev is None or prev.phase != phase:
@@ -440,10 +499,8 @@ def _on_heartbeat(
         # bound stays valid without looking.
         watch = rank_changed(watch, prev, rec, clock, trend, config)
     failure: Failure | None = None
-    lead = step > watch.lead_step
-    behind = step < watch.step_floor  # a rank went back (restarted behind the daemon's back?)
-    if behind:
-        watch = watch._replace(step_floor=step)
+    lead_before = watch.lead_step
+    lead = training and step > lead_before
     if lead:
         spike, sound, normal = watch.spike, watch.sound_step, None
         loss = beat.loss
@@ -462,7 +519,7 @@ def _on_heartbeat(
         due = watch.progress_due_ns
         watch = watch._replace(
             lead_step=step,
-            base_step=step if watch.base_step is None else watch.base_step,
+            base_step=rec.first_step if watch.base_step is None else watch.base_step,
             sound_step=sound,
             spike=spike,
             progress_due_ns=due - shrunk if shrunk and due is not None else due,
@@ -531,10 +588,8 @@ def _on_heartbeat(
             state = state._replace(watch=judged)
             watch = judged
         decisions = (*decisions, *anomalies)
-    if failure is None and (lead or behind):
-        judged, failure = judge_lag(state, config)
-        if judged is not watch:
-            state = state._replace(watch=judged)
+    if failure is None and training and lead_before - step > config.max_step_lag:
+        failure = judge_lag(state, rec, lead_before, late, beat.step_time_s, config)
     if failure is None:
         return state, decisions
     state, acted = fail_over(state, failure, config)
@@ -865,7 +920,8 @@ def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions
         step = 0 if incident.target is None else incident.target.step
         seq = next_command_seq(state)
         # Ranks of an in-process restore reported steps up to its at_step before reloading.
-        watch = state.watch._replace(lead_step=step, step_floor=step)
+        # They wait for the resume: no stall deadline runs until a tick shows it on the bus.
+        watch = state.watch._replace(lead_step=step, held=True)
         reason = (
             f"all {world_size} ranks acknowledged restore attempt {incident.attempt} of "
             f"{incident.incident_id} to {target_text(incident.target)} in generation {generation}"
@@ -918,7 +974,8 @@ def _expire(
         failure is None
         and state.phase == "restoring"
         and incident is not None
-        and clock > incident.issued_ns + config.restore_timeout_ns
+        and _restore_acted(state)
+        and clock > state.watch.acted_ns + config.restore_timeout_ns
     ):
         missing = tuple(r for r in range(state.world_size or 0) if r not in incident.acks)
         reason = (
@@ -938,13 +995,17 @@ def _expire(
 
 def _scan_silence(state: JobState, config: MachineConfig) -> tuple[JobState, Failure | None]:
     """Look at every alive rank (O(n), amortised over the heartbeats since the last scan):
-    name those silent for longer than the heartbeat timeout, else raise the silence floor."""
+    name those silent for longer than the heartbeat timeout, else raise the silence floor.
+
+    A rank in a declared phase is left out: it may be silent (a long save holding the GIL
+    stops its agent's heartbeats) up to the phase's limit, which the stall detector applies
+    (:mod:`trainguard.daemon._stall`); its death is its supervisor's to report."""
     clock = state.clock_ns
     timeout = config.heartbeat_timeout_ns
     silent: list[RankState] = []
     floor: int | None = None
     for rec in state.ranks.values():
-        if rec.status != "alive":
+        if rec.status != "alive" or rec.phase in LONG_PHASES:
             continue
         if clock - rec.last_heard_ns > timeout:
             silent.append(rec)

@@ -200,7 +200,7 @@ def _new_generation(
         incident=incident,
         incidents_opened=incidents,
         command_seq=command_seq,
-        watch=Watch(base_step=base, step_floor=-1 if base is None else base),
+        watch=Watch(base_step=base),
     )
 
 

@@ -31,9 +31,11 @@ writes a tick once its clock has passed ``next_deadline(state)`` and ``tick_inte
 passed since the job's last tick, checking after every poll of at most ``poll_s``. The model
 puts that tick at ``max(next_deadline, last tick + tick_interval_s) + poll_s`` (the longest the
 loop takes to notice), whenever that comes before the next event, or before the end of the log
-(the last record's time: the daemon ran at least that long). Where it differs: the shell's tick
-lands earlier when records keep its loop busy, and later by the bus's append latency (not
-modelled); and a daemon that was down or behind ticked later still. The two folds' decisions
+(the last record's time: the daemon ran at least that long); and after an input that issued a
+command, a tick naming it ``poll_s`` later (the shell publishes the command and appends that
+tick after the batch the input came in). Every modelled tick names the latest command. Where
+it differs: the shell's tick lands earlier when records keep its loop busy, and later by the
+bus's append latency (not modelled); and a daemon that was down or behind ticked later still. The two folds' decisions
 are aligned
 (:class:`difflib.SequenceMatcher` on what each decision is about, see :func:`_decision_key`)
 into changes: decisions that disappear, appear or differ (same decision, other time or
@@ -81,7 +83,7 @@ from ._decisions import (
 from ._evidence import exit_status
 from ._inputs import Tick
 from ._intake import Authenticator, RawRecord, Refused, Taken, take
-from ._machine import decide, next_deadline
+from ._machine import decide, next_deadline, unacted_command
 from ._state import TERMINAL_PHASES, JobPhase, JobState, new_job
 
 __all__ = [
@@ -759,10 +761,13 @@ def _fold_modelled(
     def ticks_until(until_ns: int) -> None:
         nonlocal state, last_tick, seq
         while state.phase not in TERMINAL_PHASES:
-            due = next_deadline(state, config)
-            if due is None:
-                return
-            at = max(due, last_tick + interval_ns) + poll_ns
+            if unacted_command(state) is not None:
+                at = state.clock_ns + poll_ns
+            else:
+                due = next_deadline(state, config)
+                if due is None:
+                    return
+                at = max(due, last_tick + interval_ns) + poll_ns
             if at > until_ns:
                 return
             seq += 1
@@ -772,11 +777,12 @@ def _fold_modelled(
                 ts=at,
                 seq=seq,
                 daemon_id=SYNTHETIC_DAEMON_ID,
+                command_seq=state.command_seq,
             )
             before = state
-            state, decisions = decide(state, Tick(at), config)
+            state, decisions = decide(state, Tick(at, state.command_seq), config)
             last_tick = at
-            tick = Taken(job_id, Tick(at), message)
+            tick = Taken(job_id, Tick(at, message.command_seq), message)
             record = _Synthetic(offset=-1, timestamp_ms=at // _NS_PER_MS)
             rows.append(
                 _row(

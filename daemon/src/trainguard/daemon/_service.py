@@ -16,7 +16,12 @@ One loop per daemon process:
    (``trainguard_late_inputs_total``) and logged at debug level only;
 3. when a job's :func:`next_deadline` has passed, append a ``ClockTick`` to the job's event
    stream (so the timeout is decided when the tick is folded, and a replay of the log decides
-   it at the same place);
+   it at the same place); and as soon as a command of the job is on ``commands`` that the
+   job's state does not yet know to be acted on (:func:`unacted_command`: just published, or
+   published by a daemon that died before its tick), append a tick naming it. Every tick
+   names the job's latest command on the bus (``command_seq``), so the timeouts a command
+   starts count from when it was acted on, also when it was decided from an old input of a
+   backlog;
 4. commit the consumed positions after acting.
 
 Restart without a second decision: when a partition is assigned, the loop reads it again from
@@ -67,7 +72,7 @@ from trainguard.daemon._decisions import (
 )
 from trainguard.daemon._inputs import Observed
 from trainguard.daemon._intake import Refused, take
-from trainguard.daemon._machine import decide, next_deadline
+from trainguard.daemon._machine import decide, next_deadline, unacted_command
 from trainguard.daemon._metrics import DaemonMetrics
 from trainguard.daemon._security import EventAuth
 from trainguard.daemon._settings import DaemonConfig
@@ -167,6 +172,7 @@ class DaemonService:
         self._job_partition: dict[str, int] = {}
         self._sent_commands: dict[str, Command] = {}
         self._last_tick_ns: dict[str, int] = {}
+        self._acted_ticks: dict[str, int] = {}  # job -> command seq its last tick named
         self._tick_seq = itertools.count(1)
         self._config_id = config_id(config.machine)
         self._audited_jobs: set[str] = set()  # jobs whose config entry this process wrote
@@ -542,7 +548,10 @@ class DaemonService:
     # -- time --------------------------------------------------------------------------------
 
     async def _write_due_ticks(self, bus: Bus) -> None:
-        """Append a ``ClockTick`` to each job whose next deadline has passed."""
+        """Append a ``ClockTick`` to each job whose next deadline has passed, and to each job
+        whose latest command is on the bus but not yet known acted on in its state (at once:
+        the command's timeouts wait for it). Each tick names the job's latest command on the
+        bus."""
         if not self.ready.is_set():
             return  # deadlines of a half-rebuilt state mean nothing
         now = self._clock()
@@ -550,8 +559,18 @@ class DaemonService:
         for job, state in self.jobs.items():
             if state.phase in TERMINAL_PHASES:
                 continue
+            sent = self._sent_commands.get(job)
+            on_bus = 0 if sent is None else sent.seq
+            unacted = unacted_command(state)
+            acting = (
+                unacted is not None
+                and on_bus >= unacted
+                and self._acted_ticks.get(job, 0) < unacted
+            )
             due = next_deadline(state, self._c.machine)
-            if due is None or now < due or now - self._last_tick_ns.get(job, 0) < min_gap:
+            if not acting and (
+                due is None or now < due or now - self._last_tick_ns.get(job, 0) < min_gap
+            ):
                 continue
             self._last_tick_ns[job] = now
             tick = ClockTick(
@@ -560,6 +579,7 @@ class DaemonService:
                 ts=now,
                 seq=next(self._tick_seq),
                 daemon_id=self._c.machine.daemon_id,
+                command_seq=on_bus,
             )
             keys = self._event_keys()
             try:
@@ -576,6 +596,7 @@ class DaemonService:
             if event_key is not None:
                 tick = add_mac(tick, *event_key)
             await bus.send("events", job, encode(tick))
+            self._acted_ticks[job] = on_bus
             self.counters["ticks"] += 1
             self.metrics.tick_written()
 

@@ -14,13 +14,27 @@ Each alive rank that has heartbeated has a *stall deadline*:
 * training while some rank is in a declared phase: none (the others may be waiting for it in
   a collective; the phase's own limit bounds the wait);
 * training but silent since that time: none (a rank that stopped talking is the heartbeat
-  timeout's case; this detector is for ranks whose heartbeats go on without progress).
+  timeout's case; this detector is for ranks whose heartbeats go on without progress);
+* while the generation's ``resume`` is not known to be on the bus (``Watch.held``): none (the
+  ranks wait for it). No deadline of a restored generation counts from before the tick that
+  showed its latest command on the bus (``Watch.acted_ns``): the daemon's own delay in acting
+  (a backlog it caught up on) is never the ranks' time.
+
+A rank in a declared phase is bounded by the phase's limit whether it heartbeats or not (a long
+save may hold the GIL and silence the agent's heartbeat thread): the heartbeat timeout leaves
+it alone (``_machine._scan_silence``), its death is reported by its supervisor.
 
 ``Watch.progress_due_ns`` is kept a lower bound of every deadline: each rank's new deadline is
 folded in with ``min`` when it changes, a shrinking adaptive timeout lowers the bound by as
 much, and the end of the last declared phase lowers it to the earliest deadline that can
 follow. The ranks are scanned (O(n)) only when the clock passes the bound; a scan that finds
 no stall sets the bound to the exact earliest deadline. Folding a heartbeat stays O(1).
+
+Attribution: a stall names every training rank whose last progress (its step's completion,
+dated by the heartbeat's ``step_age_s``) lies within one heartbeat interval of the earliest
+last progress of any training rank, whether its own deadline passed yet or not; in a
+collective hang the stuck rank is among them (``docs/detection.md`` says what this can and
+cannot tell apart).
 """
 
 from __future__ import annotations
@@ -54,12 +68,13 @@ def warm(rec: RankState, config: MachineConfig) -> bool:
 
 def stall_deadline(rec: RankState, watch: Watch, trend: Trend, config: MachineConfig) -> int | None:
     """The daemon clock (ns) after which ``rec`` is stalled, or ``None`` when it cannot be
-    (not alive, no heartbeat yet, or training while another rank is in a declared phase)."""
+    (not alive, no heartbeat yet, the generation's resume not yet on the bus, or training
+    while another rank is in a declared phase)."""
     phase = rec.phase
-    if rec.status != "alive" or phase is None:
+    if rec.status != "alive" or phase is None or watch.held:
         return None
     if phase in LONG_PHASES:
-        return rec.phase_since_ns + config.phase_limits_ns[phase]
+        return max(rec.phase_since_ns, watch.acted_ns) + config.phase_limits_ns[phase]
     if watch.long_phases:
         return None
     since = _training_since(rec, watch)
@@ -70,7 +85,17 @@ def stall_deadline(rec: RankState, watch: Watch, trend: Trend, config: MachineCo
 
 def _training_since(rec: RankState, watch: Watch) -> int:
     """Daemon clock (ns) from which training rank ``rec``'s progress timeout counts."""
-    return max(rec.phase_since_ns, watch.long_phase_ended_ns, rec.step_advanced_ns or 0)
+    return max(
+        rec.phase_since_ns, watch.long_phase_ended_ns, rec.step_advanced_ns or 0, watch.acted_ns
+    )
+
+
+def least_deadline_ns(config: MachineConfig) -> int:
+    """The shortest time (ns) from a moment when deadlines restart (the last declared phase
+    ended, the generation's resume reached the bus) to any deadline that can follow."""
+    return min(
+        config.progress_floor_ns, config.startup_allowance_ns, *config.phase_limits_ns.values()
+    )
 
 
 def lower_due(watch: Watch, deadline: int | None) -> Watch:
@@ -99,8 +124,9 @@ def rank_changed(
         if count == 0:
             # Training deadlines resume from now; none can be earlier than the shortest
             # timeout after now.
-            least = min(config.progress_floor_ns, config.startup_allowance_ns)
-            watch = lower_due(watch._replace(long_phase_ended_ns=clock), clock + least)
+            watch = lower_due(
+                watch._replace(long_phase_ended_ns=clock), clock + least_deadline_ns(config)
+            )
     return lower_due(watch, stall_deadline(rec, watch, trend, config))
 
 
@@ -109,11 +135,15 @@ def scan_stalls(state: JobState, config: MachineConfig) -> tuple[JobState, Failu
     stalled ones, else set the deadline bound to the earliest deadline."""
     clock, watch, trend = state.clock_ns, state.watch, state.trend
     in_phase: list[RankState] = []
+    stalled = False
+    # Training ranks due within one more heartbeat interval: they stopped with the stalled
+    # ones (a step's end is seen up to one interval late), so the incident names them too.
+    due: list[RankState] = []
+    # Every training rank with a deadline, for attribution: in a collective every rank waits
+    # for the stuck one and they all stopped at about the same time, so the incident also
+    # names each rank whose last progress is within a heartbeat interval of the earliest,
+    # whether its own deadline (longer during start-up steps) is near or not.
     training: list[RankState] = []
-    # Training ranks due within one more heartbeat interval: in a collective every rank waits
-    # for the stuck one, and they all stopped at about the same time; heartbeats cannot tell
-    # which one is stuck, so an incident names them all rather than whichever was seen first.
-    close: list[RankState] = []
     nearest: int | None = None
     for rec in state.ranks.values():
         deadline = stall_deadline(rec, watch, trend, config)
@@ -121,17 +151,20 @@ def scan_stalls(state: JobState, config: MachineConfig) -> tuple[JobState, Failu
             continue
         if clock <= deadline:
             nearest = deadline if nearest is None else min(nearest, deadline)
-            if rec.phase not in LONG_PHASES and deadline <= clock + config.heartbeat_interval_ns:
-                close.append(rec)
-        elif rec.phase in LONG_PHASES:
-            in_phase.append(rec)
-        else:
-            training.append(rec)
+        if rec.phase in LONG_PHASES:
+            if clock > deadline:
+                in_phase.append(rec)
+            continue
+        training.append(rec)
+        stalled = stalled or clock > deadline
+        if deadline <= clock + config.heartbeat_interval_ns:
+            due.append(rec)
     if in_phase:
         return state, _phase_failure(state, sorted(in_phase, key=_rank_of), config)
-    if training:
-        stalled = sorted(training + close, key=_rank_of)
-        return state, _progress_failure(state, stalled, config)
+    if stalled:
+        window = min(_training_since(rec, watch) for rec in training) + config.heartbeat_interval_ns
+        first = [rec for rec in training if _training_since(rec, watch) <= window]
+        return state, _progress_failure(state, due, sorted(first, key=_rank_of), config)
     return state._replace(watch=watch._replace(progress_due_ns=nearest)), None
 
 
@@ -162,11 +195,20 @@ def _phase_failure(state: JobState, ranks: list[RankState], config: MachineConfi
     )
 
 
-def _progress_failure(state: JobState, ranks: list[RankState], config: MachineConfig) -> Failure:
+def _progress_failure(
+    state: JobState, stalled: list[RankState], first: list[RankState], config: MachineConfig
+) -> Failure:
+    """The stall of the ranks past their deadline or due within a heartbeat interval
+    (``stalled``, the first of them past it), naming them and ``first``, the training ranks
+    whose last progress is within a heartbeat interval of the earliest."""
     clock, watch, trend = state.clock_ns, state.watch, state.trend
-    worst = min(ranks, key=lambda rec: _training_since(rec, watch))
-    stalled = clock - _training_since(worst, watch)
-    timeout = progress_timeout_ns(worst, trend, config)
+
+    def since_of(rec: RankState) -> int:
+        return _training_since(rec, watch)
+
+    ranks = sorted({rec.rank: rec for rec in (*stalled, *first)}.values(), key=_rank_of)
+    timeout = progress_timeout_ns(min(stalled, key=since_of), trend, config)
+    longest = clock - min(map(since_of, ranks))
     quantile_s = trend.step_time_quantile_s
     if timeout == trend.progress_timeout_ns and quantile_s is not None:
         how = (
@@ -176,25 +218,31 @@ def _progress_failure(state: JobState, ranks: list[RankState], config: MachineCo
         )
     else:
         how = f"start-up allowance during the first {config.startup_steps} steps"
-    together = (
-        "; ranks that stop together are usually all waiting in a collective for one stuck rank"
-        if len(ranks) > 1
-        else ""
-    )
+    if len(first) > 1:
+        together = (
+            f"; {ranks_text(rec.rank for rec in first)} stopped within a heartbeat interval "
+            f"of each other: ranks that stop together are usually all waiting in a collective "
+            f"for one stuck rank, which heartbeats cannot tell apart"
+        )
+    elif len(ranks) > 1:
+        together = f"; rank {first[0].rank} stopped first"
+    else:
+        together = ""
     reason = (
         f"{ranks_text(rec.rank for rec in ranks)} on {hosts_text(rec.host for rec in ranks)} "
-        f"kept heartbeating without completing a step for up to {seconds_text(stalled)} "
+        f"kept heartbeating without completing a step for up to {seconds_text(longest)} "
         f"(progress timeout {seconds_text(timeout)}, {how}, plus a heartbeat interval of "
         f"{seconds_text(config.heartbeat_interval_ns)}) in generation {state.generation}"
         f"{steps_text(rec.step for rec in ranks)}{together}"
     )
     measures = Measures(
-        stalled_s=stalled / _NS_PER_S,
+        stalled_s=longest / _NS_PER_S,
         timeout_s=timeout / _NS_PER_S,
         step_time_quantile_s=quantile_s if quantile_s is not None else "none",
         quantile=config.progress_quantile,
         factor=config.progress_factor,
         samples=trend.step_times.filled,
+        stopped_within_s=(max(map(since_of, first)) - min(map(since_of, first))) / _NS_PER_S,
     )
     return Failure(
         "progress_timeout",

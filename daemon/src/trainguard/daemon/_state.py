@@ -74,12 +74,17 @@ class RankState(NamedTuple):
         phase: the phase its last heartbeat declared, or ``None`` before its first heartbeat.
         last_heard_ns: daemon clock (ns) at its last event of any kind; heartbeat timeouts
             count from here.
-        step: last step it reported (heartbeat or restore acknowledgement), or ``None``.
-        step_advanced_ns: daemon clock (ns) when ``step`` last increased, or ``None``.
+        step: last step it reported (heartbeat or restore acknowledgement), or ``None``. In
+            phase ``init`` the step it will start from (0 until its ``ready()``), no step
+            trained.
+        step_advanced_ns: daemon clock (ns) when ``step`` last increased, or ``None``: the
+            append time of the heartbeat that showed it, less the step's age when the
+            heartbeat states it (``step_age_s``), but not before the rank's previous event.
         phase_since_ns: daemon clock (ns) when ``phase`` was first reported in its current run
             (declared phases are limited from here), or of the rank's first event.
-        first_step: the step the rank (re)started from in this generation: its first
-            heartbeat's step, or the step of its restore acknowledgement; ``None`` before.
+        first_step: the step the rank (re)started from in this generation: the step of its
+            last heartbeat in phase ``init`` (else of its first heartbeat), or of its restore
+            acknowledgement; ``None`` before.
         step_time_s: exponentially weighted average of its sampled step times (seconds), or
             ``None`` before the first sample.
         step_time_samples: step times folded into ``step_time_s``.
@@ -87,6 +92,10 @@ class RankState(NamedTuple):
         after_phase: a declared phase was reported since ``step`` last advanced, so the next
             step time includes the phase and is not sampled.
         data_version: the data version of its latest data cursor in this generation.
+        delay_floor_ns: the least ``append time - ts`` (ns) of its current process's
+            heartbeats: its clock offset plus its quickest delivery. A heartbeat's delay beyond
+            it is how long the heartbeat took longer than usual to reach the bus (queued while
+            the bus was slow), whatever the sender's clock says. ``None`` before a heartbeat.
     """
 
     rank: int
@@ -104,6 +113,7 @@ class RankState(NamedTuple):
     straggling: bool = False
     after_phase: bool = False
     data_version: str | None = None
+    delay_floor_ns: int | None = None
 
 
 class Ack(NamedTuple):
@@ -131,8 +141,9 @@ class Incident:
         opened_ns: daemon clock (ns) when it opened.
         attempt: the current restore attempt, 1 for the first.
         target: the snapshot the current attempt restores, ``None`` for a start from scratch.
-        issued_ns: daemon clock (ns) when the current attempt's ``restore`` was issued; the
-            restore times out ``restore_timeout_s`` later.
+        issued_ns: daemon clock (ns) when the current attempt's ``restore`` was issued. It
+            times out ``restore_timeout_s`` after a tick showed it on the bus
+            (``Watch.acted_ns``), which a daemon catching up on a backlog writes much later.
         acks: rank -> what it acknowledged restoring in the current attempt (``lifecycle
             restored``); checked against ``target`` once every rank acknowledged.
         onset_after_step: the incident began after this step (the last one known good), so
@@ -189,6 +200,9 @@ class Spike(NamedTuple):
     Attributes:
         onset_after_step: the last step known sound when it opened (``Watch.sound_step``,
             else the generation's base step).
+        skip_from: the first step whose batch a restore for it skips: the step after the
+            latest normal loss sample (whose batch trained normally), else after the
+            generation's base step.
         first_step: step of the first spiking sample.
         first_loss: its loss.
         z: its robust z-score.
@@ -199,6 +213,7 @@ class Spike(NamedTuple):
     """
 
     onset_after_step: int | None
+    skip_from: int
     first_step: int
     first_loss: float
     z: float
@@ -215,10 +230,8 @@ class Watch(NamedTuple):
         base_step: the step the generation started from (the restore target's, else the
             first step reported), ``None`` before it is known. Taken as known good: the
             default bound of step-bounded onsets.
-        lead_step: the highest step reported in the generation (-1: none); a heartbeat that
-            raises it is a *lead sample* of step time and loss.
-        step_floor: a lower bound of the lowest step of the ranks (step-lag detector: the
-            ranks are scanned only when ``lead_step - step_floor`` exceeds the lag).
+        lead_step: the highest training step reported in the generation (-1: none); a
+            heartbeat that raises it is a *lead sample* of step time and loss.
         progress_due_ns: a lower bound of the earliest stall deadline of any rank, or
             ``None``; ranks are scanned only once the clock passes it (O(1) amortised).
         long_phases: alive ranks in a declared phase now.
@@ -235,11 +248,17 @@ class Watch(NamedTuple):
         positions: step -> ``(rank, cursor)`` of the first data-cursor event of that step in
             the generation, the reference later cursors of the step must agree with; steps
             more than ``max_step_lag`` behind the newest are dropped.
+        acted_seq: the ``seq`` of the latest of the job's commands that a tick showed on the
+            bus in this generation (``Tick.command_seq``, at most ``JobState.command_seq``).
+            The generation's restore is acted on once it reaches that restore's ``seq``.
+        acted_ns: daemon clock (ns) of the tick that raised ``acted_seq``: the restore timeout
+            counts from here, and no stall deadline of the generation starts before it.
+        held: the generation's ``resume`` was issued but no tick has shown it on the bus yet:
+            the ranks wait for it, so no stall deadline runs.
     """
 
     base_step: int | None = None
     lead_step: int = -1
-    step_floor: int = -1
     progress_due_ns: int | None = None
     long_phases: int = 0
     long_phase_ended_ns: int = 0
@@ -249,6 +268,9 @@ class Watch(NamedTuple):
     agreed: HashTrieMap[int, int] = HashTrieMap()
     versions: HashTrieMap[str, int] = HashTrieMap()
     positions: HashTrieMap[int, tuple[int, DataCursor]] = HashTrieMap()
+    acted_seq: int = 0
+    acted_ns: int = 0
+    held: bool = False
 
 
 class AfterRestore(NamedTuple):
@@ -318,8 +340,9 @@ class JobState(NamedTuple):
         incident: the open incident, or ``None``.
         incidents_opened: incidents opened so far (numbers incident ids).
         command_seq: ``seq`` of the last command issued (0: none yet).
-        silence_floor_ns: a lower bound of ``last_heard_ns`` over the alive ranks, or ``None``
-            when no rank is alive. Heartbeat timeouts are looked for only once the clock
+        silence_floor_ns: a lower bound of ``last_heard_ns`` over the alive ranks outside
+            declared phases (whose silence their phase limits bound), or ``None`` when there
+            is none. Heartbeat timeouts are looked for only once the clock
             passes this bound plus the timeout, which keeps folding a heartbeat O(1) in the
             number of ranks (amortised).
         failure: why the job failed, once ``phase`` is ``failed``.

@@ -136,9 +136,13 @@ class Heartbeat:
         param_checksum: cheap deterministic checksum of the parameters at ``step`` (hex), or
             ``None`` when not computed for this step.
         world_size: world size the rank runs in, >= 1.
+        step_age_s: seconds from the completion of ``step`` to the building of this heartbeat,
+            measured on the sender's monotonic clock (>= 0), or ``None`` when no step has
+            completed in this process (since 1.2). The daemon dates the step's completion by
+            it (its bus append time minus this age), independently of the sender's wall clock.
     """
 
-    SCHEMA: ClassVar[str] = "heartbeat/1.1"
+    SCHEMA: ClassVar[str] = "heartbeat/1.2"
     job_id: str
     generation: int
     ts: int
@@ -153,6 +157,7 @@ class Heartbeat:
     loss: MaybeNonFinite | None = None
     samples: int = 0
     param_checksum: str | None = None
+    step_age_s: float | None = None
     auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
 
 
@@ -403,14 +408,22 @@ class ClockTick:
     have expired. Folding it lets the state machine see time pass, and because it sits in the
     log, a replay of the log sees the same time pass at the same place. The time the machine
     uses is the record's append timestamp on the bus; ``ts`` is informational.
+
+    Attributes:
+        command_seq: ``seq`` of the job's latest command that was on the bus when the daemon
+            appended this tick (0: none yet), or ``None`` in ticks written before 1.2. Folding
+            the tick tells the state machine that its commands up to that ``seq`` were acted
+            on by then: timeouts that start with a command (the restore timeout) count from
+            here, never from the (possibly much older) input that decided it.
     """
 
-    SCHEMA: ClassVar[str] = "tick/1.1"
+    SCHEMA: ClassVar[str] = "tick/1.2"
     job_id: str
     generation: int
     ts: int
     seq: int
     daemon_id: str
+    command_seq: int | None = None
     auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
 
 
