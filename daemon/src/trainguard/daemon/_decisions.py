@@ -26,8 +26,10 @@ RejectCode: TypeAlias = Literal[
     "world_size_conflict",
     "rank_out_of_range",
     "wrong_snapshot",
+    "not_continuable",
 ]
-"""Why an input was rejected (left the state unchanged)."""
+"""Why an input was rejected (left the state unchanged); ``not_continuable``: a ``continue``
+request for a job that is neither ``stopped`` nor ``failed``."""
 
 AnomalyKind: TypeAlias = Literal[
     "checkpoint_mismatch",
@@ -43,7 +45,7 @@ AnomalyKind: TypeAlias = Literal[
 ]
 """Something reported and recorded but not by itself acted on."""
 
-IncidentOutcome: TypeAlias = Literal["resumed", "failed", "finished"]
+IncidentOutcome: TypeAlias = Literal["resumed", "failed", "finished", "stopped"]
 
 
 def _plain(value: object) -> JSONValue:
@@ -142,7 +144,8 @@ class IncidentOpened(_Decision):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IncidentClosed(_Decision):
     """The incident ended: ``resumed`` (all ranks acknowledged a restore), ``failed`` (restore
-    attempts exhausted, job aborted) or ``finished`` (the ranks finished meanwhile)."""
+    attempts exhausted, job aborted), ``finished`` (the ranks finished meanwhile) or
+    ``stopped`` (the job was stopped on request meanwhile)."""
 
     KIND: ClassVar[str] = "incident_closed"
     incident_id: str

@@ -360,6 +360,31 @@ class KafkaBus(Bus):
         )
         return {TopicPartition(topic, ktp.partition): off for ktp, off in ends.items()}
 
+    async def group_positions(self, group_id: str, topic: str) -> dict[TopicPartition, int]:
+        """See :meth:`Bus.group_positions`: the group coordinator's committed offsets (an
+        admin client's ``OffsetFetch``, which does not join the group). Raises
+        :class:`BusUnavailable` when the cluster does not answer in time or refuses (an
+        authorisation error names the group)."""
+        self._started_producer()
+        full = self._full(topic)
+        tps = [KafkaTP(full, p) for p in range(await self.partitions(topic))]
+        admin = AIOKafkaAdminClient(**self._client_kwargs())
+        try:
+            await self._bounded("connecting (admin)", admin.start(), self._timeout)
+            offsets = await self._bounded(
+                f"committed offsets of group {group_id!r}",
+                admin.list_consumer_group_offsets(group_id, partitions=tps),
+                self._timeout,
+            )
+        finally:
+            await _close_quietly(admin.close(), self._timeout)
+        # The coordinator answers -1 for a partition the group has not committed.
+        return {
+            TopicPartition(topic, ktp.partition): meta.offset
+            for ktp, meta in sorted(offsets.items())
+            if ktp.topic == full and meta.offset >= 0
+        }
+
     async def latest_per_key(self, topic: str) -> dict[str, Record]:
         """Read ``topic`` from its first retained record to its end; keep each key's last.
 
