@@ -307,7 +307,7 @@ def test_a_failed_job_can_be_continued_and_its_failure_is_cleared() -> None:
 
 
 def test_continue_is_refused_when_every_committed_snapshot_is_bad() -> None:
-    sim, state = stopped_job()
+    _, state = stopped_job()
     bad = frozenset(m.snapshot_id for m in state.committed)
     state = state._replace(bad_snapshots=bad)
     at = state.clock_ns + S
