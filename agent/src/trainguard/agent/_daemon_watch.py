@@ -78,30 +78,30 @@ class DaemonWatch:
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
         self._next_warning = 0.0
         self._warned = False
-        self._broken = False
+        self._unreadable = False
         self.position: int | None = None
 
     async def look(self, bus: Bus) -> None:
         """Read the partition's end and the group's position once; warn if it is due. A bus
-        that cannot tell the group's position (on Kafka: no right to describe the group) is
-        said once, then no longer asked."""
-        if self._broken:
-            return
+        that cannot tell the group's position (on Kafka: no right to describe the group, or
+        trouble) is said once, and asked again at the next look."""
         try:
             partitions = await bus.partitions("events")
             tp = TopicPartition("events", partition_for(self._job, partitions))
             end = (await bus.end_offsets("events"))[tp]
             self.position = (await bus.group_positions(self._group, "events")).get(tp)
         except BusError as exc:
-            self._broken = True
-            log.warning(
-                "cannot tell whether a daemon reads this job: the bus does not show the "
-                "daemon group's position",
-                job_id=self._job,
-                group=self._group,
-                error=str(exc),
-            )
+            if not self._unreadable:
+                log.warning(
+                    "cannot tell whether a daemon reads this job: the bus does not show the "
+                    "daemon group's position",
+                    job_id=self._job,
+                    group=self._group,
+                    error=str(exc),
+                )
+            self._unreadable = True
             return
+        self._unreadable = False
         self.observe(end, self.position)
 
     def observe(self, end: int, position: int | None) -> None:

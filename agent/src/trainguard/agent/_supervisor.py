@@ -253,7 +253,10 @@ class Supervisor:
         self._baseline = (0, 0)
         self._unanswered = asyncio.Event()
         self._unanswered_why = ""
+        # Background lookers (daemon watch, answer): they end at their next pause once
+        # _closing is set, never cancelled in the middle of a bus call.
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = asyncio.Event()
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         """Start (or rejoin) the workers, follow the job's commands, restart on restore orders.
@@ -278,10 +281,13 @@ class Supervisor:
             try:
                 return await self._supervise(bus, stop or asyncio.Event())
             finally:
-                for task in (listener, *self._tasks):
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                self._closing.set()
+                listener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
+                if self._tasks:
+                    # Each finishes the bus call it is in (bounded by the bus's timeouts).
+                    await asyncio.wait(self._tasks)
                 await commands.close()
                 await self._stop_workers(None)
 
@@ -483,8 +489,7 @@ class Supervisor:
         daemon has acted on it: find its answer, a command newer than :attr:`_baseline`, on
         the bus (if the listener has not delivered it yet), or say that none came."""
         tp = TopicPartition("events", sent.partition)
-        while True:
-            await asyncio.sleep(_ANSWER_POLL_S)
+        while not await self._pause(_ANSWER_POLL_S):
             try:
                 position = (await bus.group_positions(self._c.group, "events")).get(tp)
                 if position is None or position <= sent.offset:
@@ -575,9 +580,14 @@ class Supervisor:
             warn_every_s=c.warn_every_s,
             where=f"{c.bus.url} (topic prefix {c.bus.prefix!r})",
         )
-        while True:
+        while not await self._pause(poll_interval_s(c.daemon_timeout_s)):
             await watch.look(bus)
-            await asyncio.sleep(poll_interval_s(c.daemon_timeout_s))
+
+    async def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less if the supervisor winds down; whether it does."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), seconds)
+        return self._closing.is_set()
 
     # -- workers -------------------------------------------------------------------------------
 
