@@ -311,7 +311,10 @@ async def test_a_restarted_supervisor_reports_its_ranks_gone_and_joins_the_next_
         await bus.publish("commands", JOB, restore(2))
         reports = await wait_for(bus, lambda es: sum(e.kind == "started" for e in es) == 2)
         assert {e.generation for e in reports if e.kind == "started"} == {2}
-        written = await until(lambda: sorted(p.name for p in (tmp_path / "out").iterdir()))
+        out = tmp_path / "out"
+        written = await until(
+            lambda: len(names := sorted(p.name for p in out.iterdir())) == 2 and names
+        )
         assert written == ["2-2.json", "2-3.json"]
         await bus.publish("commands", JOB, abort_at(2))
         assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
