@@ -259,6 +259,7 @@ def reference_run(
         nproc_per_node=world_size,
         log_path=out / "supervisor.log",
         env=charlm_env(out, repo),
+        args=("--daemon-timeout", "0"),  # no daemon on purpose: no warning about it
     )
     try:
         code = sup.wait(timeout_s)
