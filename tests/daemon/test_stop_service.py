@@ -4,6 +4,8 @@ request that no daemon reads or that the daemon ignores."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,12 +13,13 @@ import pytest
 from tests.buses import BusFactory
 from tests.daemon.service_support import JobEvents, eventually, read_all, running
 from tests.daemon.test_service import commands, daemon_config, publish
-from trainguard.agent._keystore import AgentKeys
+from trainguard.agent._keystore import AgentKeys, EventKey, KeyStore
 from trainguard.agent._requests import send_request
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.daemon import DaemonService
 from trainguard.daemon._cli_stop import EXIT_NOT_STOPPED, EXIT_UNCONFIRMED, stop_job
-from trainguard.schemas import Abort, Lifecycle, Restore
+from trainguard.daemon._keys_admin import KeyAdmin
+from trainguard.schemas import Abort, Lifecycle, Restore, add_mac, encode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -45,12 +48,12 @@ async def committed_job(bus: Bus) -> None:
     )
 
 
-async def stop(factory: BusFactory, timeout_s: float = 60.0) -> Any:
+async def stop(factory: BusFactory, timeout_s: float = 60.0, keys: AgentKeys | None = None) -> Any:
     return await stop_job(
         factory.config(topics=DEFAULT_TOPICS),
         JOB,
         reason="maintenance",
-        keys=AgentKeys(),
+        keys=keys or AgentKeys(),
         group=factory.group("daemon"),
         timeout_s=timeout_s,
     )
@@ -170,3 +173,30 @@ async def _restores(bus: Bus) -> list[Restore]:
 async def _aborts(bus: Bus, n: int) -> list[Abort] | None:
     found = [c for c in await commands(bus) if isinstance(c, Abort)]
     return found if len(found) >= n else None
+
+
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)
+async def test_with_keys_only_a_stop_under_the_jobs_event_key_stops_it(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    admin = KeyAdmin(tmp_path / "keys")
+    admin.init([JOB])
+    keys = KeyStore(admin.path).load_daemon_keys()
+    current = keys.current_event_key(JOB)
+    assert current is not None
+    event_key = EventKey(*current)
+    config = dataclasses.replace(daemon_config(bus_factory), snapshot_interval_s=0)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        for event in (supervisor(0, "started"), EVENTS.started(0), EVENTS.started(1)):
+            await bus.publish("events", JOB, encode(add_mac(event, *current)))
+        async with running(DaemonService(config, keys=keys)) as service:
+            await eventually(lambda: _phase(service, "running"))
+            # Without the job's event key: refused as not authentic, the job runs on.
+            forged = await stop(bus_factory, timeout_s=60.0)
+            assert forged.code == EXIT_NOT_STOPPED
+            assert service.jobs[JOB].phase == "running"
+            assert sample(service, "trainguard_rejected_inputs_total", reason="missing_mac")
+            # With it (and the daemon's public keys to check the answer): stopped.
+            outcome = await stop(bus_factory, keys=AgentKeys(verify=keys.verify, event=event_key))
+            assert outcome.code == 0, outcome.message
+            assert service.jobs[JOB].phase == "stopped"
