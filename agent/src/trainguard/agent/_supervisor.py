@@ -490,6 +490,8 @@ class Supervisor:
         the bus (if the listener has not delivered it yet), or say that none came."""
         tp = TopicPartition("events", sent.partition)
         while not await self._pause(_ANSWER_POLL_S):
+            if self._generation > self._baseline[0]:
+                return  # the daemon's restore arrived: answered
             try:
                 position = (await bus.group_positions(self._c.group, "events")).get(tp)
                 if position is None or position <= sent.offset:
@@ -501,17 +503,11 @@ class Supervisor:
             verdict = (
                 None if record is None or record.value is None else self._gate.admit(record.value)
             )
-            if isinstance(verdict, Ignored) and verdict.reason == "duplicate":
-                return  # the listener took it already
-            if (
-                isinstance(verdict, Restore | Abort)
-                and (
-                    verdict.generation,
-                    verdict.seq,
-                )
-                > self._baseline
-            ):
-                await self._orders.put(verdict)
+            if isinstance(verdict, Ignored):
+                return  # taken by the listener already, or no command to judge by
+            if verdict is not None and (verdict.generation, verdict.seq) > self._baseline:
+                if isinstance(verdict, Restore | Abort):  # a resume: the restore came before
+                    await self._orders.put(verdict)
                 return
             self._unanswered_why = (
                 f"the daemon read {what} but ordered nothing: job {self._c.job_id!r} has "
