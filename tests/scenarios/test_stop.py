@@ -61,7 +61,6 @@ def continue_exactly(run: JobRun) -> None:
     before the stop, and a final result equal to the uninterrupted run's."""
     before = run.record()
     newest = max(m.message.step for m in before.manifests if m.message.generation == 0)
-    assert newest <= before.max_step(0), run.describe()
     run.start_job(extra=STEP_SLEEP, run_args=["--continue"])
     code = run.finish()
     record = run.record()
