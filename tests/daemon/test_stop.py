@@ -34,7 +34,7 @@ from trainguard.daemon._decisions import (
 )
 from trainguard.daemon._inputs import Input, Observed, Tick
 from trainguard.daemon._machine import next_deadline
-from trainguard.daemon._state import JobState
+from trainguard.daemon._state import JobState, new_job
 from trainguard.daemon._state_codec import decode_state, encode_state
 from trainguard.schemas import Abort, JobRequest, RequestKind, Restore, Resume
 
@@ -164,6 +164,13 @@ def test_a_stop_of_a_generation_the_daemon_never_created_is_rejected(
     [rejected] = decisions
     assert isinstance(rejected, Rejected)
     assert rejected.code == code
+
+
+def test_a_stop_of_a_job_the_daemon_never_heard_of_is_rejected() -> None:
+    state = new_job(JOB)
+    new, decisions = run([request("stop", T0, 0)], state)
+    assert new == state
+    assert [d.code for d in of_type(decisions, Rejected)] == ["no_such_job"]
 
 
 def test_a_duplicate_request_is_rejected_and_changes_nothing() -> None:

@@ -180,8 +180,9 @@ async def stop_job(
                     return StopOutcome(
                         EXIT_NOT_STOPPED,
                         f"the daemon read the stop request for job {job_id!r} but did not stop "
-                        "it: the job has ended already, or the request was rejected "
-                        f"(trainguard status {job_id}; the daemon's log says why)",
+                        "it: the job has ended already, or the request was rejected (a job "
+                        f"the daemon has no events of: a mistyped id? trainguard status "
+                        f"{job_id}; the daemon's log says why)",
                     )
     return StopOutcome(
         EXIT_UNCONFIRMED,

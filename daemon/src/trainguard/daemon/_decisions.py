@@ -27,9 +27,11 @@ RejectCode: TypeAlias = Literal[
     "rank_out_of_range",
     "wrong_snapshot",
     "not_continuable",
+    "no_such_job",
 ]
 """Why an input was rejected (left the state unchanged); ``not_continuable``: a ``continue``
-request for a job that is neither ``stopped`` nor ``failed``."""
+request for a job that is neither ``stopped`` nor ``failed``; ``no_such_job``: a ``stop``
+request for a job the daemon has no input of."""
 
 AnomalyKind: TypeAlias = Literal[
     "checkpoint_mismatch",

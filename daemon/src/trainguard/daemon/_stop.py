@@ -12,7 +12,8 @@ purely, like any other input, so a replay of the log reproduces what the daemon 
   (``finished``, ``failed``, ``stopped``) changes nothing: every signalled supervisor of a job
   asks. A stop of a generation older than the job's latest continuation was meant for the run
   before it and is rejected (``stale_generation``), so a late request never ends the continued
-  run.
+  run. A stop that is the job's first input (a job the daemon knows nothing of: a mistyped id)
+  is rejected (``no_such_job``) rather than creating a stopped job.
 * **continue** of a ``stopped`` or ``failed`` job, naming the generation it ended in: a restore
   of the next generation to the newest committed snapshot not known bad, coordinated like an
   incident's (cause ``continued``: acknowledgements, ``restore_timeout_s``, retries), with the
@@ -122,6 +123,14 @@ def _stop(
                 reason=f"stale stop request from {_who(request)}: it names generation "
                 f"{request.generation}, but the job was continued in generation "
                 f"{state.continued_generation} since",
+            ),
+        )
+    if state.generation_started_ns is None:
+        return state, (
+            Rejected(
+                code="no_such_job",
+                reason=f"stop request from {_who(request)} for job {state.job_id!r}, of which "
+                "the daemon has no input: nothing to stop (a mistyped job id?)",
             ),
         )
     if state.phase not in _LIVE:
