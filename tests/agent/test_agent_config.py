@@ -3,12 +3,15 @@ validation of every setting."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from trainguard.agent import DEFAULT_BUS_URL, Agent, AgentConfig, ConfigError
-from trainguard.agent.bus import parse_bus_url, sqlite_url
+from trainguard.agent.bus import default_bus_url, parse_bus_url, sqlite_url
 
 
 def test_defaults_apply_when_nothing_is_set():
@@ -19,8 +22,43 @@ def test_defaults_apply_when_nothing_is_set():
     assert config.host
 
 
-def test_default_bus_is_a_file_in_the_working_directory():
-    assert parse_bus_url(DEFAULT_BUS_URL) == ("sqlite", "trainguard-bus.db")
+def test_the_default_bus_is_one_absolute_file_per_user():
+    assert default_bus_url({"XDG_STATE_HOME": "/state", "HOME": "/home/u"}) == (
+        "sqlite:///state/trainguard/bus.db"
+    )
+    # XDG_STATE_HOME unset, empty or relative (the XDG rule: ignored): under the home folder.
+    for state in ({}, {"XDG_STATE_HOME": ""}, {"XDG_STATE_HOME": "rel/state"}):
+        assert default_bus_url({**state, "HOME": "/home/u"}) == (
+            "sqlite:///home/u/.local/state/trainguard/bus.db"
+        )
+    kind, path = parse_bus_url(DEFAULT_BUS_URL)
+    assert kind == "sqlite"
+    assert Path(path).is_absolute()
+
+
+def test_every_party_started_anywhere_defaults_to_the_same_bus(tmp_path: Path) -> None:
+    """A daemon started in one folder and a supervisor (or a worker's agent) in another meet
+    on the same bus when neither names one."""
+    code = (
+        "from trainguard.agent import AgentConfig; from trainguard.daemon._settings import "
+        "load_daemon_config; print(AgentConfig.resolve(env={}, job_id='j').bus_url, "
+        "load_daemon_config(None).bus.url)"
+    )
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    env.pop("TRAINGUARD_BUS", None)
+    urls = set()
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        done = subprocess.run(
+            [sys.executable, "-P", "-c", code],
+            cwd=tmp_path / folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        urls.update(done.stdout.split())
+    assert urls == {f"sqlite://{tmp_path}/state/trainguard/bus.db"}
 
 
 def test_an_absolute_bus_path_takes_three_slashes_or_four():

@@ -14,17 +14,33 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from trainguard.agent import ConfigError
 from trainguard.agent._supervisor import (
     EXIT_ABORTED,
+    EXIT_SIGNALLED,
     EXIT_STOPPED,
     JobNotJoinable,
     Supervisor,
     SupervisorConfig,
 )
-from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, open_bus
-from trainguard.schemas import Abort, Lifecycle, Restore, RestoreMode, Resume, decode, encode
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, TopicPartition, open_bus
+from trainguard.agent.bus._partitioner import partition_for
+from trainguard.schemas import (
+    Abort,
+    AbortOutcome,
+    DataCursor,
+    JobRequest,
+    Lifecycle,
+    Manifest,
+    Restore,
+    RestoreMode,
+    Resume,
+    Shard,
+    decode,
+    encode,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -68,6 +84,7 @@ def config(tmp_path: Path, mode: str, **overrides: Any) -> SupervisorConfig:
         "command": [sys.executable, str(script), str(out), mode],
         "grace_s": 1.0,
         "host": "node-a",
+        "daemon_timeout_s": 0.0,  # no daemon in these tests: no warnings unless asked
     }
     return SupervisorConfig(**{**base, **overrides})
 
@@ -77,19 +94,7 @@ def bus_config(tmp_path: Path) -> BusConfig:
 
 
 async def lifecycles(bus: Bus) -> list[Lifecycle]:
-    ends = await bus.end_offsets("events")
-    pending = {tp: end for tp, end in ends.items() if end}
-    found: list[Lifecycle] = []
-    if not pending:
-        return found
-    async with await bus.assign(dict.fromkeys(pending, 0)) as consumer:
-        read = 0
-        while read < sum(pending.values()):
-            for record in await consumer.getmany(timeout_s=1.0):
-                read += 1
-                assert record.value is not None
-                found.append(decode(record.value, expect=Lifecycle))
-    return found
+    return [e for e in await events(bus) if isinstance(e, Lifecycle)]
 
 
 async def wait_for(bus: Bus, predicate: Any, timeout_s: float = 30.0) -> list[Lifecycle]:
@@ -233,29 +238,280 @@ async def test_an_exit_report_carries_the_last_step_the_worker_completed(tmp_pat
     assert not await asyncio.to_thread(Path(env0["TRAINGUARD_STEP_FILE"]).exists)
 
 
-def abort_at(generation: int) -> bytes:
+def abort_at(generation: int, outcome: AbortOutcome = "failed", seq: int = 99) -> bytes:
     return encode(
         Abort(
-            job_id=JOB, generation=generation, ts=time.time_ns(), seq=99, daemon_id="t", reason="x"
+            job_id=JOB,
+            generation=generation,
+            ts=time.time_ns(),
+            seq=seq,
+            daemon_id="t",
+            reason="x",
+            outcome=outcome,
         )
     )
 
 
-async def test_a_stop_signal_stops_the_workers_and_reports_their_exits(tmp_path: Path) -> None:
-    cfg = config(tmp_path, "sleep", nproc_per_node=2)
+async def test_a_stop_signal_asks_for_a_stop_before_the_workers_exits(tmp_path: Path) -> None:
+    """SIGTERM of a supervisor stops the whole job: its request precedes its workers' exits on
+    the job's stream (so the daemon folds the stop first: no incident), and it exits with
+    EXIT_STOPPED once the daemon's abort says the job is stopped."""
+    cfg = config(tmp_path, "sleep", nproc_per_node=2, stop_timeout_s=60.0)
     stop = asyncio.Event()
     async with open_bus(bus_config(tmp_path)) as bus:
         task = asyncio.ensure_future(Supervisor(cfg).run(stop))
-        events = await wait_for(bus, lambda es: sum(e.kind == "started" for e in es) == 2)
-        pids = [e.pid for e in events if e.kind == "started"]
+        started = await wait_for(bus, lambda es: sum(e.kind == "started" for e in es) == 2)
+        pids = [e.pid for e in started]
         stop.set()
+        seen = await wait_for_events(bus, lambda es: sum(is_exit(e) for e in es) == 2)
+        kinds = [e.kind for e in seen if isinstance(e, JobRequest) or e.kind == "exited"]
+        assert kinds == ["stop", "exited", "exited"]
+        [request] = [e for e in seen if isinstance(e, JobRequest)]
+        assert (request.generation, request.host, request.pid) == (0, "node-a", os.getpid())
+        assert "was signalled" in request.reason
+        assert not task.done()  # waiting for the daemon's confirmation
+        await bus.publish("commands", JOB, abort_at(0, "stopped"))
         assert await asyncio.wait_for(task, 30) == EXIT_STOPPED
-        exits = [e for e in await lifecycles(bus) if e.kind == "exited"]
+        exits = [e for e in seen if isinstance(e, Lifecycle) and is_exit(e)]
         assert sorted(e.ranks for e in exits) == [(0,), (1,)]
         assert {e.signal for e in exits} == {signal.SIGTERM}
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_without_the_daemons_confirmation_a_stop_signal_exits_signalled(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "sleep", nproc_per_node=1, stop_timeout_s=1.0)
+    stop = asyncio.Event()
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run(stop))
+        await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        stop.set()
+        assert await asyncio.wait_for(task, 30) == EXIT_SIGNALLED
+
+
+async def test_a_second_signal_does_not_wait_for_the_confirmation(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "sleep", nproc_per_node=1, stop_timeout_s=600.0)
+    stop = asyncio.Event()
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run(stop))
+        await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        stop.set()
+        await wait_for_events(bus, lambda es: any(is_exit(e) for e in es))
+        while stop.is_set():  # noqa: ASYNC110  # the supervisor re-arms it after its workers
+            await asyncio.sleep(0.05)
+        stop.set()
+        assert await asyncio.wait_for(task, 30) == EXIT_SIGNALLED
+
+
+async def test_an_abort_that_stops_the_job_exits_stopped(tmp_path: Path) -> None:
+    """``trainguard stop`` from elsewhere: the daemon's abort says ``stopped``."""
+    cfg = config(tmp_path, "sleep", nproc_per_node=1)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        [started] = await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        await bus.publish("commands", JOB, abort_at(0, "stopped"))
+        assert await asyncio.wait_for(task, 30) == EXIT_STOPPED
+    with pytest.raises(ProcessLookupError):
+        os.kill(started.pid, 0)
+
+
+@pytest.mark.parametrize("latest", ["resume", "in_process"])
+async def test_a_restarted_supervisor_reports_its_ranks_gone_and_joins_the_next_restore(
+    tmp_path: Path, latest: str
+) -> None:
+    """The job runs in generation 1 (resumed, or restoring in process) and this node's
+    supervisor restarts: it must not start workers in generation 1 (nor 0) from scratch, but
+    report its ranks gone and start them in the daemon's next restore."""
+    cfg = config(tmp_path, "sleep", nproc_per_node=2, nnodes=2, node_rank=1, master_port=29611)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        if latest == "resume":
+            value = encode(
+                Resume(job_id=JOB, generation=1, ts=time.time_ns(), seq=2, daemon_id="t", step=5)
+            )
+        else:
+            value = restore(1, "in_process")
+        await bus.publish("commands", JOB, value)
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        seen = await wait_for_events(bus, lambda es: any(is_exit(e) for e in es))
+        [gone] = [e for e in seen if isinstance(e, Lifecycle) and is_exit(e)]
+        assert (gone.generation, gone.ranks, gone.signal, gone.pid) == (
+            1,
+            (2, 3),
+            signal.SIGKILL,
+            os.getpid(),
+        )
+        assert not list((tmp_path / "out").iterdir())  # no worker started meanwhile
+        await bus.publish("commands", JOB, restore(2))
+        reports = await wait_for(bus, lambda es: sum(e.kind == "started" for e in es) == 2)
+        assert {e.generation for e in reports if e.kind == "started"} == {2}
+        out = tmp_path / "out"
+        written = await until(
+            lambda: len(names := sorted(p.name for p in out.iterdir())) == 2 and names
+        )
+        assert written == ["2-2.json", "2-3.json"]
+        await bus.publish("commands", JOB, abort_at(2))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+async def test_a_restarted_supervisor_of_a_job_that_committed_in_generation_0_rejoins(
+    tmp_path: Path,
+) -> None:
+    """No command yet, but a committed snapshot: the job has run with this node's ranks; a
+    fresh start in generation 0 would train them from step 0 beside a job at step 30."""
+    cfg = config(tmp_path, "sleep", nproc_per_node=1)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        await bus.publish("manifests", JOB, encode(manifest(step=30)))
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        seen = await wait_for_events(bus, lambda es: any(is_exit(e) for e in es))
+        assert [
+            (e.generation, e.ranks) for e in seen if isinstance(e, Lifecycle) and is_exit(e)
+        ] == [(0, (0,))]
+        assert not list((tmp_path / "out").iterdir())
+        await bus.publish("commands", JOB, restore(1))
+        await wait_for(bus, lambda es: any(e.kind == "started" and e.generation == 1 for e in es))
+        await bus.publish("commands", JOB, abort_at(1))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+@pytest.mark.parametrize("outcome", ["failed", "stopped"])
+async def test_continue_asks_the_daemon_and_joins_the_restore_that_answers(
+    tmp_path: Path, outcome: AbortOutcome
+) -> None:
+    cfg = config(tmp_path, "sleep", nproc_per_node=1, continue_job=True)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        await bus.publish("commands", JOB, abort_at(3, outcome, seq=9))
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        seen = await wait_for_events(bus, lambda es: any(isinstance(e, JobRequest) for e in es))
+        [ask] = [e for e in seen if isinstance(e, JobRequest)]
+        assert (ask.kind, ask.generation) == ("continue", 3)
+        assert not list((tmp_path / "out").iterdir())
+        await bus.publish("commands", JOB, restore(4))
+        await wait_for(bus, lambda es: any(e.kind == "started" and e.generation == 4 for e in es))
+        await bus.publish("commands", JOB, abort_at(4))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+async def test_a_refused_continue_ends_with_the_jobs_outcome(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "sleep", nproc_per_node=1, continue_job=True)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        await bus.publish("commands", JOB, abort_at(3, "stopped", seq=9))
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        await wait_for_events(bus, lambda es: any(isinstance(e, JobRequest) for e in es))
+        await bus.publish("commands", JOB, abort_at(3, "stopped", seq=10))  # the refusal
+        assert await asyncio.wait_for(task, 30) == EXIT_STOPPED
+    assert not list((tmp_path / "out").iterdir())
+
+
+async def test_a_request_the_daemon_read_without_answering_is_said(tmp_path: Path) -> None:
+    """The daemon's group read past the rejoin report and ordered nothing (the job has
+    finished, say): the supervisor says so instead of waiting for ever."""
+    cfg = config(tmp_path, "sleep", nproc_per_node=1)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        await bus.publish(
+            "commands",
+            JOB,
+            encode(
+                Resume(job_id=JOB, generation=1, ts=time.time_ns(), seq=2, daemon_id="t", step=5)
+            ),
+        )
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        seen = await wait_for_events(bus, lambda es: any(is_exit(e) for e in es))
+        await commit_as_daemon(bus, len(seen))
+        with pytest.raises(JobNotJoinable, match=r"read this node's report .* ordered nothing"):
+            await asyncio.wait_for(task, 30)
+
+
+async def test_no_daemon_is_warned_about_repeatedly(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "sleep", nproc_per_node=1, daemon_timeout_s=0.5, warn_every_s=0.5)
+    with structlog.testing.capture_logs() as logs:
+        async with open_bus(bus_config(tmp_path)) as bus:
+            task = asyncio.ensure_future(Supervisor(cfg).run())
+            deadline = time.monotonic() + 60
+            while sum("NO DAEMON" in e["event"] for e in logs) < 2:
+                assert time.monotonic() < deadline, logs
+                await asyncio.sleep(0.1)
+            warning = next(e for e in logs if "NO DAEMON" in e["event"])
+            assert warning["log_level"] == "warning"
+            assert warning["group"] == "trainguard.daemon"
+            assert warning["bus"].startswith(f"sqlite://{tmp_path}")
+            # A daemon that reads the job's events ends the warnings.
+            seen = await wait_for_events(bus, lambda es: bool(es))
+            await commit_as_daemon(bus, len(seen))
+            while not any(e["event"] == "a daemon reads this job's events again" for e in logs):
+                assert time.monotonic() < deadline, logs
+                await asyncio.sleep(0.1)
+            await bus.publish("commands", JOB, abort_at(0))
+            assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+async def commit_as_daemon(bus: Bus, position: int) -> None:
+    """Commit ``position`` on the job's partition of ``events`` as the daemon's group does."""
+    tp = TopicPartition("events", partition_for(JOB, await bus.partitions("events")))
+    consumer = await bus.subscribe(["events"], "trainguard.daemon")
+    async with consumer:
+        await consumer.commit({tp: position})
+
+
+async def until(probe: Any, timeout_s: float = 30.0) -> Any:
+    """The first truthy value of ``probe()``, polled; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := probe()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s"
+        await asyncio.sleep(0.05)
+    return value
+
+
+def manifest(step: int) -> Manifest:
+    cursor = DataCursor(data_version="v", seed=0, epoch=0, offset=step, world_size=1)
+    shard = Shard(rank=0, uri="file:///x", size_bytes=1, digest="sha256:" + "0" * 64)
+    return Manifest(
+        job_id=JOB,
+        snapshot_id=f"{JOB}/g0/s{step}",
+        generation=0,
+        ts=0,
+        step=step,
+        world_size=1,
+        shards=(shard,),
+        cursor=cursor,
+    )
+
+
+def is_exit(e: Lifecycle | JobRequest) -> bool:
+    return isinstance(e, Lifecycle) and e.kind == "exited"
+
+
+async def events(bus: Bus) -> list[Lifecycle | JobRequest]:
+    """Every lifecycle event and job request on ``events``, in order."""
+    ends = await bus.end_offsets("events")
+    pending = {tp: end for tp, end in ends.items() if end}
+    found: list[Lifecycle | JobRequest] = []
+    if not pending:
+        return found
+    async with await bus.assign(dict.fromkeys(pending, 0)) as consumer:
+        read = 0
+        while read < sum(pending.values()):
+            for record in await consumer.getmany(timeout_s=1.0):
+                read += 1
+                assert record.value is not None
+                message = decode(record.value, expect=(Lifecycle, JobRequest))
+                assert isinstance(message, Lifecycle | JobRequest)
+                found.append(message)
+    return found
+
+
+async def wait_for_events(
+    bus: Bus, predicate: Any, timeout_s: float = 30.0
+) -> list[Lifecycle | JobRequest]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = await events(bus)
+        if predicate(found):
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not seen in {timeout_s} s: {await events(bus)}")
 
 
 async def test_after_a_failure_the_supervisor_waits_idle_for_the_daemon(tmp_path: Path) -> None:
@@ -271,18 +527,15 @@ async def test_after_a_failure_the_supervisor_waits_idle_for_the_daemon(tmp_path
         assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
 
 
-@pytest.mark.parametrize("latest", ["resume", "abort"])
-async def test_a_job_that_ran_on_or_ended_cannot_be_joined(tmp_path: Path, latest: str) -> None:
+@pytest.mark.parametrize("outcome", ["failed", "stopped"])
+async def test_a_job_that_ended_is_refused_without_continue(
+    tmp_path: Path, outcome: AbortOutcome
+) -> None:
     async with open_bus(bus_config(tmp_path)) as bus:
-        if latest == "resume":
-            value = encode(
-                Resume(job_id=JOB, generation=1, ts=time.time_ns(), seq=2, daemon_id="t", step=5)
-            )
-        else:
-            value = abort_at(1)
-        await bus.publish("commands", JOB, value)
-        with pytest.raises(JobNotJoinable, match="new job id"):
-            await Supervisor(config(tmp_path, "exit")).run()
+        await bus.publish("commands", JOB, abort_at(1, outcome))
+        with pytest.raises(JobNotJoinable, match="with --continue on every node"):
+            await Supervisor(config(tmp_path, "exit", nproc_per_node=1)).run()
+        assert [e for e in await events(bus) if e.job_id == JOB] == []  # nothing sent
     assert not list((tmp_path / "out").iterdir())  # no worker was started
 
 

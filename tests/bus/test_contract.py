@@ -147,6 +147,26 @@ async def test_a_group_without_commits_has_no_committed_position(bus_factory: Bu
         await consumer.close()
 
 
+async def test_group_positions_are_read_without_joining_the_group(
+    bus_factory: BusFactory,
+) -> None:
+    """What a supervisor sees of the daemon: its group's committed positions, read from outside
+    the group (the member keeps its partitions: no rebalance)."""
+    group = bus_factory.group("watched")
+    await publish_all(bus_factory, [(f"job-{i}", b"x") for i in range(12)])
+    async with bus_factory.open() as bus:
+        assert await bus.group_positions(group, "events") == {}  # no such group yet
+        consumer = await bus.subscribe(["events"], group)
+        records = await read_n(consumer, 12)
+        last = {tp: max(r.offset for r in records if r.tp == tp) + 1 for tp in EVENTS}
+        read = {tp: n for tp, n in last.items() if tp != EVENTS[0]}
+        await consumer.commit(read)
+        async with bus_factory.open() as other:
+            assert await other.group_positions(group, "events") == read
+        assert consumer.assignment() == frozenset(EVENTS)
+        await consumer.close()
+
+
 async def test_commit_without_a_group_is_an_error(bus_factory: BusFactory) -> None:
     async with bus_factory.open() as bus, await bus.assign({EVENTS[0]: 0}) as consumer:
         with pytest.raises(BusError):

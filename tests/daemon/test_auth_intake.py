@@ -45,6 +45,7 @@ from trainguard.daemon._settings import DaemonConfig, SecurityConfig, load_daemo
 from trainguard.schemas import (
     ClockTick,
     Event,
+    JobRequest,
     Manifest,
     Restore,
     add_mac,
@@ -292,7 +293,7 @@ class _Spy:
         self.auth, self.raw, self.judged = auth, raw, 0
 
     def refuse(
-        self, record: RawRecord, message: Event | ClockTick
+        self, record: RawRecord, message: Event | JobRequest | ClockTick
     ) -> tuple[AuthRefusal, str] | None:
         self.judged += 1
         return self.auth.refuse(record, message)

@@ -81,6 +81,7 @@ def test_our_processes_ignore_a_clone_in_the_working_folder(
         ["snapshots", "show", "j"],
         ["snapshots", "verify"],
         ["bus", "check"],
+        ["stop", "j"],
     ],
 )
 def test_a_read_of_a_missing_embedded_bus_creates_nothing(

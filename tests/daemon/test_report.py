@@ -37,8 +37,10 @@ from trainguard.schemas import (
     DataCursor,
     Event,
     Heartbeat,
+    JobRequest,
     Lifecycle,
     Phase,
+    RequestKind,
     Restore,
     Resume,
     Signature,
@@ -80,7 +82,7 @@ class Script:
         self.commands += [Stamped(at_ms, d.command) for d in decisions if isinstance(d, Issue)]
         self._last = decisions
 
-    def send(self, event: Event, at: int) -> tuple[Decision, ...]:
+    def send(self, event: Event | JobRequest, at: int) -> tuple[Decision, ...]:
         """Tick up to ``at`` (ms after T0), then fold ``event`` appended at ``at``."""
         at_ns = (T0 + at) * 1_000_000
         while (due := next_deadline(self.state, self.cfg)) is not None and due <= at_ns:
@@ -216,6 +218,11 @@ class Script:
                 snapshot_id=None if target is None else target.snapshot_id,
             )
 
+    def request(self, kind: RequestKind, at: int) -> None:
+        """An operator's ``kind`` request for the job (``trainguard stop``, ``--continue``)."""
+        head = self.head(None, at, 7000)
+        self.send(JobRequest(**head, kind=kind), at)
+
     def finish(self, step: int, at: int) -> None:
         for r in range(self.world_size):
             self.lifecycle(r, "finished", at, step=step)
@@ -253,6 +260,38 @@ def killed_once() -> Script:
     return job
 
 
+def test_a_stop_and_its_continuation_split_the_wall_time_as_worked_out_by_hand() -> None:
+    """Steps 1-25 end at 11..35 s (commits at 10 and 20); stopped at 35.5 s; continued at
+    100 s from step 20; the new processes acknowledge at 105 and 105.5 s; steps 21-40 end at
+    106.5..125.5 s; both finish at 125.6 s."""
+    job = Script()
+    job.start(0, 10_000)
+    job.train(range(1, 26), 11_000)
+    job.request("stop", 35_500)
+    assert job.report().ended == "stopped"
+    job.request("continue", 100_000)
+    job.restart(101_000, (105_000, 105_500))
+    job.train(range(21, 41), 106_500)
+    job.finish(40, 125_600)
+    report = job.report()
+    assert_partition(report)
+    assert (report.ended, report.end_ms) == ("finished", T0 + 125_600)
+    assert report.time_s == pytest.approx(
+        {
+            "startup": 10.0,
+            "productive": 20.0 + 20.0,  # steps 1-20 (10 -> 30 s), steps 21-40 (105.5 -> 125.5 s)
+            "recomputed": 5.5,  # steps 21-25 and half a step: 30 -> 35.5 s, the stop
+            "stopped": 64.5,  # stop 35.5 s -> continued 100 s
+            "detection": 0.0,  # a continuation has no onset before it
+            "restore": 5.5,  # continued 100 s -> resume at the last ack, 105.5 s
+            "tail": 0.1,
+            "other": 0.0,
+        }
+    )
+    [incident] = report.incidents
+    assert incident.cause == "continued"
+
+
 def test_one_kill_splits_the_wall_time_as_worked_out_by_hand() -> None:
     job = killed_once()
     report = job.report()
@@ -267,6 +306,7 @@ def test_one_kill_splits_the_wall_time_as_worked_out_by_hand() -> None:
             "detection": 0.01,  # died 35.5 s, incident 35.51 s
             "restore": 9.99,  # incident 35.51 s -> resume at the last ack, 45.5 s
             "tail": 0.1,  # last step 65.5 s -> finished 65.6 s
+            "stopped": 0.0,
             "other": 0.0,
         }
     )

@@ -170,11 +170,13 @@ class JobRun:
         extra: Sequence[str] = (),
         heartbeat_interval_s: float = 0.5,
         checksum_every: int | None = None,
+        run_args: Sequence[str] = (),
     ) -> None:
-        """Start the supervisor (``trainguard run --nproc-per-node 2``) with ``faults`` as
-        ``TRAINGUARD_FAULTS`` in its workers, ``extra`` options of ``examples/charlm/train.py``,
-        heartbeats every ``heartbeat_interval_s`` seconds, and parameter checksums every
-        ``checksum_every`` steps (``None``: the agent's default)."""
+        """Start the supervisor (``trainguard run --nproc-per-node 2 [run_args]``) with
+        ``faults`` as ``TRAINGUARD_FAULTS`` in its workers, ``extra`` options of
+        ``examples/charlm/train.py``, heartbeats every ``heartbeat_interval_s`` seconds, and
+        parameter checksums every ``checksum_every`` steps (``None``: the agent's default).
+        A supervisor started before is replaced as :attr:`supervisor` (it must have ended)."""
         s = self.shape
         self.supervisor = supervise(
             JOB,
@@ -197,6 +199,7 @@ class JobRun:
                 checksum_every=checksum_every,
             ),
             grace_s=GRACE_S,
+            args=run_args,
         )
 
     def finish(self, timeout_s: float = 150.0) -> int:

@@ -19,17 +19,20 @@ from referencing import Registry, Resource
 from trainguard.schemas import (
     SCHEMA_BASE_URI,
     Abort,
+    AbortOutcome,
     Checkpoint,
     CheckpointMeta,
     ClockTick,
     DataCursor,
     DataCursorEvent,
     Heartbeat,
+    JobRequest,
     Lifecycle,
     LifecycleKind,
     Manifest,
     Message,
     Phase,
+    RequestKind,
     Restore,
     RestoreMode,
     Resume,
@@ -203,8 +206,16 @@ def restores(draw: st.DrawFn) -> Restore:
 
 
 resumes = st.builds(Resume, **_command, step=counts)
-aborts = st.builds(Abort, **_command, reason=text(1, 60))
+aborts = st.builds(
+    Abort, **_command, reason=text(1, 60), outcome=st.sampled_from(typing.get_args(AbortOutcome))
+)
 ticks = st.builds(ClockTick, **_command, command_seq=st.none() | counts)
+job_requests = st.builds(
+    JobRequest,
+    **{name: strategy for name, strategy in _event.items() if name != "rank"},
+    kind=st.sampled_from(typing.get_args(RequestKind)),
+    reason=text(0, 60),
+)
 
 STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
     Heartbeat: heartbeats,
@@ -216,6 +227,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
     Abort: aborts,
     Manifest: manifests,
     ClockTick: ticks,
+    JobRequest: job_requests,
 }
 messages = st.one_of(*STRATEGIES.values())
 

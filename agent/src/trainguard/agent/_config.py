@@ -29,8 +29,6 @@ from trainguard.schemas import Checkpoint, CheckpointMeta, DataCursor, SchemaErr
 
 __all__ = ["DEFAULT_BUS_URL", "AgentConfig"]
 
-"""The embedded bus in ``trainguard-bus.db`` of the working directory."""
-
 
 def _boolean(raw: str) -> bool:
     """``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case).
@@ -74,7 +72,8 @@ class AgentConfig:
     Attributes:
         job_id: the job's name, 1-128 characters of ``[A-Za-z0-9._-]`` (``TRAINGUARD_JOB``);
             required.
-        bus_url: bus URL (``TRAINGUARD_BUS``), default :data:`DEFAULT_BUS_URL`;
+        bus_url: bus URL (``TRAINGUARD_BUS``), default :data:`DEFAULT_BUS_URL` (the user's
+            embedded bus, :func:`~trainguard.agent.bus.default_bus_url`);
             ``sqlite:///abs/path.db``, ``sqlite:rel/path.db`` or ``kafka://host:port,...``.
         topic_prefix: bus topic prefix (``TRAINGUARD_TOPIC_PREFIX``), default ``trainguard.``.
         kafka_security: Kafka TLS/SASL settings from the ``TRAINGUARD_KAFKA_*`` variables

@@ -29,7 +29,25 @@ so the ``TRAINGUARD_KAFKA_*`` security variables ``trainguard run`` read reach t
 
 With keys (``TRAINGUARD_DAEMON_PUBLIC_KEYS``, ``TRAINGUARD_EVENT_KEY``, which the workers
 inherit as well) the supervisor acts only on commands the daemon signed, for its job and not
-replayed (:mod:`._command_gate`), and sends its lifecycle events with their MAC.
+replayed (:mod:`._command_gate`), and sends its lifecycle events and requests with their MAC.
+
+**Joining** (``docs/operations.md``, "A supervisor that restarts"): on start the supervisor
+reads the job's latest command. It starts workers only in a generation whose processes nobody
+runs yet: generation 0 of a job without command and without committed snapshot, or the
+generation of a ``restart`` restore. A job that runs already (a ``resume``, an ``in_process``
+restore, or a committed snapshot in generation 0) ran this node's ranks in a previous
+supervisor, whose workers died with it (``PR_SET_PDEATHSIG``): the supervisor reports them
+``exited`` (SIGKILL) in that generation, so that the daemon restores the job at once, and
+starts its workers in the restore's generation with its target. A job that was stopped or
+failed (``abort``) is refused unless ``continue_job`` is set: then it asks the daemon to
+continue it (a ``job-request`` ``continue``) and joins the restore that answers.
+
+**Stopping**: a SIGTERM or SIGINT asks the daemon to stop the whole job (a ``job-request``
+``stop``) before this node's workers are stopped, so that their exits are no failure, and
+waits up to ``stop_timeout_s`` for the daemon's ``abort`` (outcome ``stopped``).
+
+**No daemon**: while no daemon reads the job's events for ``daemon_timeout_s``, a warning is
+logged every ``warn_every_s`` (:mod:`._daemon_watch`).
 """
 
 from __future__ import annotations
@@ -49,31 +67,69 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import structlog
 
 from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
+from trainguard.agent._daemon_watch import DaemonWatch, poll_interval_s
 from trainguard.agent._errors import AgentError, ConfigError
 from trainguard.agent._keystore import AgentKeys
+from trainguard.agent._manifests import read_manifests
+from trainguard.agent._requests import send_request
 from trainguard.agent._step_file import STEP_FILE_ENV, read_step_file, reset_step_file
-from trainguard.agent.bus import Bus, BusConfig, BusError, Consumer, TopicPartition, open_bus
+from trainguard.agent.bus import (
+    Bus,
+    BusConfig,
+    BusError,
+    Consumer,
+    Delivery,
+    TopicPartition,
+    open_bus,
+)
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.schemas import Abort, Lifecycle, Restore, Resume, SchemaError, add_mac, encode
+from trainguard.schemas import (
+    Abort,
+    Lifecycle,
+    RequestKind,
+    Restore,
+    Resume,
+    SchemaError,
+    add_mac,
+    encode,
+)
 
-__all__ = ["EXIT_ABORTED", "EXIT_STOPPED", "JobNotJoinable", "Supervisor", "SupervisorConfig"]
+__all__ = [
+    "EXIT_ABORTED",
+    "EXIT_SIGNALLED",
+    "EXIT_STOPPED",
+    "JobNotJoinable",
+    "Supervisor",
+    "SupervisorConfig",
+]
 
 log = structlog.get_logger("trainguard.supervisor")
 
 
 class JobNotJoinable(AgentError):
-    """The job's latest command says it runs on, finished or was aborted without this node."""
+    """The job was stopped or failed (and ``--continue`` was not given), has ended, or the
+    daemon did not take this node's request to join it; the message says which and what to do."""
 
 
 EXIT_ABORTED = 3
-"""Exit status of ``trainguard run`` when the daemon aborted the job."""
+"""Exit status of ``trainguard run`` when the daemon aborted the job as ``failed``."""
 
-EXIT_STOPPED = 128 + signal.SIGTERM
-"""Exit status of ``trainguard run`` stopped by a signal (the shell's convention for SIGTERM)."""
+EXIT_STOPPED = 4
+"""Exit status of ``trainguard run`` when the job was stopped on request (``trainguard stop``,
+or a signalled supervisor of the job) and the daemon confirmed it: the job can be continued."""
+
+EXIT_SIGNALLED = 128 + signal.SIGTERM
+"""Exit status of ``trainguard run`` stopped by a signal without the daemon's confirmation of
+the job's stop (none within ``stop_timeout_s``, a second signal, or the request could not be
+sent); the shell's convention for SIGTERM."""
+
+_ANSWER_POLL_S = 1.0
+"""Seconds between two looks at whether the daemon read a request this supervisor waits on."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +153,16 @@ class SupervisorConfig:
         host: this node's name.
         keys: the daemon's public keys (commands must be signed by one) and the job's event
             key (lifecycle events carry its MAC); default none, insecure (``docs/security.md``).
+        continue_job: continue a job that was stopped or failed (``trainguard run
+            --continue``); without it such a job is refused. A job that runs is joined either
+            way.
+        daemon_group: the daemon's consumer group, whose position on ``events`` tells whether
+            a daemon reads the job; ``None``: ``<prefix>daemon``, the daemon's default.
+        daemon_timeout_s: warn when no daemon has read the job's events for this many seconds;
+            0: never.
+        warn_every_s: seconds between two such warnings while it lasts (> 0).
+        stop_timeout_s: seconds a signalled supervisor waits for the daemon to confirm the
+            job's stop before it exits anyway (:data:`EXIT_SIGNALLED`).
     """
 
     job_id: str
@@ -112,6 +178,11 @@ class SupervisorConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     host: str = field(default_factory=socket.gethostname)
     keys: AgentKeys = field(default_factory=AgentKeys)
+    continue_job: bool = False
+    daemon_group: str | None = None
+    daemon_timeout_s: float = 30.0
+    warn_every_s: float = 30.0
+    stop_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for settings that could only fail later, less clearly."""
@@ -127,6 +198,11 @@ class SupervisorConfig:
             raise ConfigError("several nodes need one agreed --master-port (and --master-addr)")
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+        for name in ("daemon_timeout_s", "stop_timeout_s"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 < self.warn_every_s < float("inf"):
+            raise ConfigError(f"warn_every_s must be a finite number > 0, got {self.warn_every_s}")
         probe = Lifecycle(
             job_id=self.job_id, generation=0, ts=0, seq=0, rank=None, host=self.host, pid=1,
             kind="started", ranks=self.local_ranks(),
@@ -143,6 +219,11 @@ class SupervisorConfig:
         first = self.node_rank * self.nproc_per_node
         return tuple(range(first, first + self.nproc_per_node))
 
+    @property
+    def group(self) -> str:
+        """The daemon's consumer group in effect (``daemon_group`` or ``<prefix>daemon``)."""
+        return self.daemon_group or f"{self.bus.prefix}daemon"
+
 
 @dataclass(eq=False)  # compared by identity: "is it still one of ours?"
 class _Worker:
@@ -153,10 +234,12 @@ class _Worker:
 
 
 class Supervisor:
-    """Runs one node's workers for one job until it finishes or is aborted.
+    """Runs one node's workers for one job until it finishes, is stopped or is aborted.
 
     ``await Supervisor(config).run()`` returns the exit status for ``trainguard run``: 0 when
-    every worker finished with status 0, :data:`EXIT_ABORTED` when the daemon aborted the job.
+    every worker finished with status 0, :data:`EXIT_ABORTED` when the daemon aborted the job
+    as failed, :data:`EXIT_STOPPED` when the job was stopped on request, :data:`EXIT_SIGNALLED`
+    when this supervisor was signalled and the daemon did not confirm the stop.
 
     Attributes:
         ignored: commands not acted on, by reason (see ``trainguard.agent._command_gate``).
@@ -173,25 +256,50 @@ class Supervisor:
         self._all_exited = asyncio.Event()
         self._failed = False
         self._step_dir: Path | None = None
+        # How this supervisor begins (module docstring): start workers, report the previous
+        # supervisor's workers gone, or ask for a continuation; and the latest command's
+        # (generation, seq) then, which a daemon's answer must be newer than.
+        self._plan: Literal["start", "rejoin", "continue"] = "start"
+        self._baseline = (0, 0)
+        self._unanswered = asyncio.Event()
+        self._unanswered_why = ""
+        # Background lookers (daemon watch, answer): they end at their next pause once
+        # _closing is set, never cancelled in the middle of a bus call.
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = asyncio.Event()
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
-        """Start the workers, follow the job's commands, restart on restore orders.
+        """Start (or rejoin) the workers, follow the job's commands, restart on restore orders.
 
-        Setting ``stop`` (``trainguard run`` sets it on SIGTERM/SIGINT) stops the workers
-        (SIGTERM, SIGKILL after the grace period), reports their exits, so that the daemon
-        knows these ranks are gone, and returns :data:`EXIT_STOPPED`.
+        Setting ``stop`` (``trainguard run`` sets it on SIGTERM/SIGINT) asks the daemon to stop
+        the job, stops the workers (SIGTERM, SIGKILL after the grace period), reports their
+        exits, and returns :data:`EXIT_STOPPED` once the daemon confirmed the stop; setting it
+        again while waiting, or no confirmation within ``stop_timeout_s``, returns
+        :data:`EXIT_SIGNALLED`.
+
+        Raises:
+            JobNotJoinable: the job was stopped or failed and ``continue_job`` is not set, or
+                the daemon read this node's report or request and ordered nothing (the job
+                has ended, or the request was refused).
+            BusError: the bus failed.
         """
         async with open_bus(self._c.bus) as bus:
             commands = await self._follow_commands(bus)
             listener = asyncio.ensure_future(self._listen(commands))
             if self._c.nproc_per_node is not None:
                 self._step_dir = Path(tempfile.mkdtemp(prefix="trainguard-steps-"))
+            if self._c.daemon_timeout_s > 0:
+                self._tasks.append(asyncio.ensure_future(self._watch_daemon(bus)))
             try:
                 return await self._supervise(bus, stop or asyncio.Event())
             finally:
+                self._closing.set()
                 listener.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await listener
+                if self._tasks:
+                    # Each finishes the bus call it is in (bounded by the bus's timeouts).
+                    await asyncio.wait(self._tasks)
                 await commands.close()
                 await self._stop_workers(None)
                 if self._step_dir is not None:
@@ -203,10 +311,10 @@ class Supervisor:
         )
         end = (await bus.end_offsets("commands"))[tp]
         latest = (await bus.latest_per_key("commands")).get(self._c.job_id)
+        command = None
         if latest is not None and latest.value is not None:
             command = self._admit(latest.value, latest.offset)
-            if command is not None:
-                self._join(command)
+        await self._join(bus, command)
         return await bus.assign({tp: end})
 
     def _admit(self, data: bytes, offset: int) -> Restore | Resume | Abort | None:
@@ -217,17 +325,62 @@ class Supervisor:
         log_ignored(log, command, offset)
         return None
 
-    def _join(self, latest: Restore | Resume | Abort) -> None:
-        """Start in the generation of a restore the daemon has ordered; refuse a job that
-        already runs on without us, finished, or was aborted (a new run needs a new job id)."""
-        if isinstance(latest, Restore):
-            self._generation = latest.generation
+    async def _join(self, bus: Bus, latest: Restore | Resume | Abort | None) -> None:
+        """Choose how to begin from the job's latest command (module docstring, joining)."""
+        job = self._c.job_id
+        if latest is None:
+            if await self._has_committed(bus):
+                self._rejoin(0, 0, "it has committed snapshots in generation 0")
             return
-        what = "was aborted" if isinstance(latest, Abort) else "already runs or has finished"
-        raise JobNotJoinable(
-            f"job {self._c.job_id!r} {what} in generation {latest.generation}: a new run needs "
-            "a new job id (a supervisor can only join a job at its start or at a restore)"
+        self._generation = latest.generation
+        self._baseline = (latest.generation, latest.seq)
+        if isinstance(latest, Abort):
+            ended = "was stopped" if latest.outcome == "stopped" else "failed"
+            if not self._c.continue_job:
+                raise JobNotJoinable(
+                    f"job {job!r} {ended} in generation {latest.generation} ({latest.reason}). "
+                    "To continue it from its latest committed snapshot, run the same command "
+                    "with --continue on every node; for a new run, use a new job id"
+                )
+            log.warning(
+                f"job {ended}: asking the daemon to continue it",
+                job_id=job,
+                generation=latest.generation,
+                reason=latest.reason,
+            )
+            self._plan = "continue"
+            return
+        if isinstance(latest, Restore) and latest.mode == "restart":
+            return  # a generation whose processes are being started: join it
+        self._rejoin(
+            latest.generation,
+            latest.seq,
+            "the daemon resumed it" if isinstance(latest, Resume) else "it restores in process",
         )
+
+    def _rejoin(self, generation: int, seq: int, why: str) -> None:
+        """Begin by reporting this node's previous workers gone in ``generation``."""
+        if not self._c.local_ranks():
+            raise JobNotJoinable(
+                f"job {self._c.job_id!r} runs in generation {generation} ({why}): this "
+                "supervisor can only rejoin it by reporting its ranks gone; give them with "
+                "--ranks (plain mode)"
+            )
+        self._generation = generation
+        self._baseline = (generation, seq)
+        self._plan = "rejoin"
+        log.warning(
+            f"job runs in generation {generation} ({why}): this node's previous workers are "
+            "gone; reporting them, then joining the daemon's restore",
+            job_id=self._c.job_id,
+            ranks=self._c.local_ranks(),
+        )
+
+    async def _has_committed(self, bus: Bus) -> bool:
+        """Whether the job has a committed snapshot on ``manifests`` (a job without command
+        that committed has run, with this node)."""
+        found = await read_manifests(bus, self._c.job_id, self._c.keys.verify)
+        return bool(found.manifests)
 
     async def _listen(self, consumer: Consumer) -> None:
         while True:
@@ -239,11 +392,12 @@ class Supervisor:
                     await self._orders.put(command)
 
     async def _supervise(self, bus: Bus, stop: asyncio.Event) -> int:
-        await self._start_workers(bus)
+        await self._begin(bus)
         stop_task = asyncio.ensure_future(stop.wait())
+        unanswered = asyncio.ensure_future(self._unanswered.wait())
         while True:
             order_task = asyncio.ensure_future(self._orders.get())
-            waiting = {order_task, stop_task}
+            waiting = {order_task, stop_task, unanswered}
             # Once a worker failed, only the daemon's order (or a signal) moves us on.
             done_task = None if self._failed else asyncio.ensure_future(self._all_exited.wait())
             if done_task is not None:
@@ -253,9 +407,12 @@ class Supervisor:
                 done_task.cancel()
             if stop_task.done():
                 order_task.cancel()
-                log.warning("stopping: signalled", generation=self._generation)
-                await self._stop_workers(bus)
-                return EXIT_STOPPED
+                unanswered.cancel()
+                return await self._stop_job(bus, stop)
+            if unanswered.done() and not order_task.done():
+                order_task.cancel()
+                stop_task.cancel()
+                raise JobNotJoinable(self._unanswered_why)
             if not order_task.done():
                 order_task.cancel()
                 if not self._failed:
@@ -267,8 +424,9 @@ class Supervisor:
             if order.generation <= self._generation and isinstance(order, Restore):
                 continue  # the restore this generation was started for, or an older one
             if isinstance(order, Abort):
-                log.error("job aborted by the daemon", reason=order.reason)
-                return EXIT_ABORTED
+                stop_task.cancel()
+                unanswered.cancel()
+                return _ended(order)
             if order.mode == "in_process":
                 log.info(
                     "in-process restore ordered: the workers reload themselves",
@@ -287,6 +445,159 @@ class Supervisor:
             await self._stop_workers(None)
             self._generation = order.generation
             await self._start_workers(bus)
+
+    async def _begin(self, bus: Bus) -> None:
+        """Start the workers, or report the previous ones gone, or ask for a continuation, as
+        :meth:`_join` chose; the last two wait for the daemon's restore (no workers meanwhile)."""
+        if self._plan == "start":
+            await self._start_workers(bus)
+            return
+        self._failed = True  # nothing runs here until the daemon orders a restore
+        if self._plan == "rejoin":
+            delivery = await self._report_gone(bus)
+            what = f"this node's report that its ranks are gone (generation {self._generation})"
+        else:
+            delivery = await self._request(bus, "continue", "trainguard run --continue")
+            what = f"the continue request (generation {self._generation})"
+        self._tasks.append(asyncio.ensure_future(self._await_answer(bus, delivery, what)))
+
+    async def _request(self, bus: Bus, kind: RequestKind, reason: str) -> Delivery:
+        """Send a job request in the current generation as this supervisor."""
+        delivery = await send_request(
+            bus,
+            self._c.job_id,
+            kind,
+            generation=self._generation,
+            host=self._c.host,
+            pid=os.getpid(),
+            seq=next(self._seq),
+            reason=reason,
+            key=self._c.keys.event,
+        )
+        log.info(f"{kind} request sent", generation=self._generation, offset=delivery.offset)
+        return delivery
+
+    async def _report_gone(self, bus: Bus) -> Delivery:
+        """Report this node's ranks ``exited`` (SIGKILL) in the current generation, as this
+        supervisor: the previous supervisor's workers were killed with it."""
+        event = Lifecycle(
+            job_id=self._c.job_id,
+            generation=self._generation,
+            ts=time.time_ns(),
+            seq=next(self._seq),
+            rank=None,
+            host=self._c.host,
+            pid=os.getpid(),
+            kind="exited",
+            ranks=self._c.local_ranks(),
+            signal=signal.SIGKILL,
+            message="gone with the previous supervisor of this node (restarted)",
+        )
+        key = self._c.keys.event
+        if key is not None:
+            event = add_mac(event, key.kid, key.secret)
+        return await bus.publish("events", self._c.job_id, encode(event))
+
+    async def _await_answer(self, bus: Bus, sent: Delivery, what: str) -> None:
+        """Once the daemon's group has read past ``sent`` (its position on ``events``), the
+        daemon has acted on it: find its answer, a command newer than :attr:`_baseline`, on
+        the bus (if the listener has not delivered it yet), or say that none came."""
+        tp = TopicPartition("events", sent.partition)
+        while not await self._pause(_ANSWER_POLL_S):
+            if self._generation > self._baseline[0]:
+                return  # the daemon's restore arrived: answered
+            try:
+                position = (await bus.group_positions(self._c.group, "events")).get(tp)
+                if position is None or position <= sent.offset:
+                    continue
+                record = (await bus.latest_per_key("commands")).get(self._c.job_id)
+            except BusError as exc:
+                log.warning("cannot tell whether the daemon read " + what, error=str(exc))
+                return
+            verdict = (
+                None if record is None or record.value is None else self._gate.admit(record.value)
+            )
+            if isinstance(verdict, Ignored):
+                return  # taken by the listener already, or no command to judge by
+            if verdict is not None and (verdict.generation, verdict.seq) > self._baseline:
+                if isinstance(verdict, Restore | Abort):  # a resume: the restore came before
+                    await self._orders.put(verdict)
+                return
+            self._unanswered_why = (
+                f"the daemon read {what} but ordered nothing: job {self._c.job_id!r} has "
+                "probably ended (trainguard status), or the daemon rejected it (its log and "
+                "the dead-letter topic say why)"
+            )
+            self._unanswered.set()
+            return
+
+    async def _stop_job(self, bus: Bus, stop: asyncio.Event) -> int:
+        """Signalled: ask the daemon to stop the whole job, stop this node's workers (their
+        exits reported after the request, so no failure), and wait for the daemon's abort."""
+        if self._plan == "continue" and not self._workers:
+            log.warning(
+                "signalled while waiting for the continuation: the continue request stays on "
+                "the bus; trainguard stop stops the job if it must not run",
+                job_id=self._c.job_id,
+            )
+            return EXIT_SIGNALLED
+        log.warning("signalled: asking the daemon to stop the job", generation=self._generation)
+        try:
+            await self._request(bus, "stop", f"trainguard run on host {self._c.host} was signalled")
+        except BusError as exc:
+            log.error(
+                "the stop request could not be sent: the daemon will take the workers' exits "
+                "for a failure",
+                error=str(exc),
+            )
+            await self._stop_workers(bus)
+            return EXIT_SIGNALLED
+        await self._stop_workers(bus)
+        stop.clear()
+        deadline = time.monotonic() + self._c.stop_timeout_s
+        again = asyncio.ensure_future(stop.wait())
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                order_task = asyncio.ensure_future(self._orders.get())
+                await asyncio.wait(
+                    {order_task, again}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not order_task.done():
+                    order_task.cancel()
+                    if again.done():
+                        log.warning("signalled again: not waiting for the daemon's confirmation")
+                        return EXIT_SIGNALLED
+                    continue
+                order = order_task.result()
+                if isinstance(order, Abort):
+                    return _ended(order)
+        finally:
+            again.cancel()
+        log.warning(
+            f"the daemon has not confirmed the stop within {self._c.stop_timeout_s:g} s; the "
+            "request is on the bus: the job ends stopped when a daemon reads it",
+            job_id=self._c.job_id,
+        )
+        return EXIT_SIGNALLED
+
+    async def _watch_daemon(self, bus: Bus) -> None:
+        """Warn while no daemon reads the job's events (:class:`._daemon_watch.DaemonWatch`)."""
+        c = self._c
+        watch = DaemonWatch(
+            c.job_id,
+            c.group,
+            timeout_s=c.daemon_timeout_s,
+            warn_every_s=c.warn_every_s,
+            where=f"{c.bus.url} (topic prefix {c.bus.prefix!r})",
+        )
+        while not await self._pause(poll_interval_s(c.daemon_timeout_s)):
+            await watch.look(bus)
+
+    async def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less if the supervisor winds down; whether it does."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), seconds)
+        return self._closing.is_set()
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -425,6 +736,15 @@ class Supervisor:
             if bus is not None and w not in reported:
                 with contextlib.suppress(BusError):
                     await self._report(bus, "exited", w, code=code)
+
+
+def _ended(abort: Abort) -> int:
+    """Log how the daemon ended the job; the exit status that says it."""
+    if abort.outcome == "stopped":
+        log.warning("job stopped", generation=abort.generation, reason=abort.reason)
+        return EXIT_STOPPED
+    log.error("job aborted by the daemon", generation=abort.generation, reason=abort.reason)
+    return EXIT_ABORTED
 
 
 def _die_with_parent() -> None:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import orjson
 
-from trainguard.schemas import ClockTick, Event, JSONValue
+from trainguard.schemas import ClockTick, Event, JobRequest, JSONValue
 
 from ._config import MachineConfig
 from ._decisions import Decision
@@ -82,7 +82,7 @@ class MalformedAudit(ValueError):
     """An audit entry is not in the format this module writes (named by its position)."""
 
 
-def input_id(message: Event | ClockTick) -> dict[str, JSONValue]:
+def input_id(message: Event | JobRequest | ClockTick) -> dict[str, JSONValue]:
     """The identity of an input independent of its bus position.
 
     ``{"type": "tick", "daemon_id", "seq"}`` for a tick; ``{"type", "rank", "host", "pid",

@@ -150,6 +150,12 @@ def _print_job(summary: Mapping[str, object], ranks: Sequence[Mapping[str, objec
         console.print(f"[red]not committing:[/red] {summary['not_committed']}", highlight=False)
     if summary["failure"]:
         console.print(f"[red]failed:[/red] {summary['failure']}", highlight=False)
+    if summary["phase"] in ("stopped", "failed"):
+        console.print(
+            f"continue it from committed step {_text(summary['committed_step'])} with the same "
+            "trainguard run command and --continue, on every node (docs/operations.md)",
+            highlight=False,
+        )
     if summary["refused"]:
         console.print(
             f"{summary['refused']} record(s) left out: the daemon refused them as not authentic",
@@ -177,7 +183,13 @@ def _print_job(summary: Mapping[str, object], ranks: Sequence[Mapping[str, objec
     console.print(table)
 
 
-_PHASE_STYLE = {"running": "green", "restoring": "yellow", "failed": "red", "finished": "blue"}
+_PHASE_STYLE = {
+    "running": "green",
+    "restoring": "yellow",
+    "failed": "red",
+    "finished": "blue",
+    "stopped": "magenta",
+}
 
 
 def _phase(phase: str) -> str:

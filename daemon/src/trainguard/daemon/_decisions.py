@@ -25,8 +25,12 @@ RejectCode: TypeAlias = Literal[
     "duplicate",
     "world_size_conflict",
     "rank_out_of_range",
+    "not_continuable",
+    "no_such_job",
 ]
-"""Why an input was rejected (left the state unchanged)."""
+"""Why an input was rejected (left the state unchanged); ``not_continuable``: a ``continue``
+request for a job that is neither ``stopped`` nor ``failed``; ``no_such_job``: a ``stop``
+request for a job the daemon has no input of."""
 
 AnomalyKind: TypeAlias = Literal[
     "checkpoint_mismatch",
@@ -43,7 +47,7 @@ AnomalyKind: TypeAlias = Literal[
 """Something reported and recorded but not by itself acted on (``checkpoint_mismatch``, a
 step that can never commit, is also logged at error level and counted)."""
 
-IncidentOutcome: TypeAlias = Literal["resumed", "failed", "finished"]
+IncidentOutcome: TypeAlias = Literal["resumed", "failed", "finished", "stopped"]
 
 
 def _plain(value: object) -> JSONValue:
@@ -142,7 +146,8 @@ class IncidentOpened(_Decision):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IncidentClosed(_Decision):
     """The incident ended: ``resumed`` (all ranks acknowledged a restore), ``failed`` (restore
-    attempts exhausted, job aborted) or ``finished`` (the ranks finished meanwhile)."""
+    attempts exhausted, job aborted), ``finished`` (the ranks finished meanwhile) or
+    ``stopped`` (the job was stopped on request meanwhile)."""
 
     KIND: ClassVar[str] = "incident_closed"
     incident_id: str

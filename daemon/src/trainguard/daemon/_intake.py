@@ -1,11 +1,12 @@
 """From a record of the ``events`` topic to a state-machine input: the one conversion the daemon
 and a replay share, so that a replay folds exactly what the daemon folded.
 
-A record becomes an input when its value decodes as an event or a ``ClockTick``, the
+A record becomes an input when its value decodes as an event, a ``JobRequest`` or a
+``ClockTick``, the
 message's ``job_id`` equals the record key, and the :class:`Authenticator` (if any) finds it
 authentic; its time is the record's bus append time (never the sender's ``ts``). A
 ``ClockTick`` becomes a :class:`~trainguard.daemon.Tick` (with the command ``seq`` it names),
-any other event an :class:`~trainguard.daemon.Observed`. Anything else is refused with a reason
+any other message an :class:`~trainguard.daemon.Observed`. Anything else is refused with a reason
 (the daemon parks it on ``dead-letter``; a replay shows it). Pure: no I/O, no clock.
 
 Authentication is the one verdict that depends on more than the record: the daemon judges MACs
@@ -36,6 +37,7 @@ from trainguard.schemas import (
     DataCursorEvent,
     Event,
     Heartbeat,
+    JobRequest,
     JSONValue,
     Lifecycle,
     SchemaError,
@@ -51,7 +53,7 @@ from ._state import new_tuple
 
 __all__ = ["INPUT_TYPES", "AuthRefusal", "Authenticator", "RawRecord", "Refused", "Taken", "take"]
 
-INPUT_TYPES = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick)
+INPUT_TYPES = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick, JobRequest)
 """The message types the ``events`` topic carries."""
 
 _NS_PER_MS = 1_000_000
@@ -91,7 +93,7 @@ class Authenticator(Protocol):
     """Judges whether a decoded record of ``events`` is authentic."""
 
     def refuse(
-        self, record: RawRecord, message: Event | ClockTick
+        self, record: RawRecord, message: Event | JobRequest | ClockTick
     ) -> tuple[AuthRefusal, str] | None:
         """``None`` for an authentic record, else why not: a code and a reason for people
         (naming key ids, never keys). ``message`` is the record's decoded value."""
@@ -114,7 +116,7 @@ class Taken(NamedTuple):
 
     job_id: str
     input: Input
-    message: Event | ClockTick
+    message: Event | JobRequest | ClockTick
 
     @property
     def input_id(self) -> dict[str, JSONValue]:
@@ -157,11 +159,13 @@ def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refuse
     # Keys first: a replay's authenticator (the audit trail) and a job without keys have none,
     # and then cutting the record would be wasted.
     keys = None if auth is None else auth.mac_keys(record)
-    message: Event | ClockTick | None = _verified(record, value, keys) if keys else None
+    message: Event | JobRequest | ClockTick | None = (
+        _verified(record, value, keys) if keys else None
+    )
     if message is None:
         try:
             # ``expect`` admits only these types (an annotation costs nothing, a cast a call).
-            decoded: Event | ClockTick = decode(value, expect=INPUT_TYPES)  # type: ignore[assignment]
+            decoded: Event | JobRequest | ClockTick = decode(value, expect=INPUT_TYPES)  # type: ignore[assignment]
         except SchemaError as exc:
             return Refused(str(exc), "schema", exc)
         message = decoded
@@ -183,7 +187,7 @@ def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refuse
 
 def _verified(
     record: RawRecord, value: bytes, keys: Mapping[str, bytes]
-) -> Event | ClockTick | None:
+) -> Event | JobRequest | ClockTick | None:
     """The message of a record whose MAC verifies on its raw bytes under one of ``keys``,
     decoded from its canonical bytes (module docstring); ``None`` when the full path must judge
     the record."""

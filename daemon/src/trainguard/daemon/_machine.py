@@ -6,7 +6,7 @@ and manifests, logs reasons, writes the audit trail).
 
 Order of work for an observed event:
 
-1. in a ``finished`` or ``failed`` job, change nothing (the state is final);
+1. in a ``finished``, ``failed`` or ``stopped`` job, change nothing (the state is final);
 2. screen it (wrong job, stale or future generation, duplicate ``seq``, world-size conflict,
    rank out of range): a rejected event leaves the state untouched and yields one
    :class:`Rejected`;
@@ -18,8 +18,10 @@ Order of work for an observed event:
 A :class:`Tick` runs steps 1 and 4 only, after noting the command it shows on the bus
 (``Tick.command_seq``): a timeout that starts with one of the daemon's own commands counts from
 the first tick naming it, never from the input that decided it (a daemon catching up on a
-backlog decides from old inputs but acts now). Recovery (incidents, restore retries, abort)
-lives in :mod:`trainguard.daemon._recovery`; the detectors in :mod:`trainguard.daemon._stall` and
+backlog decides from old inputs but acts now). A :class:`~trainguard.schemas.JobRequest` (stop
+or continue the job) is folded by :mod:`trainguard.daemon._stop` in any phase, also a final one.
+Recovery (incidents, restore retries, abort) lives in :mod:`trainguard.daemon._recovery`; the
+detectors in :mod:`trainguard.daemon._stall` and
 :mod:`trainguard.daemon._divergence` (``docs/detection.md`` tabulates them).
 """
 
@@ -38,6 +40,7 @@ from trainguard.schemas import (
     DataCursorEvent,
     Event,
     Heartbeat,
+    JobRequest,
     Lifecycle,
     Resume,
 )
@@ -69,6 +72,7 @@ from ._state import (
     Sender,
     new_tuple,
 )
+from ._stop import on_request
 from ._trend import advance
 
 Decisions = tuple[Decision, ...]
@@ -85,9 +89,9 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
 
     Returns:
         The new state and the decisions taken, in the order the shell must act on them. A
-        rejected event returns ``state`` itself and one :class:`Rejected`; a ``finished`` or
-        ``failed`` job returns ``state`` itself and no decision (but a :class:`Rejected` for
-        an event of another job).
+        rejected event returns ``state`` itself and one :class:`Rejected`; a ``finished``,
+        ``failed`` or ``stopped`` job returns ``state`` itself and no decision (but a
+        :class:`Rejected` for an event of another job, and what a job request decides).
 
     Folding a heartbeat costs O(log32 n) in the number of ranks n (persistent maps), plus an
     amortised O(1) share of the occasional scans for silent, stalled or lagging ranks (see
@@ -95,9 +99,11 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
     chunk of samples (:mod:`trainguard.daemon._window`).
     """
     if state.phase in TERMINAL_PHASES:
-        return _at_rest(state, item)
+        return _at_rest(state, item, config)
     match item:
         case Observed(at_ns=at_ns, event=event):
+            if isinstance(event, JobRequest):
+                return on_request(state, event, at_ns, config)
             if type(event) is Heartbeat:
                 sender = _admitted(state, event, at_ns, config)
                 if sender is not None:
@@ -222,11 +228,16 @@ def _restore_acted(state: JobState) -> bool:
     return state.watch.acted_seq >= state.command_seq
 
 
-def _at_rest(state: JobState, item: Input) -> tuple[JobState, Decisions]:
-    """A ``finished`` or ``failed`` job is final: its state no longer changes, and only an
-    event for another job (a routing fault) is worth a decision."""
-    if isinstance(item, Observed) and item.event.job_id != state.job_id:
-        return state, (_wrong_job(state, item.event),)
+def _at_rest(state: JobState, item: Input, config: MachineConfig) -> tuple[JobState, Decisions]:
+    """A ``finished``, ``failed`` or ``stopped`` job is final: its state no longer changes, but
+    for a job request (a ``continue``), and only an event for another job (a routing fault) is
+    worth a decision."""
+    if isinstance(item, Observed):
+        event = item.event
+        if isinstance(event, JobRequest):
+            return on_request(state, event, item.at_ns, config)
+        if event.job_id != state.job_id:
+            return state, (_wrong_job(state, event),)
     return state, _NONE
 
 
@@ -550,6 +561,7 @@ def _on_heartbeat(
         _,
         data_version,
         loop,
+        continued_generation,
     ) = state
     state = new_tuple(
         JobState,
@@ -576,6 +588,7 @@ def _on_heartbeat(
             watch,
             data_version,
             loop,
+            continued_generation,
         ),
     )
     if not running:

@@ -25,10 +25,12 @@ from typing import Final, Literal, TypeAlias, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from trainguard.schemas import (
+    Abort,
     Checkpoint,
     Command,
     DataCursorEvent,
     Heartbeat,
+    JobRequest,
     Lifecycle,
     MessageTooLarge,
     NestingTooDeep,
@@ -41,7 +43,7 @@ from trainguard.schemas import (
     UnknownSchema,
 )
 
-from ._decisions import Anomaly, Decision, IncidentOpened, Issue, RejectCode, Rejected
+from ._decisions import Anomaly, Decision, IncidentOpened, Issue, RejectCode, Rejected, Transition
 from ._inputs import Input, Observed
 from ._intake import Refused
 from ._snapshot import FALLBACK_REASONS, FallbackReason
@@ -117,6 +119,7 @@ _EVENT_TYPES: Final = (
     (Checkpoint, "checkpoint"),
     (DataCursorEvent, "data_cursor"),
     (Lifecycle, "lifecycle"),
+    (JobRequest, "job_request"),
 )
 _PHASES: Final[tuple[JobPhase, ...]] = get_args(JobPhase)
 _CAUSES: Final[tuple[IncidentCause, ...]] = get_args(IncidentCause)
@@ -124,6 +127,7 @@ _COMMANDS: Final = ("restore", "resume", "abort")
 _NOT_COMMITTED: Final = ("cursor_mismatch", "checkpoint_mismatch")
 """Why a step never commits: ranks disagreeing on the data order (an incident that fails the
 job), or shards disagreeing otherwise (an anomaly: data version, origin)."""
+_REQUEST_RESULTS: Final = (("stop", "stopped"), ("continue", "continued"), ("continue", "refused"))
 _MODES: Final = ("restart", "in_process")
 
 _ELAPSED_MEASURES: Final[Mapping[str, str]] = {
@@ -282,6 +286,14 @@ class DaemonMetrics:
             ["reason"],
             registry=r,
         )
+        self._requests = Counter(
+            "trainguard_job_requests",
+            "Job requests acted on, by kind (stop, continue) and result: stopped (a live job "
+            "ended stopped), continued (a restore issued), refused (a continue answered with "
+            "an abort).",
+            ["kind", "result"],
+            registry=r,
+        )
         self._detection = Histogram(
             "trainguard_detection_latency_seconds",
             "Seconds from the last evidence that the failing ranks were healthy to the "
@@ -315,6 +327,8 @@ class DaemonMetrics:
             self._rejected.labels(reason)
         for phase in _PHASES:
             self._jobs.labels(phase)
+        for kind, result in _REQUEST_RESULTS:
+            self._requests.labels(kind, result)
         for fallback in FALLBACK_REASONS:
             self._snapshot_fallbacks.labels(fallback)
 
@@ -337,6 +351,10 @@ class DaemonMetrics:
         """
         for decision in decisions:
             match decision:
+                case IncidentOpened(cause="continued"):
+                    # An operator's request, not a detection: no latency.
+                    self._incidents.labels("continued").inc()
+                    self._requests.labels("continue", "continued").inc()
                 case IncidentOpened(cause=cause):
                     self._incidents.labels(cause).inc()
                     if cause == "cursor_mismatch":
@@ -344,6 +362,10 @@ class DaemonMetrics:
                     latency = detection_latency_s(before, decision, after.clock_ns)
                     if latency is not None:
                         self._detection.labels(cause).observe(latency)
+                case Transition(new="stopped"):
+                    self._requests.labels("stop", "stopped").inc()
+                case Issue(command=Abort()) if before.phase in ("stopped", "failed"):
+                    self._requests.labels("continue", "refused").inc()
                 case Rejected(code=code):
                     self._rejected.labels(code).inc()
                 case Anomaly(kind="checkpoint_mismatch"):

@@ -391,7 +391,7 @@ def _refusal(
         return (
             f"{_unusable(state, onset_after_step)}; restarting from the job's initial state "
             f"would discard every step trained (up to step {state.trend.high_water_step}), so "
-            f"the job fails instead (set allow_restart_from_scratch to restart it from there)"
+            f"it is refused (set allow_restart_from_scratch to restart from there)"
         )
     current = state.data_version
     if target is None or current is None or config.allow_data_version_change:

@@ -102,8 +102,9 @@ def supervise(
     log_path: Path,
     env: Mapping[str, str] | None = None,
     grace_s: float = 5.0,
+    args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
-    """Start ``trainguard run --nproc-per-node N -- command`` (the node's supervisor)."""
+    """Start ``trainguard run --nproc-per-node N [args] -- command`` (the node's supervisor)."""
     log = log_path.open("ab")
     return subprocess.Popen(
         [
@@ -119,6 +120,7 @@ def supervise(
             str(nproc_per_node),
             "--grace",
             str(grace_s),
+            *args,
             "--",
             *command,
         ],
@@ -257,6 +259,7 @@ def reference_run(
         nproc_per_node=world_size,
         log_path=out / "supervisor.log",
         env=charlm_env(out, repo),
+        args=("--daemon-timeout", "0"),  # no daemon on purpose: no warning about it
     )
     try:
         code = sup.wait(timeout_s)

@@ -61,6 +61,7 @@ from trainguard.schemas import (
     DataCursorEvent,
     Event,
     Heartbeat,
+    JobRequest,
     JSONValue,
     Lifecycle,
     Restore,
@@ -100,7 +101,14 @@ __all__ = [
 _NS_PER_MS = 1_000_000
 
 RowKind: TypeAlias = Literal[
-    "heartbeat", "checkpoint", "data-cursor", "lifecycle", "tick", "synthetic-tick", "refused"
+    "heartbeat",
+    "checkpoint",
+    "data-cursor",
+    "lifecycle",
+    "job-request",
+    "tick",
+    "synthetic-tick",
+    "refused",
 ]
 
 _KINDS: dict[type, RowKind] = {
@@ -108,6 +116,7 @@ _KINDS: dict[type, RowKind] = {
     Checkpoint: "checkpoint",
     DataCursorEvent: "data-cursor",
     Lifecycle: "lifecycle",
+    JobRequest: "job-request",
 }
 
 SYNTHETIC_DAEMON_ID = "what-if"
@@ -566,9 +575,11 @@ def _row(
     )
 
 
-def summary(event: Event) -> str:
+def summary(event: Event | JobRequest) -> str:
     """A few words on what ``event`` reports (``step 30 train, 0.31 s/step, loss 1.92``)."""
     match event:
+        case JobRequest():
+            return f"{event.kind} the job" + (f": {event.reason}" if event.reason else "")
         case Heartbeat():
             parts = [f"step {event.step} {event.phase}"]
             if event.step_time_s is not None:

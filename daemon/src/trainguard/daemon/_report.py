@@ -23,12 +23,15 @@ kinds add up to the wall time; ``docs/forensics.md`` has the same in prose):
 * ``restore``: from the incident to the ``resume`` of the generation that took over (restart,
   loading, the barrier), or to the job's end when nothing resumed.
 * ``tail``: after the final timeline's last step (final checkpoint, shutdown).
+* ``stopped``: from a stop on request to the job's continuation (or the job's end): no work
+  was asked for.
 * ``other``: anything the record does not explain (e.g. a generation that resumed without
   heartbeats).
 
 The final timeline is followed backwards from its last step: the last generation's steps
 survive, then those of the generation its restore target was written in, up to that target,
-and so on. For a job that failed it starts from the newest committed snapshot.
+and so on. For a job that failed or was stopped it starts from the newest committed snapshot
+(a continuation resumes from there).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ __all__ = [
 ]
 
 SegmentKind: TypeAlias = Literal[
-    "startup", "productive", "recomputed", "detection", "restore", "tail", "other"
+    "startup", "productive", "recomputed", "detection", "restore", "tail", "stopped", "other"
 ]
 SEGMENT_KINDS: tuple[SegmentKind, ...] = (
     "productive",
@@ -80,6 +83,7 @@ SEGMENT_KINDS: tuple[SegmentKind, ...] = (
     "restore",
     "startup",
     "tail",
+    "stopped",
     "other",
 )
 """Every kind of wall time, in the order reports list them."""
@@ -237,8 +241,10 @@ class JobReport:
     Attributes:
         job_id: the job.
         start_ms: the job's first event.
-        end_ms: the daemon's ``finished`` or ``failed`` transition, else the last event.
-        ended: ``finished``, ``failed``, or ``running`` (no end in the record yet).
+        end_ms: the daemon's ``finished``, ``failed`` or ``stopped`` transition (the latest,
+            unless the job was continued since), else the last event.
+        ended: ``finished``, ``failed``, ``stopped``, or ``running`` (no end in the record
+            yet, or continued since its last end).
         wall_s: ``end - start``, seconds.
         productive_s: time spent advancing steps of the final timeline, seconds.
         goodput: ``productive_s / wall_s`` (0 for an empty record).
@@ -359,11 +365,12 @@ def build_report(
             (o for o in opened if o.generation == gen.number and o.at_ms >= gen.begin_ms), None
         )
         gen.stop_ms = min(onsets[hit.incident_id][0], hit.at_ms) if hit else end
+        gen.stop_ms = min(gen.stop_ms, au.stops.get(gen.number, gen.stop_ms))
         gen.stop_ms = max(gen.begin_ms, min(gen.stop_ms, end))
         gen.ended_by = hit.incident_id if hit else None
     final_step = _final_timeline(gens, au, ended)
 
-    segments = _segments(gens, opened, onsets, restore_end, start, end, ended)
+    segments = _segments(gens, opened, au.stops, onsets, restore_end, start, end, ended)
     time_s: dict[str, float] = dict.fromkeys(SEGMENT_KINDS, 0.0)
     for seg in segments:
         time_s[seg.kind] += (seg.end_ms - seg.start_ms) / _MS
@@ -511,7 +518,7 @@ def _final_timeline(gens: dict[int, _Generation], au: AuditDigest, ended: str) -
         gen.keep_step = gen.from_step
     if not gens:
         return 0
-    if ended == "failed":
+    if ended in ("failed", "stopped"):
         if not au.commits:
             return gens[min(gens)].from_step
         number, step, _ = max(au.commits.values(), key=lambda c: c[2])
@@ -532,13 +539,15 @@ def _final_timeline(gens: dict[int, _Generation], au: AuditDigest, ended: str) -
 def _segments(
     gens: Mapping[int, _Generation],
     opened: Sequence[Opened],
+    stops: Mapping[int, int],
     onsets: Mapping[str, tuple[int, str]],
     restore_end: Mapping[str, int],
     start: int,
     end: int,
     ended: str,
 ) -> tuple[Segment, ...]:
-    """The partition of ``[start, end)`` (see the module docstring)."""
+    """The partition of ``[start, end)`` (see the module docstring); ``stops``: the time of
+    each generation's stop on request."""
     raw: list[Segment] = []
     # Without a training step in generation 0, start-up lasts until the first failure.
     first_onset = min((onsets[o.incident_id][0] for o in opened), default=end)
@@ -547,10 +556,14 @@ def _segments(
         kept = round(gen.curve.reached_ms(gen.keep_step))
         split = max(gen.begin_ms, min(kept, gen.stop_ms))
         raw.append(Segment("productive", gen.begin_ms, split, gen.number))
-        tail = gen.ended_by is None and ended != "failed"
+        tail = gen.ended_by is None and ended not in ("failed", "stopped")
         raw.append(
             Segment("tail" if tail else "recomputed", split, gen.stop_ms, gen.number, gen.ended_by)
         )
+    for generation, at in stops.items():
+        # Until the continuation of that generation, if any, else the job's end.
+        resumed = min((o.at_ms for o in opened if o.generation == generation), default=end)
+        raw.append(Segment("stopped", at, max(at, resumed), generation))
     for o in opened:
         onset = onsets[o.incident_id][0]
         raw.append(Segment("detection", onset, o.at_ms, o.generation, o.incident_id))

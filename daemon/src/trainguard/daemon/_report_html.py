@@ -43,6 +43,7 @@ KIND_COLORS = {
     "restore": "#6a1b9a",
     "startup": "#90a4ae",
     "tail": "#b0bec5",
+    "stopped": "#78909c",
     "other": "#e0e0e0",
 }
 PHASE_COLORS = {

@@ -85,7 +85,9 @@ class AuditDigest:
         resumes: ``(step, at_ms)`` by generation.
         closed: ``(outcome, at_ms)`` by incident id.
         commits: ``(generation, step, at_ms)`` by snapshot id.
-        ended: ``("finished" | "failed", at_ms)`` of the job's end, if it ended.
+        ended: ``("finished" | "failed" | "stopped", at_ms)`` of the job's end, if it ended
+            (and was not continued since).
+        stops: ``at_ms`` of each generation's stop on request (first only).
     """
 
     opened: dict[str, Opened] = field(default_factory=dict)
@@ -94,6 +96,7 @@ class AuditDigest:
     closed: dict[str, tuple[str, int]] = field(default_factory=dict)
     commits: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     ended: tuple[str, int] | None = None
+    stops: dict[int, int] = field(default_factory=dict)
 
 
 def read_audit(entries: Iterable[Mapping[str, Any]], commands: Iterable[Timed] = ()) -> AuditDigest:
@@ -140,8 +143,14 @@ def read_audit(entries: Iterable[Mapping[str, Any]], commands: Iterable[Timed] =
                 audit.commits.setdefault(
                     m["snapshot_id"], (int(m["generation"]), int(m["step"]), at)
                 )
-            elif kind == "transition" and d["new"] in ("finished", "failed") and not audit.ended:
+            elif kind == "transition" and d["new"] in ("finished", "failed", "stopped"):
+                # The latest end counts (a stopped or failed job may be continued and end again);
+                # a re-derived entry repeats its input's time.
                 audit.ended = (d["new"], at)
+                if d["new"] == "stopped":
+                    audit.stops.setdefault(int(d["generation"]), at)
+            elif kind == "transition" and d["old"] in ("failed", "stopped"):
+                audit.ended = None  # continued
     for item in commands:
         msg = item.message
         if not isinstance(msg, Restore | Resume):

@@ -31,6 +31,7 @@ KIND_NOTES = {
     "restore": "incident -> resume (restart, load, barrier)",
     "startup": "first event -> first training step",
     "tail": "last step -> end (final save, shutdown)",
+    "stopped": "stopped on request -> continued (or end)",
     "other": "not explained by the record",
 }
 """What each kind of wall time is, in a few words."""

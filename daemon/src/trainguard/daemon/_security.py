@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from trainguard.agent._keystore import DEFAULT_KEYS_DIR, DaemonKeys, KeyStore, KeyStoreError
-from trainguard.schemas import ClockTick, Event, Unauthenticated, verify_mac
+from trainguard.schemas import ClockTick, Event, JobRequest, Unauthenticated, verify_mac
 
 from ._intake import AuthRefusal, RawRecord
 from ._settings import SecurityConfig
@@ -114,7 +114,7 @@ class EventAuth:
         self._refreshed: dict[str, float] = {}
 
     def refuse(
-        self, record: RawRecord, message: Event | ClockTick
+        self, record: RawRecord, message: Event | JobRequest | ClockTick
     ) -> tuple[AuthRefusal, str] | None:
         """``None`` when ``record`` is authentic, else ``(code, reason)``; ``key_error`` when
         the job's key files cannot be used (the reason names the file, never a key)."""
@@ -127,7 +127,7 @@ class EventAuth:
             return "key_error", f"event keys of job {message.job_id!r} cannot be used: {exc}"
 
     def _judge(
-        self, keys: DaemonKeys, record: RawRecord, message: Event | ClockTick
+        self, keys: DaemonKeys, record: RawRecord, message: Event | JobRequest | ClockTick
     ) -> tuple[AuthRefusal, str] | None:
         job = message.job_id
         accepted = self._accepted(keys, job)

@@ -82,6 +82,7 @@ from trainguard.schemas import (
     Abort,
     ClockTick,
     Command,
+    JobRequest,
     JSONValue,
     Manifest,
     Restore,
@@ -114,12 +115,14 @@ _METRICS_INTERVAL_S = 2.0
 """Seconds between two updates of the gauges (consumer lag costs a round trip to the bus)."""
 
 # A command supersedes another of the same generation in this order (restore, then resume,
-# then abort), which is how a re-derived command is recognised as already sent.
+# then abort), and one of the same generation and type with a higher seq (the abort refusing a
+# continue after the abort that stopped the job), which is how a re-derived command (same
+# generation, type and seq) is recognised as already sent.
 _COMMAND_ORDER = {Restore: 0, Resume: 1, Abort: 2}
 
 
-def _command_rank(command: Command) -> tuple[int, int]:
-    return command.generation, _COMMAND_ORDER[type(command)]
+def _command_rank(command: Command) -> tuple[int, int, int]:
+    return command.generation, _COMMAND_ORDER[type(command)], command.seq
 
 
 @dataclass
@@ -324,11 +327,17 @@ class DaemonService:
             state = new_job(job)
             part.jobs.add(job)
             self._job_partition[job] = record.partition
-        if state.phase in TERMINAL_PHASES and isinstance(item, Observed) and not silent:
+        if (
+            state.phase in TERMINAL_PHASES
+            and isinstance(item, Observed)
+            and not isinstance(item.event, JobRequest)  # the machine judges requests itself
+            and not silent
+        ):
             # The machine ignores input for an ended job. Late reports of the job's own final
-            # generation (a supervisor's exit after its ranks finished) are routine: counted.
-            # Anything else is parked and said, since the usual cause is a new run started
-            # under an old job id.
+            # generation (a supervisor's exit after its ranks finished, or its workers' exits
+            # after a stop) are routine: counted. Anything else is parked and said, since the
+            # usual cause is a new run started under an old job id (or a supervisor started
+            # without --continue).
             if _late_report(state, item):
                 self.metrics.late(item)
                 log.debug(
@@ -345,7 +354,12 @@ class DaemonService:
                     bus,
                     record,
                     f"job {job!r} has {state.phase} (generation {state.generation}): input for "
-                    "it is ignored; a new run needs a new job id",
+                    "it is ignored; a new run needs a new job id"
+                    + (
+                        " (or: trainguard run --continue)"
+                        if state.phase in ("stopped", "failed")
+                        else ""
+                    ),
                 )
         new_state, decisions = decide(state, item, self._c.machine)
         self.jobs[job] = new_state

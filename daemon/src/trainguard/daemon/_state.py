@@ -23,8 +23,9 @@ from trainguard.schemas import Checkpoint, DataCursor, Manifest, Phase, RestoreM
 
 from ._window import Window
 
-JobPhase: TypeAlias = Literal["starting", "running", "restoring", "finished", "failed"]
-"""``starting -> running <-> restoring -> ... -> finished | failed``."""
+JobPhase: TypeAlias = Literal["starting", "running", "restoring", "finished", "failed", "stopped"]
+"""``starting -> running <-> restoring -> ... -> finished | failed | stopped``; a ``stopped``
+or ``failed`` job goes back to ``restoring`` when it is continued (``docs/operations.md``)."""
 
 RankStatus: TypeAlias = Literal["alive", "dead", "finished"]
 
@@ -44,8 +45,11 @@ IncidentCause: TypeAlias = Literal[
     "in_process_missed",
     "restore_mismatch",
     "cursor_mismatch",
+    "continued",
 ]
-"""What opened an incident or forced a restore to be retried (the detector's name)."""
+"""What opened an incident or forced a restore to be retried (the detector's name);
+``continued``: an operator continued a stopped or failed job (its restore is coordinated as an
+incident's)."""
 
 LONG_PHASES: frozenset[Phase] = frozenset({"init", "checkpoint", "eval", "data"})
 """Declared phases with their own time limits (``MachineConfig.phase_*_s``)."""
@@ -53,7 +57,9 @@ LONG_PHASES: frozenset[Phase] = frozenset({"init", "checkpoint", "eval", "data"}
 Sender: TypeAlias = tuple[int | None, str, int]
 """An event's sender: ``(rank, host, pid)``; ``rank`` is ``None`` for a supervisor."""
 
-TERMINAL_PHASES: frozenset[JobPhase] = frozenset({"finished", "failed"})
+TERMINAL_PHASES: frozenset[JobPhase] = frozenset({"finished", "failed", "stopped"})
+"""Phases in which the job's state no longer changes, but for a ``continue`` request of a
+``stopped`` or ``failed`` job."""
 
 new_tuple = tuple.__new__
 """``new_tuple(NamedTupleClass, (every field, in order))`` builds the named tuple in C, where the
@@ -351,6 +357,9 @@ class JobState(NamedTuple):
         data_version: the data version the job runs on (what its ranks last agreed on, in any
             generation), or ``None`` before any data cursor.
         loop: the crash-loop guard's count.
+        continued_generation: the generation the job's latest continuation (a ``continue``
+            request of a ``stopped`` or ``failed`` job) started, 0 before any: a ``stop``
+            request of an older generation was meant for the run before it and is stale.
     """
 
     job_id: str
@@ -376,6 +385,7 @@ class JobState(NamedTuple):
     watch: Watch = Watch()
     data_version: str | None = None
     loop: Loop = Loop()
+    continued_generation: int = 0
 
     def restore_target(self, onset_after_step: int | None = None) -> Manifest | None:
         """The restore target: the newest committed snapshot not known bad whose step is

@@ -271,12 +271,46 @@ def run(
             "checked on the bus first, passed to the workers as TRAINGUARD_INIT_FROM)."
         ),
     ] = None,
+    continue_job: Annotated[
+        bool,
+        typer.Option(
+            "--continue",
+            help="Continue a job that was stopped (trainguard stop, a signal) or failed, from "
+            "its latest committed snapshot; give it on every node. Without it such a job is "
+            "refused. A running job is joined either way.",
+        ),
+    ] = False,
+    daemon_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Warn when no daemon has read the job's events for this many seconds (0: never)."
+        ),
+    ] = 30.0,
+    warn_every: Annotated[
+        float, typer.Option(help="Seconds between two such warnings while it lasts.")
+    ] = 30.0,
+    daemon_group: Annotated[
+        str | None,
+        typer.Option(
+            help="The daemon's consumer group (for that check); default '<topic prefix>daemon'."
+        ),
+    ] = None,
+    stop_timeout: Annotated[
+        float,
+        typer.Option(
+            help="On SIGTERM/Ctrl-C, seconds to wait for the daemon to confirm the job's stop."
+        ),
+    ] = 30.0,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
     """Supervise this node's workers: start COMMAND, report exits, restart on restore orders.
 
-    Kafka TLS/SASL settings come from the TRAINGUARD_KAFKA_* variables, which the workers
-    inherit. Example: trainguard run --job j1 --nproc-per-node 2 -- python train.py
+    SIGTERM or Ctrl-C stops the whole job (every node's workers) as 'stopped', like
+    `trainguard stop JOB`. Exit status: 0 finished, 3 failed (aborted), 4 stopped, 143
+    signalled without the daemon's confirmation, 2 refused or a bad setting
+    (docs/operations.md). Kafka TLS/SASL settings come from the TRAINGUARD_KAFKA_* variables,
+    which the workers inherit. Example: trainguard run --job j1 --nproc-per-node 2 -- python
+    train.py
     """
     from trainguard.agent import AgentError
     from trainguard.agent._keystore import agent_keys_from_env
@@ -317,6 +351,11 @@ def run(
             grace_s=grace,
             env=env,
             keys=keys,
+            continue_job=continue_job,
+            daemon_group=daemon_group,
+            daemon_timeout_s=daemon_timeout,
+            warn_every_s=warn_every,
+            stop_timeout_s=stop_timeout,
         )
         code = asyncio.run(_until_signalled(Supervisor(config).run))
     except (AgentError, BusError) as exc:
@@ -413,6 +452,10 @@ _register_keys(app)
 from trainguard.daemon._cli_snapshots import register as _register_snapshots  # noqa: E402
 
 _register_snapshots(app)
+
+from trainguard.daemon._cli_stop import register as _register_stop  # noqa: E402
+
+_register_stop(app)
 
 
 def main() -> None:

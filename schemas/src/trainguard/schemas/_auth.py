@@ -54,6 +54,7 @@ from trainguard.schemas._messages import (
     ClockTick,
     DataCursorEvent,
     Heartbeat,
+    JobRequest,
     Lifecycle,
     Mac,
     Manifest,
@@ -88,8 +89,8 @@ _MAC_LAYOUT: Final = re.compile(
 """The ``auth`` member as ``encode`` writes it first, kid and MAC as the schema allows them
 (``common.v1.json``: 16 lowercase hex digits; 44 characters of standard base64)."""
 
-_Maced: TypeAlias = Heartbeat | Checkpoint | DataCursorEvent | Lifecycle | ClockTick
-_MACED_TYPES: Final = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick)
+_Maced: TypeAlias = Heartbeat | Checkpoint | DataCursorEvent | Lifecycle | ClockTick | JobRequest
+_MACED_TYPES: Final = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick, JobRequest)
 """The message types whose ``auth`` is a MAC."""
 
 _Mac = TypeVar("_Mac", bound=_Maced)

@@ -36,6 +36,10 @@ that extend the progress timeout."""
 
 LifecycleKind: TypeAlias = Literal["started", "restored", "finished", "exited", "error"]
 RestoreMode: TypeAlias = Literal["restart", "in_process"]
+RequestKind: TypeAlias = Literal["stop", "continue"]
+"""What a :class:`JobRequest` asks of the daemon."""
+AbortOutcome: TypeAlias = Literal["failed", "stopped"]
+"""How an :class:`Abort` ends the job: ``failed``, or ``stopped`` on request."""
 
 
 class NonFiniteAsString:
@@ -388,15 +392,25 @@ class Resume:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Abort:
-    """Command: stop the job for good (``abort/1``); ``reason`` says why."""
+    """Command: end the job (``abort/1``); ``reason`` says why.
 
-    SCHEMA: ClassVar[str] = "abort/1.1"
+    Attributes:
+        outcome: ``failed`` (the daemon gave up on the job), or ``stopped`` (since 1.2): the
+            job was stopped on request (:class:`JobRequest` ``stop``) and may be continued
+            from its latest committed snapshot (``continue``). A reader of an older minor
+            drops the property and takes every abort as a failure. A second abort of the same
+            generation with a higher ``seq`` answers a ``continue`` the daemon refused; the
+            job keeps its outcome.
+    """
+
+    SCHEMA: ClassVar[str] = "abort/1.2"
     job_id: str
     generation: int
     ts: int
     seq: int
     daemon_id: str
     reason: str
+    outcome: AbortOutcome = "failed"
     auth: Signature | None = field(default=None, metadata=_OMIT_NONE)
 
 
@@ -427,13 +441,52 @@ class ClockTick:
     auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobRequest:
+    """An operator's request about a whole job, on the ``events`` topic (``job-request/1``).
+
+    Sent by ``trainguard stop`` and by a supervisor (``trainguard run``) that was signalled
+    (``stop``) or started with ``--continue`` (``continue``); like an event it names its sender
+    with ``host`` and ``pid`` and carries the job's event MAC where keys are in use. The daemon
+    folds it in the job's state machine and answers on ``commands``.
+
+    Attributes:
+        generation: the job's generation as the sender knew it from the job's latest command
+            (0 when there is none). A ``stop`` of a generation older than the job's latest
+            continuation is stale (it was meant for the run before it); a ``continue`` must
+            name the generation the job was stopped or failed in.
+        kind: ``stop``: end the job ``stopped`` (an ``abort`` with ``outcome`` ``stopped``);
+            ``continue``: restart a ``stopped`` or ``failed`` job from its latest committed
+            snapshot (a ``restore`` of the next generation).
+        reason: why, in words (operator's text), at most 4096 characters.
+    """
+
+    SCHEMA: ClassVar[str] = "job-request/1.0"
+    job_id: str
+    generation: int
+    ts: int
+    seq: int
+    host: str
+    pid: int
+    kind: RequestKind
+    reason: str = ""
+    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
+
+    @property
+    def rank(self) -> None:
+        """Always ``None``: a request speaks for the whole job, like a supervisor's event (so
+        that a sender is ``(rank, host, pid)`` for every message of ``events``)."""
+        return None
+
+
 Event: TypeAlias = Heartbeat | Checkpoint | DataCursorEvent | Lifecycle
-"""Messages sent by workers and supervisors on the ``events`` topic."""
+"""Reports sent by workers and supervisors on the ``events`` topic (the ``events`` topic also
+carries :class:`JobRequest` and the daemon's :class:`ClockTick`)."""
 
 Command: TypeAlias = Restore | Resume | Abort
 """Messages sent by the daemon on the ``commands`` topic."""
 
-Message: TypeAlias = Event | Command | Manifest | ClockTick
+Message: TypeAlias = Event | Command | Manifest | ClockTick | JobRequest
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Heartbeat,
@@ -445,5 +498,6 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     Abort,
     Manifest,
     ClockTick,
+    JobRequest,
 )
 """Every top-level message class, one per schema file."""

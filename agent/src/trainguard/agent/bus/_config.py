@@ -20,13 +20,42 @@ __all__ = [
     "SECURITY_ENVIRONMENT",
     "BusConfig",
     "KafkaSecurity",
+    "default_bus_url",
     "load_kafka_security",
     "parse_bus_url",
     "topic_prefixes",
 ]
 
-DEFAULT_BUS_URL = "sqlite:trainguard-bus.db"
-"""The bus every party uses when none is configured: an embedded bus in the working folder."""
+
+def default_bus_url(env: Mapping[str, str] | None = None) -> str:
+    """The bus every party uses when none is configured: one embedded bus per user, at an
+    absolute place, whatever the working folder.
+
+    ``sqlite://$XDG_STATE_HOME/trainguard/bus.db``, or ``~/.local/state/trainguard/bus.db``
+    when ``XDG_STATE_HOME`` is unset, empty or relative (the XDG Base Directory rule: such a
+    value is ignored). The folder is created by the first party that opens the bus for
+    writing (the daemon, ``trainguard run``). An explicit ``--bus`` or ``TRAINGUARD_BUS``
+    always wins; processes of different users, or on different machines, share a bus only
+    through one.
+
+    Args:
+        env: the environment; ``None`` reads ``os.environ``.
+    """
+    env = os.environ if env is None else env
+    state = env.get("XDG_STATE_HOME", "")
+    base = Path(state) if state and Path(state).is_absolute() else _home(env) / ".local" / "state"
+    return f"sqlite://{base / 'trainguard' / 'bus.db'}"
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    """``$HOME`` when it is absolute, else the user's home from the password database."""
+    home = env.get("HOME", "")
+    return Path(home) if home and Path(home).is_absolute() else Path.home()
+
+
+DEFAULT_BUS_URL = default_bus_url()
+""":func:`default_bus_url` of this process's environment at import: the default of every
+``--bus`` option and of :class:`~trainguard.agent.AgentConfig`."""
 
 DEFAULT_TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec("events", partitions=6),

@@ -34,7 +34,12 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka import TopicPartition as KafkaTP
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.conn import create_conn
-from aiokafka.errors import KafkaConnectionError, KafkaError, SaslAuthenticationFailed
+from aiokafka.errors import (
+    GroupCoordinatorNotAvailableError,
+    KafkaConnectionError,
+    KafkaError,
+    SaslAuthenticationFailed,
+)
 from aiokafka.helpers import create_ssl_context
 
 from trainguard.agent.bus._config import BusConfig
@@ -359,6 +364,38 @@ class KafkaBus(Bus):
             f"end offsets of {topic!r}", meta.end_offsets(tps), self._timeout
         )
         return {TopicPartition(topic, ktp.partition): off for ktp, off in ends.items()}
+
+    async def group_positions(self, group_id: str, topic: str) -> dict[TopicPartition, int]:
+        """See :meth:`Bus.group_positions`: the group coordinator's committed offsets (an
+        admin client's ``OffsetFetch``, which does not join the group); ``{}`` while the
+        cluster has no coordinator for the group. Raises :class:`BusUnavailable` when the
+        cluster does not answer in time or refuses (an authorisation error names the group)."""
+        self._started_producer()
+        full = self._full(topic)
+        tps = [KafkaTP(full, p) for p in range(await self.partitions(topic))]
+        admin = AIOKafkaAdminClient(**self._client_kwargs())
+        try:
+            await self._bounded("connecting (admin)", admin.start(), self._timeout)
+            offsets = await self._bounded(
+                f"committed offsets of group {group_id!r}",
+                admin.list_consumer_group_offsets(group_id, partitions=tps),
+                self._timeout,
+            )
+        except BusUnavailable as exc:
+            # No coordinator for the group: no group of the cluster has committed yet (the
+            # offsets topic does not exist), or it is moving; either way nothing is known to
+            # have been read.
+            if isinstance(exc.__cause__, GroupCoordinatorNotAvailableError):
+                return {}
+            raise
+        finally:
+            await _close_quietly(admin.close(), self._timeout)
+        # The coordinator answers -1 for a partition the group has not committed.
+        return {
+            TopicPartition(topic, ktp.partition): meta.offset
+            for ktp, meta in sorted(offsets.items())
+            if ktp.topic == full and meta.offset >= 0
+        }
 
     async def latest_per_key(self, topic: str) -> dict[str, Record]:
         """Read ``topic`` from its first retained record to its end; keep each key's last.

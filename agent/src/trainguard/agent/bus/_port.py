@@ -223,6 +223,19 @@ class Bus(abc.ABC):
         """Offset the next record appended to each partition of ``topic`` will get."""
 
     @abc.abstractmethod
+    async def group_positions(self, group_id: str, topic: str) -> dict[TopicPartition, int]:
+        """The committed positions of consumer group ``group_id`` on ``topic``, read without
+        joining the group: partition -> offset of the next record the group will read.
+        Partitions the group has committed nothing for are left out (a group that never
+        committed, e.g. because no such group exists, gives ``{}``).
+
+        Lets a process that writes records see whether the group's members (the daemon) have
+        consumed them, without disturbing the group. Raises
+        :class:`~trainguard.agent.bus.BusError` when the bus cannot answer (on Kafka, also
+        when this client may not describe the group).
+        """
+
+    @abc.abstractmethod
     async def latest_per_key(self, topic: str) -> dict[str, Record]:
         """The latest record of every key of ``topic`` (a compacted topic's view).
 

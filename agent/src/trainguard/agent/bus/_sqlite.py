@@ -32,6 +32,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import structlog
 
+from trainguard.agent.bus import _sqlite_groups as groups
 from trainguard.agent.bus import _sqlite_log as log
 from trainguard.agent.bus._config import BusConfig, topic_prefixes
 from trainguard.agent.bus._errors import BusClosed, BusError, DeliveryFailed
@@ -260,6 +261,14 @@ class SQLiteBus(Bus):
             log.end_offsets, [(meta.topic_id, p) for p in range(meta.partitions)]
         )
         return {TopicPartition(topic, p): end for (_, p), end in sorted(ends.items())}
+
+    async def group_positions(self, group_id: str, topic: str) -> dict[TopicPartition, int]:
+        """See :meth:`Bus.group_positions`: the group's stored offsets (``group_offsets``).
+        Raises :class:`BusError` for an unknown topic."""
+        self._check_open()
+        meta = await self._topic(topic)
+        positions = await self._read(groups.positions, group_id, meta.topic_id)
+        return {TopicPartition(topic, p): offset for p, offset in sorted(positions.items())}
 
     async def latest_per_key(self, topic: str) -> dict[str, Record]:
         """See :meth:`Bus.latest_per_key`; proportional to the stored records of ``topic``

@@ -147,6 +147,16 @@ def committed(conn: sqlite3.Connection, group_id: str, tp: tuple[int, int]) -> i
     return None if row is None else int(row[0])
 
 
+def positions(conn: sqlite3.Connection, group_id: str, topic_id: int) -> dict[int, int]:
+    """Partition -> the group's committed position, for the partitions of ``topic_id`` that
+    have one."""
+    rows = conn.execute(
+        "SELECT partition, position FROM group_offsets WHERE group_id = ? AND topic_id = ?",
+        (group_id, topic_id),
+    ).fetchall()
+    return {int(partition): int(position) for partition, position in rows}
+
+
 def commit(
     conn: sqlite3.Connection,
     group_id: str,

@@ -1,0 +1,85 @@
+"""Sending a job request (stop, continue) and reading the job's latest command: what
+``trainguard run`` and ``trainguard stop`` share (``docs/operations.md``, "Stopping and
+continuing a job")."""
+
+from __future__ import annotations
+
+import time
+
+from trainguard.agent._command_gate import CommandGate, Ignored
+from trainguard.agent._keystore import EventKey
+from trainguard.agent.bus import Bus, Delivery
+from trainguard.schemas import Abort, JobRequest, RequestKind, Restore, Resume, add_mac, encode
+
+__all__ = ["latest_command", "send_request"]
+
+_MAX_REASON = 4096
+"""Longest ``reason`` a request may carry (``common.v1.json#/$defs/message``)."""
+
+
+async def send_request(
+    bus: Bus,
+    job_id: str,
+    kind: RequestKind,
+    *,
+    generation: int,
+    host: str,
+    pid: int,
+    seq: int,
+    reason: str = "",
+    key: EventKey | None = None,
+) -> Delivery:
+    """Publish a :class:`~trainguard.schemas.JobRequest` on the job's stream of ``events``
+    and wait until the bus holds it.
+
+    Args:
+        bus: a started bus.
+        job_id: the job.
+        kind: ``stop`` or ``continue``.
+        generation: the job's generation as the sender knows it from its latest command (0
+            when there is none).
+        host, pid: the sender.
+        seq: the sender's next sequence number (strictly increasing per ``(host, pid)``).
+        reason: why, in words; cut to 4096 characters.
+        key: the job's event key: the request carries its MAC (``None``: unauthenticated).
+
+    Returns:
+        Where the request landed (its partition and offset of ``events``).
+
+    Raises:
+        BusError: the bus did not take it within its send timeout.
+    """
+    request = JobRequest(
+        job_id=job_id,
+        generation=generation,
+        ts=time.time_ns(),
+        seq=seq,
+        host=host,
+        pid=pid,
+        kind=kind,
+        reason=reason[:_MAX_REASON],
+    )
+    if key is not None:
+        request = add_mac(request, key.kid, key.secret)
+    return await bus.publish("events", job_id, encode(request))
+
+
+async def latest_command(
+    bus: Bus, job_id: str, gate: CommandGate
+) -> tuple[Restore | Resume | Abort | None, Ignored | None]:
+    """The job's latest command on the compacted ``commands`` topic, if ``gate`` admits it.
+
+    Returns:
+        ``(command, None)``; ``(None, None)`` when the job has no command; ``(None, why)``
+        when its latest record is no command this process may act on (unsigned, stale, ...).
+
+    Raises:
+        BusError: the bus cannot be read.
+    """
+    record = (await bus.latest_per_key("commands")).get(job_id)
+    if record is None or record.value is None:
+        return None, None
+    verdict = gate.admit(record.value)
+    if isinstance(verdict, Ignored):
+        return None, verdict
+    return verdict, None
