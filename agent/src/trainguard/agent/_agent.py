@@ -378,33 +378,43 @@ class Agent:
             ShardError: the shard cannot be read or deserialized.
             AgentError: called outside the ``with`` block (nothing is reported then).
 
-            Before raising, a lifecycle ``error`` naming ``target.snapshot_id`` is sent (and
-            given up to 30 s to reach the bus), so that the daemon stops using that snapshot
-            and retries the restore from an older one; not for another job's snapshot
-            (``init_from``), which the daemon cannot rule out: the error that ends the process
-            is reported on exit instead.
+            Before raising, a lifecycle ``error`` is sent (and given up to 30 s to reach the
+            bus). For a snapshot of this job it names ``target.snapshot_id``, so that the
+            daemon stops using that snapshot and retries the restore from an older one. For
+            another job's snapshot (``init_from``), which the daemon cannot rule out, it names
+            none and says that this rank cannot start from it: the daemon hears why before it
+            notices the rank missing.
         """
         self._require_open()
         rank = self.config.rank
         try:
             shard = next((s for s in target.shards if s.rank == rank), None)
             if shard is None:
-                raise ShardMissing(f"snapshot {target.snapshot_id} has no shard for rank {rank}")
+                raise ShardMissing(
+                    f"snapshot {target.snapshot_id} has no shard for rank {rank}: it was taken "
+                    f"at world size {target.world_size}, this job runs {self.config.world_size} "
+                    "ranks (each rank loads its own shard; trainguard does not reshard)"
+                )
             state = load_shard(shard.uri, shard.digest)
             own = state.pop(RESERVED_KEY, None)
             if not isinstance(own, dict) or "rng" not in own:
                 raise ShardError(f"shard {shard.uri} was not written by a trainguard agent")
             restore_rng(own["rng"])
         except ShardError as exc:
-            if target.job_id != self.config.job_id:
-                raise
             self._reported = exc
-            self._lifecycle(
-                "error",
-                step=target.step,
-                snapshot_id=target.snapshot_id,
-                message=_describe(exc),
-            )
+            if target.job_id == self.config.job_id:
+                self._lifecycle(
+                    "error",
+                    step=target.step,
+                    snapshot_id=target.snapshot_id,
+                    message=_describe(exc),
+                )
+            else:
+                self._lifecycle(
+                    "error",
+                    step=self._progress[0],
+                    message=_describe_init(target.snapshot_id, exc),
+                )
             self._link.flush(_FLUSH_S)
             raise
         return state
@@ -770,6 +780,11 @@ class Agent:
                 **fields,
             )
         )
+
+
+def _describe_init(snapshot_id: str, exc: BaseException) -> str:
+    """Why this rank cannot start from another job's snapshot, for a lifecycle ``error``."""
+    return f"cannot start from init_from snapshot {snapshot_id}: {_describe(exc)}"[:_MESSAGE_CHARS]
 
 
 def _describe(exc: BaseException) -> str:
