@@ -249,7 +249,16 @@ def run_init_from(
         (("--nproc-per-node", "3"), "world size 3: rank 2 would find no shard"),
         # Two nodes of 2: the second node's ranks 2-3 have no shard either.
         (
-            ("--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "29999"),
+            (
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-port",
+                "29999",
+            ),
             "world size 4: ranks 2..3 would find no shard",
         ),
         # Plain mode: the command starts its ranks itself; the ranks it hosts bound the size.

@@ -134,4 +134,3 @@ def test_a_cached_reference_run_is_reused_only_for_its_world_size_and_arguments(
     assert reference(2) == two  # reused: no new run
     assert reference(3) == three
     assert len(runs) == 3
-

@@ -68,11 +68,13 @@ class Shape:
         steps: training steps.
         checkpoint_every: steps between checkpoints.
         seed: the training seed.
+        world_size: ranks, all on this machine (``--nproc-per-node``).
     """
 
     steps: int = 120
     checkpoint_every: int = 20
     seed: int = 3
+    world_size: int = WORLD_SIZE
 
 
 class JobRun:
@@ -171,7 +173,8 @@ class JobRun:
         heartbeat_interval_s: float = 0.5,
         checksum_every: int | None = None,
     ) -> None:
-        """Start the supervisor (``trainguard run --nproc-per-node 2``) with ``faults`` as
+        """Start the supervisor (``trainguard run --nproc-per-node N``, N the shape's world
+        size) with ``faults`` as
         ``TRAINGUARD_FAULTS`` in its workers, ``extra`` options of ``examples/charlm/train.py``,
         heartbeats every ``heartbeat_interval_s`` seconds, and parameter checksums every
         ``checksum_every`` steps (``None``: the agent's default)."""
@@ -187,7 +190,7 @@ class JobRun:
             ),
             bus_url=self.bus.url,
             prefix=self.bus.prefix,
-            nproc_per_node=WORLD_SIZE,
+            nproc_per_node=s.world_size,
             log_path=self.workdir / "supervisor.log",
             env=charlm_env(
                 self.out,
@@ -369,10 +372,11 @@ def assert_exact(run: JobRun, code: int, record: JobRecord) -> None:
     assert final.read_text() == reference.read_text(), (
         f"final parameters differ from the uninterrupted run {run.describe()}"
     )
+    ranks = run.shape.world_size
     ledgers = [
-        read_ledger(ledger_path(d, r) for r in range(WORLD_SIZE)) for d in (run.out, run.reference)
+        read_ledger(ledger_path(d, r) for r in range(ranks)) for d in (run.out, run.reference)
     ]
-    comparison = compare_ledgers(ledgers[0], ledgers[1], WORLD_SIZE)
+    comparison = compare_ledgers(ledgers[0], ledgers[1], ranks)
     assert comparison.exact, (
         f"ledger not exact: {sum(comparison.missing.values())} samples skipped "
         f"(e.g. {sorted(comparison.missing)[:3]}), {sum(comparison.extra.values())} repeated "
