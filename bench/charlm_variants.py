@@ -149,6 +149,21 @@ class NullAgent:
     def ready(self, step: int, cursor: DataCursor | None = None) -> None:
         """Nothing to acknowledge."""
 
+    @property
+    def skip(self) -> None:
+        """No restore, so nothing to skip."""
+        return None
+
+    def watch(self, model: Any) -> None:
+        """No checksums."""
+
+    def perturb_loss(self, step: int, loss: Any) -> Any:
+        """No faults: ``loss`` itself."""
+        return loss
+
+    def phase(self, phase: str) -> None:
+        """Nothing to declare."""
+
     def step(self, step: int, *, loss: float | None = None, samples: int = 0) -> None:
         """Nothing to record."""
 

@@ -331,8 +331,9 @@ def restore_decisions(record: JobRecord) -> list[tuple[dict[str, Any], list[dict
 
 
 def assert_targets_newest_good(run: JobRun, record: JobRecord) -> None:
-    """Every restore on the commands topic targets the newest snapshot committed before the
-    daemon decided it (audit trail) and not reported corrupt before it: a rank's lifecycle
+    """Every restore the daemon issued (``record.restores()``, from the audit trail: the
+    commands topic is compacted) targets the newest snapshot committed before the daemon
+    decided it and not reported corrupt before it: a rank's lifecycle
     ``error`` naming a snapshot in generation g rules it out for restores of generation > g."""
     reported: dict[str, int] = {}
     for stamped in record.events:

@@ -41,7 +41,12 @@ from torch import nn
 from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, as the type stubs know it
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["averages_in_fixed_order", "ordered_allreduce", "ordered_allreduce_hook"]
+__all__ = [
+    "average_in_rank_order",
+    "averages_in_fixed_order",
+    "ordered_allreduce",
+    "ordered_allreduce_hook",
+]
 
 _ALL_GATHER: Any = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 """``all_gather_into_tensor`` under its torch 2.13 name (the old one is deprecated there; this
@@ -65,10 +70,22 @@ def ordered_allreduce_hook(
     Returns:
         A future of the averaged bucket (the same shape as ``bucket.buffer()``).
     """
-    buffer = bucket.buffer()
-    world = dist.get_world_size(state)
+    return average_in_rank_order(bucket.buffer(), state)
+
+
+def average_in_rank_order(
+    buffer: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.futures.Future[torch.Tensor]:
+    """The average of ``buffer`` over the ranks of ``group`` (``None``: the default group),
+    its elements summed in rank order: what :func:`ordered_allreduce_hook` does to a bucket.
+    ``buffer`` is not changed.
+
+    Returns:
+        A future of a new tensor of ``buffer``'s shape, dtype and device.
+    """
+    world = dist.get_world_size(group)
     gathered = torch.empty(world * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
-    work = _ALL_GATHER(gathered, buffer, group=state, async_op=True)
+    work = _ALL_GATHER(gathered, buffer.reshape(-1), group=group, async_op=True)
 
     def average(_: torch.futures.Future[Any]) -> torch.Tensor:
         rows = gathered.view(world, -1)
