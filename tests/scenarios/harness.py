@@ -173,8 +173,7 @@ class JobRun:
         heartbeat_interval_s: float = 0.5,
         checksum_every: int | None = None,
     ) -> None:
-        """Start the supervisor (``trainguard run --nproc-per-node N``, N the shape's world
-        size) with ``faults`` as
+        """Start the supervisor (``trainguard run --nproc-per-node 2``) with ``faults`` as
         ``TRAINGUARD_FAULTS`` in its workers, ``extra`` options of ``examples/charlm/train.py``,
         heartbeats every ``heartbeat_interval_s`` seconds, and parameter checksums every
         ``checksum_every`` steps (``None``: the agent's default)."""
