@@ -7,7 +7,8 @@ Usage (the repository root on ``PYTHONPATH``; charlm's arguments after ``--``)::
         bench/charlm_variants.py local-resume -- --steps 200 --out OUT
 
 charlm's code is not changed: the variant only replaces the class that
-``examples.charlm.train`` instantiates as ``Agent``, then calls its ``main``.
+``examples.charlm.train`` instantiates as ``Agent`` (and for ``plain-ddp`` the function it wraps
+DDP with), then calls its ``main``.
 
 * ``local-resume``: the real agent, plus what a user of plain ``torchrun`` writes so that a
   restart does not start from scratch: after a restart (``TORCHELASTIC_RESTART_COUNT`` > 0) it
@@ -16,6 +17,8 @@ charlm's code is not changed: the variant only replaces the class that
   reads: torchrun's generation stays 0, and the newest complete step folder is the target.
 * ``no-agent``: a null agent with the methods charlm calls, doing nothing: charlm without
   trainguard (no heartbeats, no events, no background thread; checkpoints are not written).
+* ``plain-ddp``: as ``no-agent``, and DDP averages the gradients with its own all-reduce
+  instead of ``trainguard.agent.ordered_allreduce`` (``bench/ordered_allreduce.py``).
 * ``timed``: the real agent with its cost measured on every rank, written to
   ``DIR/rank-<r>.json`` (see :class:`TimedAgent`).
 """
@@ -51,7 +54,7 @@ __all__ = [
     "main",
 ]
 
-VARIANTS = ("local-resume", "no-agent", "timed")
+VARIANTS = ("local-resume", "no-agent", "plain-ddp", "timed")
 """The variants, as named on the command line."""
 
 
@@ -145,6 +148,21 @@ class NullAgent:
 
     def ready(self, step: int, cursor: DataCursor | None = None) -> None:
         """Nothing to acknowledge."""
+
+    @property
+    def skip(self) -> None:
+        """No restore, so nothing to skip."""
+        return None
+
+    def watch(self, model: Any) -> None:
+        """No checksums."""
+
+    def perturb_loss(self, step: int, loss: Any) -> Any:
+        """No faults: ``loss`` itself."""
+        return loss
+
+    def phase(self, phase: str) -> None:
+        """Nothing to declare."""
 
     def step(self, step: int, *, loss: float | None = None, samples: int = 0) -> None:
         """Nothing to record."""
@@ -307,6 +325,11 @@ class TimedAgent(Agent):
         path.write_text(json.dumps(report, indent=1))
 
 
+def _plain_ddp(model: Any) -> Any:
+    """``ordered_allreduce``'s stand-in for ``plain-ddp``: DDP as constructed, its own hook."""
+    return model
+
+
 # -- entry point -----------------------------------------------------------------------------
 
 
@@ -336,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             factory = LocalResumeAgent
         case "no-agent":
             factory = NullAgent
+        case "plain-ddp":
+            factory = NullAgent
+            train.ordered_allreduce = _plain_ddp  # type: ignore[attr-defined]  # as train.Agent
         case _:
             factory = functools.partial(
                 TimedAgent, report_dir=args.report, compare_save=args.compare_save

@@ -48,7 +48,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from trainguard.agent import Agent, AgentConfig, RestoreRequested, ResumableDistributedSampler
+from trainguard.agent import (
+    Agent,
+    AgentConfig,
+    RestoreRequested,
+    ResumableDistributedSampler,
+    ordered_allreduce,
+)
 from trainguard.schemas import Checkpoint, Manifest, StepRange
 
 from .data import ByteWindows
@@ -168,14 +174,19 @@ def build_run(config: TrainConfig, rank: int, world_size: int) -> Run:
     """Build data, model (initialized from ``config.seed``), optimizer, sampler and loader.
 
     Every rank initializes the same parameters; afterwards torch's generator is reseeded per
-    rank so dropout masks differ between ranks but are reproducible.
+    rank so dropout masks differ between ranks but are reproducible. DDP averages the gradients
+    with :func:`trainguard.agent.ordered_allreduce`: in rank order, whatever its bucket layout,
+    which a restarted process rebuilds (bitwise restores at any world size:
+    ``docs/bitwise.md``).
     """
     data = ByteWindows.from_stdlib(config.model.context)
     torch.manual_seed(config.seed)
     model = CharLM(config.model)
     torch.manual_seed(derive_seed(config.seed, "dropout", rank))
     random.seed(derive_seed(config.seed, "python", rank))
-    wrapped: nn.Module = DistributedDataParallel(model) if dist.is_initialized() else model
+    wrapped: nn.Module = (
+        ordered_allreduce(DistributedDataParallel(model)) if dist.is_initialized() else model
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     sampler = ResumableDistributedSampler(
         len(data),
@@ -224,7 +235,8 @@ def restore(agent: Agent, run: Run, config: TrainConfig, target: Manifest) -> in
         raise ValueError(f"snapshot {target.snapshot_id} has world size {target.world_size}")
     if target.step > config.steps:
         raise ValueError(f"snapshot step {target.step} is beyond --steps {config.steps}")
-    # Checks the data version (DataVersionMismatch) before anything is loaded.
+    # Checks the data version (DataVersionMismatch) before anything is loaded; the sampler
+    # counts the batches it hands out from here on.
     run.sampler.load_state_dict(target.cursor)
     state = agent.load(target)
     run.model.load_state_dict(state["model"])
@@ -234,16 +246,16 @@ def restore(agent: Agent, run: Run, config: TrainConfig, target: Manifest) -> in
 
 def batches(
     loader: DataLoader[tuple[int, torch.Tensor]],
-) -> Iterator[tuple[int, list[int], torch.Tensor]]:
-    """Yield ``(steps into the pass, sample ids, windows)`` endlessly, one per step.
+) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """Yield ``(sample ids, windows)`` endlessly, one per step.
 
     Each pass over the loader ends where the sampler's epoch ends and the next continues from
-    the sampler's cursor, so a restored cursor takes effect here; the first element counts the
-    batches of the current pass (1, 2, ...), for ``sampler.cursor_after``.
+    the sampler's cursor, so a restored cursor or a skip takes effect here; the sampler counts
+    what it handed out across passes (``sampler.cursor``).
     """
     while True:
-        for steps, (ids, windows) in enumerate(loader, start=1):
-            yield steps, ids.tolist(), windows
+        for ids, windows in loader:
+            yield ids.tolist(), windows
 
 
 def train_step(run: Run, windows: torch.Tensor, agent: Agent, step: int) -> float:
@@ -260,19 +272,6 @@ def train_step(run: Run, windows: torch.Tensor, agent: Agent, step: int) -> floa
     torch.nn.utils.clip_grad_norm_(run.model.parameters(), MAX_GRAD_NORM)
     run.optimizer.step()
     return loss.item()
-
-
-def skip_batches(run: Run, trained_in_pass: int, skip: StepRange) -> None:
-    """Move the sampler past the batches of steps ``skip.from_step .. skip.to_step``, seen
-    from the cursor after ``trained_in_pass`` batches of the live pass; the next pass over the
-    loader starts there (``docs/wire-contract.md``, restore, skipping batches)."""
-    sampler = run.sampler
-    cursor = sampler.order.advance(
-        sampler.cursor_after(trained_in_pass),
-        sampler.global_batch_size,
-        skip.to_step - skip.from_step + 1,
-    )
-    sampler.load_state_dict(cursor)
 
 
 def evaluate(agent: Agent, run: Run, config: TrainConfig) -> float:
@@ -308,7 +307,9 @@ def reload(agent: Agent, run: Run, config: TrainConfig, request: RestoreRequeste
         run = build_run(config, agent.config.rank, agent.config.world_size)
     else:
         restore(agent, run, config, request.target)
-    agent.ready(request.step, cursor=run.sampler.cursor_after(0))
+    if request.skip is not None:
+        run.sampler.skip(request.skip, restored_step=request.step)
+    agent.ready(request.step, cursor=run.sampler.cursor)
     return run
 
 
@@ -329,23 +330,24 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
         if target is not None:
             step = restore(agent, run, config, target)
             log.info("restored", step=step, snapshot_id=target.snapshot_id)
-        agent.ready(step, cursor=run.sampler.cursor_after(0))
         skip = agent.skip if agent.skip is not None else config.skip
+        # Never train the batches of these steps (docs/wire-contract.md); a snapshot past
+        # their start holds a cursor that skipped them already.
+        if skip is not None and skip.from_step > step:
+            run.sampler.skip(skip, restored_step=step)
+        agent.ready(step, cursor=run.sampler.cursor)
         log.info("started", step=step, dataset_version=run.data.version, samples=len(run.data))
         durations: list[float] = []
         loss = float("nan")
         generation = agent.config.generation
         with LedgerWriter(ledger_path(config.out, rank), generation, rank) as ledger:
-            data, in_pass = batches(run.loader), 0
+            data = batches(run.loader)
             if config.sync:  # replicas are bitwise equal only when gradients are averaged
                 agent.watch(run.model)
             while step < config.steps:
                 step += 1
-                if skip is not None and step == skip.from_step:
-                    skip_batches(run, in_pass, skip)
-                    data, in_pass = batches(run.loader), 0
                 began = time.perf_counter()
-                in_pass, ids, windows = next(data)
+                ids, windows = next(data)
                 loss = train_step(run, windows, agent, step)
                 time.sleep(config.step_sleep)
                 ledger.record(step, ids)
@@ -354,9 +356,9 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
                 except RestoreRequested as request:
                     log.warning("restore_requested", step=step, detail=str(request))
                     run = reload(agent, run, config, request)
-                    step, skip = request.step, request.skip
+                    step = request.step
                     ledger.generation = agent.config.generation
-                    data, in_pass = batches(run.loader), 0
+                    data = batches(run.loader)
                     if config.sync:
                         agent.watch(run.model)
                     log.info("reloaded", step=step, generation=ledger.generation)
@@ -368,7 +370,7 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
                     saved = agent.checkpoint(
                         step,
                         capture_state(run),
-                        cursor=run.sampler.cursor_after(in_pass),
+                        cursor=run.sampler.cursor,
                         blocking=config.blocking_checkpoints,
                     )
                     saved.add_done_callback(functools.partial(_log_checkpoint, log, step))

@@ -16,7 +16,14 @@ import torch
 
 from tests.agent import _jobbus as daemon
 from tests.agent._jobbus import lifecycles, of_type, read_events, wait_for_events
-from trainguard.agent import Agent, AgentConfig, ConfigError, RestoreRequested, ShardCorrupt
+from trainguard.agent import (
+    Agent,
+    AgentConfig,
+    ConfigError,
+    RestoreRequested,
+    ShardCorrupt,
+    ShardMissing,
+)
 from trainguard.agent._manifests import read_manifests
 from trainguard.agent._shards import uri_to_path
 from trainguard.agent.bus import BusConfig, open_bus
@@ -131,9 +138,35 @@ def test_a_corrupt_origin_is_not_reported_to_this_jobs_daemon(
     with pytest.raises(ShardCorrupt), agent:
         agent.load(agent.restore_target() or pytest.fail("no target"))
     (error,) = lifecycles(read_events(bus_url, B), "error")
-    # The daemon of B cannot rule out A's snapshot: the exit reports the error, naming none.
+    # The daemon of B cannot rule out A's snapshot: the report names none, and says why.
     assert error.snapshot_id is None
+    assert error.message is not None
+    assert f"cannot start from init_from snapshot {origin.manifest.snapshot_id}" in error.message
     assert "ShardCorrupt" in error.message
+
+
+def test_a_rank_the_origin_has_no_shard_for_reports_why_before_it_exits(
+    make_agent: Callable[..., Agent], bus_url: str, origin: Origin
+) -> None:
+    """Rank 1 of 2 started from A's 1-rank snapshot (``trainguard run`` refuses that at start;
+    a worker started otherwise says so at once, while it still runs)."""
+    sid = origin.manifest.snapshot_id
+
+    def load_and_look(agent: Agent) -> None:
+        """Load the origin; as it raises, the error must be on the bus already."""
+        try:
+            agent.load(agent.restore_target() or pytest.fail("no target"))
+        finally:
+            (error,) = lifecycles(read_events(bus_url, B), "error")
+            assert (error.rank, error.snapshot_id) == (1, None)
+            assert error.message is not None
+            assert error.message.startswith(f"cannot start from init_from snapshot {sid}: ")
+
+    agent = make_agent(job_id=B, rank=1, world_size=2, init_from=sid)
+    with pytest.raises(ShardMissing, match="taken at world size 1, this job runs 2 ranks"), agent:
+        load_and_look(agent)
+    # Reported once: the exit the error caused does not repeat it.
+    assert len(lifecycles(read_events(bus_url, B), "error")) == 1
 
 
 def test_a_restore_to_the_initial_state_loads_the_origin_again(

@@ -213,6 +213,91 @@ def test_run_refuses_an_unknown_init_from_before_starting_workers(
     assert not marker.exists()
 
 
+def run_init_from(
+    url: str, snapshot: str, marker: Path, *options: str
+) -> subprocess.CompletedProcess[str]:
+    """``trainguard run --job next --init-from SNAPSHOT OPTIONS -- <create marker>`` on
+    ``url``, with no daemon key to be found (as :func:`checkpoints`)."""
+    env = {k: v for k, v in os.environ.items() if k not in _KEY_VARIABLES}
+    return subprocess.run(
+        [
+            *CLI,
+            "run",
+            "--job",
+            "next",
+            "--bus",
+            url,
+            "--init-from",
+            snapshot,
+            *options,
+            "--",
+            sys.executable,
+            "-c",
+            f"open({str(marker)!r}, 'w')",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "beyond"),
+    [
+        (("--nproc-per-node", "4"), "world size 4: ranks 2..3 would find no shard"),
+        (("--nproc-per-node", "3"), "world size 3: rank 2 would find no shard"),
+        # Two nodes of 2: the second node's ranks 2-3 have no shard either.
+        (
+            (
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-port",
+                "29999",
+            ),
+            "world size 4: ranks 2..3 would find no shard",
+        ),
+        # Plain mode: the command starts its ranks itself; the ranks it hosts bound the size.
+        (("--ranks", "0-2"), "world size 3: rank 2 would find no shard"),
+    ],
+)
+def test_run_refuses_an_init_from_its_world_size_cannot_load_before_starting_workers(
+    catalog_bus: str, tmp_path: Path, options: tuple[str, ...], beyond: str
+) -> None:
+    marker = tmp_path / "started"
+    done = run_init_from(catalog_bus, "pre/g0/s40", marker, *options)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--init-from pre/g0/s40 cannot seed this job" in done.stderr
+    assert beyond in done.stderr
+    assert "of world size 2" in done.stderr  # the snapshot's, as compat words it
+    assert not marker.exists()
+
+
+def test_run_refuses_an_init_from_whose_shard_file_this_node_would_load_is_missing(
+    catalog_bus: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    done = run_init_from(catalog_bus, "pre/g0/s20", marker, "--nproc-per-node", "2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "shard of rank 1 is missing" in done.stderr
+    assert not marker.exists()
+
+
+def test_run_starts_from_an_init_from_it_can_load_and_passes_on_a_warning(
+    catalog_bus: str, tmp_path: Path
+) -> None:
+    """World size 1 from a 2-rank data-parallel snapshot: compat warns, the job starts (no
+    daemon is needed for generation 0; the worker's exit ends the supervisor)."""
+    marker = tmp_path / "started"
+    done = run_init_from(catalog_bus, "pre/g0/s40", marker, "--nproc-per-node", "1")
+    assert "warning: --init-from pre/g0/s40: world size 1 < 2" in done.stderr
+    assert marker.exists(), done.stderr
+
+
 # -- signatures and abandoned snapshots -----------------------------------------------------------
 
 
@@ -356,3 +441,13 @@ def test_a_snapshot_a_restore_rolled_back_is_abandoned_and_refused(
     assert refused["refusals"] == [dropped["reason"]]
     kept = checkpoints(rolled_back.url, "compat", "job/g0/s20", "--no-check-files", *keys)
     assert kept.returncode == 0, kept.stdout + kept.stderr
+
+
+def test_run_refuses_an_init_from_a_restore_abandoned(
+    rolled_back: RolledBack, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    done = run_init_from(rolled_back.url, "job/g0/s30", marker, "--nproc-per-node", "4")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "abandoned: the restore of generation 1 to job/g0/s20 (step 20)" in done.stderr
+    assert not marker.exists()

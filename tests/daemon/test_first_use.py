@@ -167,7 +167,7 @@ def test_reference_runs_beyond_keep_are_pruned_least_recently_used_first(
     tmp_path: Path,
 ) -> None:
     args = {"steps": 40, "checkpoint_every": 10, "seed": 0, "extra": ()}
-    key = _rehearsal._reference_key(REPO, 40, 10, 0, ())
+    key = _rehearsal._reference_key(REPO, 40, 10, 0, 2, ())
     cached = tmp_path / f"reference-{key}"
     cached.mkdir()
     (cached / "final.sha256").write_text("x")

@@ -68,11 +68,13 @@ class Shape:
         steps: training steps.
         checkpoint_every: steps between checkpoints.
         seed: the training seed.
+        world_size: ranks, all on this machine (``--nproc-per-node``).
     """
 
     steps: int = 120
     checkpoint_every: int = 20
     seed: int = 3
+    world_size: int = WORLD_SIZE
 
 
 class JobRun:
@@ -189,7 +191,7 @@ class JobRun:
             ),
             bus_url=self.bus.url,
             prefix=self.bus.prefix,
-            nproc_per_node=WORLD_SIZE,
+            nproc_per_node=s.world_size,
             log_path=self.workdir / "supervisor.log",
             env=charlm_env(
                 self.out,
@@ -331,8 +333,9 @@ def restore_decisions(record: JobRecord) -> list[tuple[dict[str, Any], list[dict
 
 
 def assert_targets_newest_good(run: JobRun, record: JobRecord) -> None:
-    """Every restore on the commands topic targets the newest snapshot committed before the
-    daemon decided it (audit trail) and not reported corrupt before it: a rank's lifecycle
+    """Every restore the daemon issued (``record.restores()``, from the audit trail: the
+    commands topic is compacted) targets the newest snapshot committed before the daemon
+    decided it and not reported corrupt before it: a rank's lifecycle
     ``error`` naming a snapshot in generation g rules it out for restores of generation > g."""
     reported: dict[str, int] = {}
     for stamped in record.events:
@@ -372,10 +375,11 @@ def assert_exact(run: JobRun, code: int, record: JobRecord) -> None:
     assert final.read_text() == reference.read_text(), (
         f"final parameters differ from the uninterrupted run {run.describe()}"
     )
+    ranks = run.shape.world_size
     ledgers = [
-        read_ledger(ledger_path(d, r) for r in range(WORLD_SIZE)) for d in (run.out, run.reference)
+        read_ledger(ledger_path(d, r) for r in range(ranks)) for d in (run.out, run.reference)
     ]
-    comparison = compare_ledgers(ledgers[0], ledgers[1], WORLD_SIZE)
+    comparison = compare_ledgers(ledgers[0], ledgers[1], ranks)
     assert comparison.exact, (
         f"ledger not exact: {sum(comparison.missing.values())} samples skipped "
         f"(e.g. {sorted(comparison.missing)[:3]}), {sum(comparison.extra.values())} repeated "

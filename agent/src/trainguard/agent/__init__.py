@@ -4,10 +4,12 @@
 :class:`Agent` (and :class:`RestoreRequested`, the one exception a training loop catches).
 The data cursor (:class:`GlobalOrder`, :class:`ResumableDistributedSampler`) makes a restore
 resume with no sample skipped or repeated; :func:`dataset_version` binds a
-checkpoint to the data it was trained on.
+checkpoint to the data it was trained on; :func:`ordered_allreduce` makes DDP's gradient
+averaging independent of its bucket layout, so that restores are bitwise exact with 3 or more
+ranks (``docs/bitwise.md``).
 
-Importing this package does not import torch; ``ResumableDistributedSampler`` loads it on
-first use.
+Importing this package does not import torch; ``ResumableDistributedSampler``,
+``ordered_allreduce`` and ``ordered_allreduce_hook`` load it on first use.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from trainguard.agent._errors import (
 from trainguard.agent._faults import Fault, FaultKind, parse_faults
 
 if TYPE_CHECKING:
+    from trainguard.agent._ddp import ordered_allreduce, ordered_allreduce_hook
     from trainguard.agent._sampler import ResumableDistributedSampler
 
 __all__ = [
@@ -68,14 +71,21 @@ __all__ = [
     "dataset_manifest",
     "dataset_version",
     "epoch_permutation",
+    "ordered_allreduce",
+    "ordered_allreduce_hook",
     "parse_faults",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # The sampler subclasses torch's Sampler; load torch only when it is asked for.
+    # The sampler subclasses torch's Sampler, the DDP hook uses torch.distributed: load torch
+    # only when they are asked for.
     if name == "ResumableDistributedSampler":
         from trainguard.agent._sampler import ResumableDistributedSampler
 
         return ResumableDistributedSampler
+    if name in ("ordered_allreduce", "ordered_allreduce_hook"):
+        from trainguard.agent import _ddp
+
+        return getattr(_ddp, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -111,25 +111,29 @@ class Agent:
 
         with Agent(job_id="my-job") as agent:        # or TRAINGUARD_JOB; RANK, WORLD_SIZE
             model, optim, sampler, loader = build()   # seeds, initial parameters
-            start = 0
+            step = 0
             if (target := agent.restore_target()) is not None:
                 sampler.load_state_dict(target.cursor)
                 state = agent.load(target)            # digest-verified; RNG states restored
                 model.load_state_dict(state["model"])
                 optim.load_state_dict(state["optim"])
-                start = target.step
+                step = target.step
+            if agent.skip is not None:                # a loss spike's batches: never again
+                sampler.skip(agent.skip, restored_step=step)
             # After a restore: acknowledge it and wait for the daemon's resume.
-            agent.ready(start, cursor=sampler.cursor_after(0))
+            agent.ready(step, cursor=sampler.cursor)
             agent.watch(model)                        # parameter checksums (optional)
-            for steps, batch in enumerate(loader, start=1):
-                step = start + steps
-                loss = agent.perturb_loss(step, forward(batch))  # fault injection (optional)
-                loss.backward(); optim.step()
-                agent.step(step, loss=loss.item(), samples=len(batch))
-                if step % 50 == 0:
-                    state = {"model": model.state_dict(), "optim": optim.state_dict()}
-                    agent.checkpoint(step, state, cursor=sampler.cursor_after(steps),
-                                     blocking=False)
+            while step < total_steps:                 # one pass over the loader per epoch
+                for batch in loader:
+                    step += 1
+                    loss = agent.perturb_loss(step, forward(batch))  # fault injection (optional)
+                    loss.backward(); optim.step()
+                    agent.step(step, loss=loss.item(), samples=len(batch))
+                    if step % 50 == 0:
+                        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+                        agent.checkpoint(step, state, cursor=sampler.cursor, blocking=False)
+                    if step == total_steps:
+                        break
 
     **Starting from another job's snapshot.** With ``init_from`` set to a committed snapshot of
     another job (``TRAINGUARD_INIT_FROM``, ``trainguard run --init-from``; see
@@ -157,8 +161,10 @@ class Agent:
     :meth:`load` and the first step shifts the streams, and the most common culprit is a
     ``DataLoader`` without a generator of its own: every ``iter(loader)`` draws a seed from
     torch's global generator, so give each loader ``generator=torch.Generator().manual_seed(s)``.
-    With a ``ResumableDistributedSampler`` the data cursor to checkpoint is
-    ``sampler.cursor_after(steps_in_this_pass)``, which is exact whatever the loader prefetches.
+    With a ``ResumableDistributedSampler`` the data cursor to checkpoint is ``sampler.cursor``
+    (a loader without workers), or ``sampler.cursor_after(batches_of_this_pass)`` (exact
+    whatever the loader prefetches). With 3 or more ranks, DDP must average the gradients with
+    :func:`~trainguard.agent.ordered_allreduce` (``docs/bitwise.md``; :meth:`watch` warns).
 
     **Errors.** Calls at step boundaries do not raise for background trouble (bus errors,
     failed shard writes): it is counted in :attr:`stats`, logged, and kept in checkpoint
@@ -381,9 +387,9 @@ class Agent:
         The daemon sets it for a loss spike (``docs/detection.md``). Honour it like this: train
         the steps after the restored one as usual until the step about to be trained is
         ``skip.from_step``; there move the data cursor forward by ``skip.to_step -
-        skip.from_step + 1`` global batches (``GlobalOrder.advance``, then
-        ``sampler.load_state_dict``) and train ``from_step`` on the batch that follows. Step
-        numbers are unchanged.
+        skip.from_step + 1`` global batches and train ``from_step`` on the batch that follows.
+        Step numbers are unchanged. A ``ResumableDistributedSampler`` does all of it:
+        ``sampler.skip(agent.skip, restored_step=step)`` right after loading the target.
         """
         return self._skip
 
@@ -404,33 +410,43 @@ class Agent:
             ShardError: the shard cannot be read or deserialized.
             AgentError: called outside the ``with`` block (nothing is reported then).
 
-            Before raising, a lifecycle ``error`` naming ``target.snapshot_id`` is sent (and
-            given up to 30 s to reach the bus), so that the daemon stops using that snapshot
-            and retries the restore from an older one; not for another job's snapshot
-            (``init_from``), which the daemon cannot rule out: the error that ends the process
-            is reported on exit instead.
+            Before raising, a lifecycle ``error`` is sent (and given up to 30 s to reach the
+            bus). For a snapshot of this job it names ``target.snapshot_id``, so that the
+            daemon stops using that snapshot and retries the restore from an older one. For
+            another job's snapshot (``init_from``), which the daemon cannot rule out, it names
+            none and says that this rank cannot start from it: the daemon hears why before it
+            notices the rank missing.
         """
         self._require_open()
         rank = self.config.rank
         try:
             shard = next((s for s in target.shards if s.rank == rank), None)
             if shard is None:
-                raise ShardMissing(f"snapshot {target.snapshot_id} has no shard for rank {rank}")
+                raise ShardMissing(
+                    f"snapshot {target.snapshot_id} has no shard for rank {rank}: it was taken "
+                    f"at world size {target.world_size}, this job runs {self.config.world_size} "
+                    "ranks (each rank loads its own shard; trainguard does not reshard)"
+                )
             state = load_shard(shard.uri, shard.digest)
             own = state.pop(RESERVED_KEY, None)
             if not isinstance(own, dict) or "rng" not in own:
                 raise ShardError(f"shard {shard.uri} was not written by a trainguard agent")
             restore_rng(own["rng"])
         except ShardError as exc:
-            if target.job_id != self.config.job_id:
-                raise
             self._reported = exc
-            self._lifecycle(
-                "error",
-                step=target.step,
-                snapshot_id=target.snapshot_id,
-                message=_describe(exc),
-            )
+            if target.job_id == self.config.job_id:
+                self._lifecycle(
+                    "error",
+                    step=target.step,
+                    snapshot_id=target.snapshot_id,
+                    message=_describe(exc),
+                )
+            else:
+                self._lifecycle(
+                    "error",
+                    step=self._progress[0],
+                    message=_describe_init(target.snapshot_id, exc),
+                )
             self._link.flush(_FLUSH_S)
             raise
         return state
@@ -592,9 +608,28 @@ class Agent:
 
         Replicas must be bitwise equal for their checksums to agree: do not watch a model whose
         ranks legitimately differ (independent replicas, sharded parameters).
+
+        With 3 or more ranks, rank 0 logs a warning (``restores_not_bitwise``) when ``model``
+        does not average its gradients with :func:`~trainguard.agent.ordered_allreduce`: DDP's
+        own all-reduce sums in an order that a restarted process changes, so a restored run
+        drifts from the uninterrupted one in the last bits (``docs/bitwise.md``).
         """
         self._watched = model
         self._faults.watch(model)
+        c = self.config
+        if c.world_size >= 3 and c.rank == 0:
+            from trainguard.agent._ddp import averages_in_fixed_order
+
+            if not averages_in_fixed_order(model):
+                self._log.warning(
+                    "restores_not_bitwise",
+                    world_size=c.world_size,
+                    why="the watched model's gradients are not averaged by "
+                    "trainguard.agent.ordered_allreduce: DDP's all-reduce sums each element in "
+                    "an order that depends on its bucket layout, which a restarted process "
+                    "rebuilds, so with 3 or more ranks a restored run is not bitwise equal to "
+                    "an uninterrupted one (docs/bitwise.md)",
+                )
 
     def perturb_loss(self, step: int, loss: _L) -> _L:
         """``loss`` of training step ``step`` as the ``nan`` and ``spike`` faults of
@@ -823,6 +858,11 @@ class Agent:
                 **fields,
             )
         )
+
+
+def _describe_init(snapshot_id: str, exc: BaseException) -> str:
+    """Why this rank cannot start from another job's snapshot, for a lifecycle ``error``."""
+    return f"cannot start from init_from snapshot {snapshot_id}: {_describe(exc)}"[:_MESSAGE_CHARS]
 
 
 def _describe(exc: BaseException) -> str:

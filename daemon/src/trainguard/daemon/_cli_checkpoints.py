@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from trainguard.daemon._settings import DaemonConfig
     from trainguard.schemas import JSONValue, Manifest
 
-__all__ = ["register"]
+__all__ = ["judge_init_from", "register"]
 
 
 class OutputFormat(StrEnum):
@@ -329,6 +329,94 @@ def compat(
     raise typer.Exit(0 if verdict.compatible else 1)
 
 
+def judge_init_from(
+    bus: BusConfig,
+    snapshot_id: str,
+    *,
+    world_size: int | None,
+    ranks: Collection[int],
+    verify_keys: Mapping[str, Ed25519PublicKey] | None,
+    timeout_s: float = 60.0,
+) -> Compat:
+    """What ``checkpoints compat SNAPSHOT --world-size N`` says of a snapshot a node's
+    supervisor is to start its workers from (``trainguard run --init-from``), before any of them
+    starts: the same rule (:func:`trainguard.daemon._catalog.compat`: world size, a restore
+    that abandoned the snapshot) and the same file checks, limited to the shards of this node's
+    ``ranks`` (the ones its workers would load).
+
+    Args:
+        bus: how to reach the bus.
+        snapshot_id: the snapshot, ``JOB/gG/sS``.
+        world_size: the new job's world size, or ``None`` when the supervisor does not know it
+            (plain mode: the command starts its own ranks); then its highest rank in ``ranks``
+            bounds it from below, which is checked when it exceeds the snapshot's world size.
+        ranks: the global ranks this node hosts.
+        verify_keys: the daemon's public keys: the manifest must carry a signature of one.
+        timeout_s: seconds each bus read may take.
+
+    Raises:
+        ConfigError: no committed snapshot ``snapshot_id`` (or, with keys, none signed), or
+            the audit trail of its job is malformed.
+        RestoreTimeout: the bus could not be read in time.
+    """
+    from trainguard.agent import ConfigError
+    from trainguard.agent._manifests import fetch_manifest
+    from trainguard.daemon._audit import MalformedAudit
+    from trainguard.daemon._catalog import SeedRequest
+    from trainguard.daemon._catalog import compat as judge
+
+    manifest = fetch_manifest(bus, snapshot_id, timeout_s, verify_keys)
+    if world_size is None and ranks and max(ranks) >= manifest.world_size:
+        world_size = max(ranks) + 1
+    try:
+        gone = _abandoned_by(bus, manifest, timeout_s)
+    except (MalformedAudit, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"the audit trail of job {manifest.job_id!r} on {bus.url} is malformed: {exc!r}"
+        ) from exc
+    mine = [r for r in ranks if r < manifest.world_size]
+    return judge(
+        manifest,
+        SeedRequest(world_size=world_size),
+        _shard_problems(manifest, None, verify=False, ranks=mine),
+        gone,
+    )
+
+
+def _abandoned_by(bus: BusConfig, manifest: Manifest, timeout_s: float) -> Abandoned | None:
+    """The restore that abandoned ``manifest``, from its job's audit trail on the bus, or
+    ``None``.
+
+    Raises:
+        RestoreTimeout: the bus could not be read within ``timeout_s`` seconds.
+        MalformedAudit, KeyError, TypeError, ValueError: the audit trail is malformed.
+    """
+    from trainguard.agent import RestoreTimeout
+    from trainguard.agent.bus import open_bus
+    from trainguard.agent.bus._partitioner import partition_for
+    from trainguard.daemon._audit import entries_by_job
+    from trainguard.daemon._catalog import abandoned
+    from trainguard.daemon._report_record import read_audit
+    from trainguard.daemon._status import read_topic
+
+    config = replace(bus, client_id=f"{bus.client_id}-audit", create=False)
+
+    async def _read() -> list[Record]:
+        async with open_bus(config) as connected:
+            partition = partition_for(manifest.job_id, await connected.partitions("audit"))
+            return [r async for r in read_topic(connected, "audit", {partition})]
+
+    try:
+        records = asyncio.run(asyncio.wait_for(_read(), timeout_s))
+    except (BusError, TimeoutError) as exc:
+        raise RestoreTimeout(
+            f"could not read the audit trail of job {manifest.job_id!r} from {bus.url}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    entries = entries_by_job(records).get(manifest.job_id, [])
+    return abandoned([manifest], {manifest.job_id: read_audit(entries)}).get(manifest.snapshot_id)
+
+
 # -- reading ---------------------------------------------------------------------------------
 
 
@@ -483,16 +571,24 @@ def _known(read: _Read, snapshot: str) -> Manifest:
     _fail(f"no committed snapshot {snapshot!r} on {read.where}: {detail}")
 
 
-def _shard_problems(manifest: Manifest, world_size: int | None, *, verify: bool) -> list[str]:
+def _shard_problems(
+    manifest: Manifest,
+    world_size: int | None,
+    *,
+    verify: bool,
+    ranks: Collection[int] | None = None,
+) -> list[str]:
     """What is wrong with the shard files the new job's ranks would load (those of ranks
-    below its world size): not a ``file://`` URI (the agent loads no other), missing,
-    another size, or with ``verify`` another SHA-256."""
+    below its world size, and among ``ranks`` if given): not a ``file://`` URI (the agent loads
+    no other), missing, another size, or with ``verify`` another SHA-256."""
     from trainguard.agent import ShardError
     from trainguard.agent._shards import uri_to_path
 
     problems: list[str] = []
     for shard in manifest.shards:
         if world_size is not None and shard.rank >= world_size:
+            continue
+        if ranks is not None and shard.rank not in ranks:
             continue
         what = f"shard of rank {shard.rank}"
         try:

@@ -6,9 +6,12 @@ rank 1 SIGKILL itself at a step drawn from the printed seed (or injects the faul
 ``--fault``, a ``TRAINGUARD_FAULTS`` spec: :mod:`trainguard.agent._faults`), shows detection,
 restore and resume as they happen, and ends with a summary: detection latency, time to resume,
 steps lost, and whether the final parameters and the sample ledger equal an uninterrupted
-reference run (one that skips the same batches when a restore skipped some). Reference runs
-are cached in ``~/.cache/trainguard/demo`` (``--cache-dir``), one folder per distinct run
-(example and agent sources, steps, checkpoint interval, torch version; the training seed is
+reference run (one that skips the same batches when a restore skipped some). The restores
+counted and the batches they skipped are read from the daemon's audit trail: the ``commands``
+topic is compacted (the embedded bus keeps only the job's latest command once it is a minute
+old). Reference runs are cached in ``~/.cache/trainguard/demo`` (``--cache-dir``), one folder
+per distinct run (sources, training data, steps, checkpoint interval, world size, skipped
+steps, torch version and CPU kernels: ``_rehearsal._reference_key``; the training seed is
 fixed, so the default demo reuses one), at most :data:`CACHE_KEEP` of them. The daemon
 restores in process where it can (``restore_mode = "in_process"``: non-finite loss, loss
 spike, checksum mismatch), as charlm reloads in process.
@@ -209,11 +212,13 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
             log_path=workdir / "supervisor.log",
             env=charlm_env(out, repo, faults=faults),
         )
-        asyncio.run(_watch(bus_url, prefix, options.steps, sup, console))
+        sent = asyncio.run(_watch(bus_url, prefix, options.steps, sup, console))
         code = sup.wait()
     finally:
         stop_process(daemon)
     record = asyncio.run(read_job_record(bus_url, prefix, JOB))
+    # Restores and their skips from the audit trail: the compacted commands topic keeps only
+    # the job's latest command once it is a minute old.
     skips = [r.skip for r in record.restores() if r.skip is not None]
     if len(skips) == 1:
         # The restored run rightly never trained those batches: compare it with a run that
@@ -231,7 +236,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
         )
     elif skips:
         console.print("[yellow]several restores skipped batches: no reference run to compare")
-    ok = _summary(record, code, out, reference, console)
+    ok = _summary(record, code, out, reference, console, sent)
     if options.fault is None:
         ok = ok and len(record.restores()) == 1
     console.print(f"[dim]logs: {workdir}/daemon.log, {workdir}/supervisor.log[/dim]")
@@ -246,8 +251,10 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
 
 async def _watch(
     bus_url: str, prefix: str, steps: int, sup: subprocess.Popen[bytes], console: Console
-) -> None:
-    """Print the job's story from the bus while the supervisor runs."""
+) -> dict[int, int]:
+    """Print the job's story from the bus while the supervisor runs; return the append time
+    (ms) of each restore command seen, by generation (the compacted ``commands`` topic may
+    have dropped them by the end)."""
     progress = Progress(
         TextColumn("[bold]step {task.completed:>4}/{task.total}"),
         BarColumn(),
@@ -257,6 +264,7 @@ async def _watch(
     )
     task = progress.add_task("generation 0", total=steps)
     kill_at: float | None = None
+    sent: dict[int, int] = {}
     with progress:
         async with contextlib.aclosing(follow_job(bus_url, prefix, JOB)) as batches:
             async for batch in batches:
@@ -264,8 +272,11 @@ async def _watch(
                 # incident before the restore it caused.
                 for item in sorted(batch, key=lambda i: not isinstance(i.message, dict)):
                     kill_at = _story(item.message, item.at_ms / 1000, kill_at, progress, task)
+                    if isinstance(item.message, Restore):
+                        sent.setdefault(item.message.generation, item.at_ms)
                 if not batch and sup.poll() is not None:
-                    return
+                    return sent
+    return sent
 
 
 def _story(
@@ -303,7 +314,16 @@ def _story(
     return kill_at
 
 
-def _summary(record: JobRecord, code: int, out: Path, reference: Path, console: Console) -> bool:
+def _summary(
+    record: JobRecord,
+    code: int,
+    out: Path,
+    reference: Path,
+    console: Console,
+    sent: dict[int, int],
+) -> bool:
+    """Print the summary table; return whether the run recovered exactly. ``sent``: restore
+    command append times by generation, as :func:`_watch` saw them."""
     from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
 
     paths = [ledger_path(out, r) for r in range(WORLD_SIZE)]
@@ -320,7 +340,7 @@ def _summary(record: JobRecord, code: int, out: Path, reference: Path, console: 
         None,
     )
     restores = record.restores()
-    restore_at = next((c.at_ms for c in record.commands if isinstance(c.message, Restore)), None)
+    restore_at = sent.get(restores[0].generation) if restores else None
     table.add_row("supervisor exit", str(code))
     table.add_row("restores issued", str(len(restores)))
     for d in record.decisions():

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from trainguard.agent.bus import (
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import (
     Abort,
+    Command,
     Heartbeat,
     Lifecycle,
     Restore,
@@ -196,10 +199,20 @@ def charlm_env(
 
 
 def _reference_key(
-    repo: Path, steps: int, checkpoint_every: int, seed: int, extra: Sequence[str]
+    repo: Path,
+    steps: int,
+    checkpoint_every: int,
+    seed: int,
+    world_size: int,
+    extra: Sequence[str],
 ) -> str:
-    """Cache key of a reference run: everything that decides its bytes (the example's and
-    the agent's sources, whose sampler orders the data, the arguments, torch's version)."""
+    """Cache key of a reference run: everything that decides its bytes. The example's and the
+    agent's sources (the model, the loop, the sampler's data order, the gradient all-reduce),
+    the training data (charlm's corpus is the interpreter's standard library:
+    ``examples/charlm/data.py``), the arguments (steps, checkpoint interval, seed, world
+    size, and ``extra``: e.g. the skipped steps), and what computes the floats (torch's
+    version and build, the CPU kernels it picked). Faults and ``--step-sleep`` never reach a
+    reference run; the world size decides the batches and the sum of the gradients."""
     import torch
 
     import trainguard.agent
@@ -209,9 +222,14 @@ def _reference_key(
     for path in [
         *sorted((repo / "examples" / "charlm").glob("*.py")),
         *sorted(agent.rglob("*.py")),
+        *sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")),
     ]:
         h.update(path.read_bytes())
-    h.update(f"{steps}:{checkpoint_every}:{seed}:{torch.__version__}:{list(extra)}".encode())
+    machine = f"{platform.machine()}:{torch.backends.cpu.get_cpu_capability()}"
+    h.update(
+        f"{steps}:{checkpoint_every}:{seed}:{world_size}:{list(extra)}:{torch.__version__}:"
+        f"{machine}".encode()
+    )
     return h.hexdigest()[:16]
 
 
@@ -232,8 +250,9 @@ def reference_run(
     ``--skip-steps``), or reuse such a run; return its output folder,
     ``cache/reference-<key>``.
 
-    A finished run (one with ``final.sha256``) is reused when the example's and the agent's
-    sources, the arguments and the torch version are the same. The folder holds
+    A finished run (one with ``final.sha256``) is reused when everything that decides its
+    bytes is the same (sources, data, arguments, world size, torch and CPU kernels: see
+    ``_reference_key``). The folder holds
     ``final.sha256`` and ``ledger-rank-*.jsonl`` to compare an interrupted run with,
     ``supervisor.log``, and the run's checkpoints (tens of MB). With ``keep``, only the
     ``keep`` most recently used runs stay in ``cache`` (the others are deleted), so that a
@@ -243,7 +262,8 @@ def reference_run(
         RuntimeError: the run failed (see its ``supervisor.log``).
         TimeoutError: it took longer than ``timeout_s`` seconds.
     """
-    out = cache / f"reference-{_reference_key(repo, steps, checkpoint_every, seed, extra)}"
+    key = _reference_key(repo, steps, checkpoint_every, seed, world_size, extra)
+    out = cache / f"reference-{key}"
     if (out / "final.sha256").is_file():
         out.touch()  # most recently used: the last to be pruned
         if keep is not None:
@@ -302,7 +322,8 @@ class JobRecord:
 
     Attributes:
         events: the job's events (``ClockTick`` records included), decoded.
-        commands: the daemon's commands for the job.
+        commands: the job's records on ``commands`` still on the bus (a compacted topic: the
+            commands the daemon issued are :meth:`issued`).
         manifests: the snapshots the daemon committed (a re-derived commit can repeat one).
         audit: the daemon's decisions (``{"offset": ..., "decisions": [...]}`` dicts).
         rejected: records of the job that did not decode.
@@ -314,17 +335,39 @@ class JobRecord:
     audit: list[dict[str, Any]] = field(default_factory=list)
     rejected: int = 0
 
+    def issued(self) -> list[Command]:
+        """The commands the daemon issued, in the order it decided them, read from the audit
+        trail: ``commands`` is compacted (the embedded bus keeps only a job's latest command
+        once it is older than 60 s), the audit trail keeps every decision. Each command counts
+        once: a daemon that re-derived its last decisions after a restart audits them again.
+
+        Raises:
+            SchemaError: an audited command does not decode (a malformed audit trail).
+        """
+        seen: set[tuple[str, int]] = set()
+        out: list[Command] = []
+        for decision in self.decisions():
+            if decision.get("decision") != "issue":
+                continue
+            command = decode(orjson.dumps(decision["command"]), expect=Command)
+            assert isinstance(command, Restore | Resume | Abort)  # expect=Command
+            key = (command.SCHEMA.partition("/")[0], command.generation)
+            if key not in seen:
+                seen.add(key)
+                out.append(command)
+        return out
+
     def restores(self) -> list[Restore]:
-        """The restore commands issued, in order."""
-        return [c.message for c in self.commands if isinstance(c.message, Restore)]
+        """The restore commands the daemon issued, in order (:meth:`issued`)."""
+        return [c for c in self.issued() if isinstance(c, Restore)]
 
     def resumes(self) -> list[Resume]:
-        """The resume commands issued, in order."""
-        return [c.message for c in self.commands if isinstance(c.message, Resume)]
+        """The resume commands the daemon issued, in order (:meth:`issued`)."""
+        return [c for c in self.issued() if isinstance(c, Resume)]
 
     def aborts(self) -> list[Abort]:
-        """The abort commands issued."""
-        return [c.message for c in self.commands if isinstance(c.message, Abort)]
+        """The abort commands the daemon issued (:meth:`issued`)."""
+        return [c for c in self.issued() if isinstance(c, Abort)]
 
     def first(self, kind: type, **match: Any) -> Stamped | None:
         """The first event or command of ``kind`` whose attributes equal ``match``."""

@@ -14,12 +14,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from importlib.metadata import version as _dist_version
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
 from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
 from trainguard.daemon._cli_options import ConfiguredBus, ConfiguredPrefix, other_prefixes
+
+if TYPE_CHECKING:
+    from trainguard.agent._supervisor import SupervisorConfig
+    from trainguard.agent.bus import BusConfig
 
 __all__ = ["app", "main"]
 
@@ -114,6 +118,38 @@ def _parse_ranks(spec: str) -> tuple[int, ...]:
         except ValueError as exc:
             raise typer.BadParameter(f"{part!r} is not N or N-M", param_hint="--ranks") from exc
     return tuple(ranks)
+
+
+def _check_init_from(bus: BusConfig, snapshot_id: str, config: SupervisorConfig) -> None:
+    """Refuse a ``--init-from`` snapshot the workers could not start from, before any starts,
+    by the rule of ``trainguard checkpoints compat`` (world size, abandoned timeline, this
+    node's shard files); print what it warns about. A snapshot the workers cannot load would
+    otherwise surface as workers failing, restarted by the daemon until it gives up.
+
+    Raises:
+        ConfigError: the snapshot cannot seed the job (every reason named), or is unknown.
+        RestoreTimeout: the bus could not be read.
+    """
+    from trainguard.agent import ConfigError
+    from trainguard.daemon._cli_checkpoints import judge_init_from
+
+    per_node = config.nproc_per_node
+    world_size = None if per_node is None else config.nnodes * per_node
+    verdict = judge_init_from(
+        bus,
+        snapshot_id,
+        world_size=world_size,
+        ranks=config.local_ranks(),
+        verify_keys=config.keys.verify,
+    )
+    for note in verdict.warnings:
+        typer.secho(f"warning: --init-from {snapshot_id}: {note}", fg=typer.colors.YELLOW, err=True)
+    if not verdict.compatible:
+        job = "this job" if world_size is None else f"this job of world size {world_size}"
+        raise ConfigError(
+            f"--init-from {snapshot_id} cannot seed {job} (the rule of trainguard checkpoints "
+            f"compat): {'; '.join(verdict.refusals)}"
+        )
 
 
 async def _until_signalled(main: Callable[[asyncio.Event], Awaitable[_T]]) -> _T:
@@ -314,7 +350,6 @@ def run(
     """
     from trainguard.agent import AgentError
     from trainguard.agent._keystore import agent_keys_from_env
-    from trainguard.agent._manifests import fetch_manifest
     from trainguard.agent._supervisor import Supervisor, SupervisorConfig
     from trainguard.agent.bus import BusConfig, load_kafka_security
     from trainguard.daemon._logging import configure_logging
@@ -332,12 +367,6 @@ def run(
         # TRAINGUARD_DAEMON_PUBLIC_KEYS and TRAINGUARD_EVENT_KEY (docs/security.md); the
         # workers inherit them.
         keys = agent_keys_from_env(os.environ)
-        env = {}
-        if init_from is not None:
-            # A mistyped snapshot would otherwise surface as workers failing, restarted by
-            # the daemon until its crash-loop guard gives up.
-            fetch_manifest(bus_config, init_from, timeout_s=60.0, verify_keys=keys.verify)
-            env["TRAINGUARD_INIT_FROM"] = init_from
         config = SupervisorConfig(
             job_id=job,
             bus=bus_config,
@@ -349,7 +378,6 @@ def run(
             master_port=master_port,
             ranks=_parse_ranks(ranks),
             grace_s=grace,
-            env=env,
             keys=keys,
             continue_job=continue_job,
             daemon_group=daemon_group,
@@ -357,6 +385,9 @@ def run(
             warn_every_s=warn_every,
             stop_timeout_s=stop_timeout,
         )
+        if init_from is not None:
+            _check_init_from(bus_config, init_from, config)
+            config = replace(config, env={"TRAINGUARD_INIT_FROM": init_from})
         code = asyncio.run(_until_signalled(Supervisor(config).run))
     except (AgentError, BusError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)

@@ -1,0 +1,79 @@
+"""Bitwise restores beyond two ranks (issue 12, item 10): the charlm job on 3 and 4 ranks, a
+rank SIGKILLed after a commit, the job restarted from the committed step, ends with parameters
+bitwise equal to an uninterrupted run's and an exact sample ledger.
+
+With DDP's own all-reduce it did not: a restarted process runs its first step with DDP's
+construction-time bucket layout, where the uninterrupted run had rebuilt its buckets after its
+first step, so every gradient element was summed in another order; with 3 or more ranks
+floating-point sums depend on the order (``docs/bitwise.md``). charlm averages with
+``trainguard.agent.ordered_allreduce``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.buses import BusFactory
+from tests.scenarios.harness import REPO, JobRun, Shape, assert_exact, only
+from trainguard.daemon._rehearsal import reference_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SHAPES = {size: Shape(steps=80, checkpoint_every=20, seed=5, world_size=size) for size in (3, 4)}
+KILL_STEP = 50
+"""After the commit of step 40, before the next: the restart restores step 40 and replays 10
+steps, the first of them with the construction-time bucket layout."""
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The uninterrupted run of each shape (no daemon needed)."""
+    cache = tmp_path_factory.mktemp("references")
+    return {
+        size: reference_run(
+            REPO,
+            cache,
+            steps=shape.steps,
+            checkpoint_every=shape.checkpoint_every,
+            seed=shape.seed,
+            world_size=size,
+        )
+        for size, shape in SHAPES.items()
+    }
+
+
+@pytest.fixture(params=sorted(SHAPES), ids=lambda size: f"{size}-ranks")
+def sized_run(
+    request: pytest.FixtureRequest,
+    bus_factory: BusFactory,
+    tmp_path: Path,
+    references: dict[int, Path],
+) -> Iterator[JobRun]:
+    size: int = request.param
+    run = JobRun(bus_factory, tmp_path, SHAPES[size], references[size])
+    try:
+        yield run
+    finally:
+        run.close()
+
+
+def test_a_kill_restored_by_a_restart_is_bitwise_exact_on_more_than_two_ranks(
+    sized_run: JobRun,
+) -> None:
+    last = sized_run.shape.world_size - 1
+    faults = f"kill@step={KILL_STEP},rank={last}"
+    sized_run.context = f"{sized_run.shape.world_size} ranks, {faults}"
+    sized_run.start_daemon()
+    sized_run.start_job(faults)
+    code = sized_run.finish(timeout_s=600)
+    record = sized_run.record()
+
+    restore = only(record.restores(), "restore", sized_run)
+    assert (restore.mode, restore.generation) == ("restart", 1), sized_run.describe()
+    target = restore.target
+    assert target is not None, sized_run.describe()
+    assert target.step == 40, f"target {target} {sized_run.describe()}"
+    assert_exact(sized_run, code, record)
