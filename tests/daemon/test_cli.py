@@ -66,9 +66,16 @@ def test_a_bad_bus_url_is_a_clear_error() -> None:
     assert "scheme must be sqlite or kafka" in done.stderr
 
 
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One reference-run cache for the demo tests of this module: they train the same job
+    uninterrupted (seed 3, 120 steps), which is worth doing once."""
+    return tmp_path_factory.mktemp("demo-cache")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_demo_recovers_exactly(tmp_path: Path) -> None:
+def test_the_demo_recovers_exactly(tmp_path: Path, demo_cache: Path) -> None:
     """The README's first command: one restore, bitwise-equal parameters, exact ledger."""
     done = subprocess.run(
         [
@@ -81,7 +88,7 @@ def test_the_demo_recovers_exactly(tmp_path: Path) -> None:
             "--workdir",
             str(tmp_path / "work"),
             "--cache-dir",
-            str(tmp_path / "cache"),
+            str(demo_cache),
         ],
         capture_output=True,
         text=True,
@@ -109,7 +116,7 @@ def test_a_bad_demo_fault_is_a_clear_error_before_anything_starts(tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_demo_rehearses_a_nan_restored_in_process(tmp_path: Path) -> None:
+def test_the_demo_rehearses_a_nan_restored_in_process(tmp_path: Path, demo_cache: Path) -> None:
     """``trainguard demo --fault``: a NaN loss on rank 1 is detected and restored in process,
     and the job still ends bitwise equal to the uninterrupted run."""
     done = subprocess.run(
@@ -127,7 +134,7 @@ def test_the_demo_rehearses_a_nan_restored_in_process(tmp_path: Path) -> None:
             "--workdir",
             str(tmp_path / "work"),
             "--cache-dir",
-            str(tmp_path / "cache"),
+            str(demo_cache),
         ],
         capture_output=True,
         text=True,

