@@ -7,8 +7,6 @@ from __future__ import annotations
 import hashlib
 import io
 import multiprocessing
-import os
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -93,13 +91,6 @@ def test_watch_warns_when_three_or_more_ranks_average_in_bucket_order(
 # -- the property itself, on 3 real ranks ------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for value in model.state_dict().values():
@@ -107,13 +98,14 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _worker(rank: int, world: int, port: int, ordered: bool, out: str) -> None:
+def _worker(rank: int, world: int, store: str, ordered: bool, out: str) -> None:
     """Train 6 steps straight, and 3 steps then a fresh DDP from the step-3 state for 3 more
     (a restart from a checkpoint); write both parameter digests."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file store, not rank 0's TCP store: a rank that leaves first takes no server with it
+    # that the others still need while they tear down their process groups.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
     def build() -> tuple[torch.nn.Module, torch.nn.Module]:
         torch.manual_seed(0)
@@ -154,14 +146,20 @@ def test_a_restarted_ddp_is_bitwise_equal_on_three_ranks_only_with_the_hook(
 ) -> None:
     """With DDP's own all-reduce the restarted run differs (its first step sums each element in
     the construction-time bucket order); with ``ordered_allreduce`` it is the same run."""
-    out = tmp_path / "digests"
+    out, store = tmp_path / "digests", tmp_path / "store"
     spawn = multiprocessing.get_context("spawn")
-    port = _free_port()
-    ranks = [spawn.Process(target=_worker, args=(r, 3, port, ordered, str(out))) for r in range(3)]
+    ranks = [
+        spawn.Process(target=_worker, args=(r, 3, str(store), ordered, str(out)), daemon=True)
+        for r in range(3)
+    ]
     for process in ranks:
         process.start()
-    for process in ranks:
-        process.join(240)
-    assert [p.exitcode for p in ranks] == [0, 0, 0]
+    try:
+        for process in ranks:
+            process.join(240)
+        assert [p.exitcode for p in ranks] == [0, 0, 0]
+    finally:  # a rank left behind would hold pytest's exit (multiprocessing joins children)
+        for process in ranks:
+            process.kill()
     straight, restarted = out.read_text().split()
     assert (straight == restarted) is equal

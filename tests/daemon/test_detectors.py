@@ -11,6 +11,7 @@ from tests.daemon.machine_scenarios import (
     T0,
     S,
     Sim,
+    acted,
     config,
     issued,
     killed_job,
@@ -403,6 +404,29 @@ def test_a_crash_loop_fails_the_job_naming_the_repeating_cause() -> None:
         "IncidentClosed",
         "JobFailed",
     ]
+    assert state.phase == "failed"
+
+
+def test_the_exit_reports_step_counts_as_reached_in_a_crash_loop() -> None:
+    """The worker exits at step 35 while its last heartbeat said 23 (it trained faster than it
+    heartbeats): the crash loop's mark is step 35, so later generations that reach 35 again
+    are no progress, and the fourth exit fails the job."""
+    sim = Sim()
+    state, _ = running_job(sim, 24)  # heartbeats of steps 0..23, commits at 10 and 20
+    restores: list[Restore] = []
+    for cycle in range(4):
+        at = T0 + (100 + 40 * cycle) * S
+        if restores:
+            state, _ = run(sim.recover(restores[-1], at), state)
+            state, _ = run(sim.train(range(21, 36), start=at + S, checkpoint_every=0), state)
+        exited = sim.supervisor((1,), "exited", at + 20 * S, exit_code=7, step=35)
+        state, decisions = run([exited], state)
+        restores += issued(decisions, Restore)
+        if state.phase == "restoring":
+            state, _ = run([acted(state, at + 20 * S)], state)
+    assert len(restores) == 3
+    [failed] = of_type(decisions, JobFailed)
+    assert "never got 10 steps past step 35" in failed.reason
     assert state.phase == "failed"
 
 

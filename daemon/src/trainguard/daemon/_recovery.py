@@ -464,13 +464,20 @@ def _after_restore_text(evidence: AfterRestore) -> str:
 def _next_loop(
     state: JobState,
     incident_id: str,
-    cause: IncidentCause,
+    failure: Failure,
     evidence: AfterRestore | None,
     config: MachineConfig,
 ) -> Loop:
-    """The crash-loop count once incident ``incident_id`` opens (``evidence``: it struck
-    right after a restore)."""
-    loop, high = state.loop, state.trend.high_water_step
+    """The crash-loop count once incident ``incident_id`` opens for ``failure``
+    (``evidence``: it struck right after a restore).
+
+    The highest step reached is the heartbeats' high-water step or the step the failure
+    names (an exit report's last completed step), whichever is higher: a worker that trains
+    several steps per heartbeat exits past its last heartbeat, and a mark taken from the
+    heartbeats alone would count the next generation's rerun of those steps as progress."""
+    loop = state.loop
+    high = max(state.trend.high_water_step, -1 if failure.step is None else failure.step)
+    cause = failure.cause
     early = () if evidence is None else (evidence,)
     if loop.mark_step is None or high >= loop.mark_step + config.crash_loop_progress_steps:
         return Loop(
@@ -570,7 +577,7 @@ def _open(
     if evidence is not None:
         failure = replace(failure, reason=f"{failure.reason}; {_after_restore_text(evidence)}")
     opened = _opened(state, incident_id, failure)
-    loop = _next_loop(state, incident_id, failure.cause, evidence, config)
+    loop = _next_loop(state, incident_id, failure, evidence, config)
     state = state._replace(loop=loop)
     if loop.streak >= config.max_restore_cycles:
         state = state._replace(incidents_opened=number)
