@@ -5,6 +5,9 @@ Every scenario ends with the same verdict (:func:`assert_exact`): the supervisor
 final parameters are bitwise equal to an uninterrupted run's, and the sample ledger is exact.
 On the way, the bus's record shows exactly the restores the failures call for, each targeting
 the newest good snapshot committed when the daemon decided it (architecture invariants 2-5).
+The random kill also checks live operations (issue 5, "Done when"): ``/healthz`` of
+``trainguard daemon`` turns ready after start-up, and ``/metrics`` scraped before and after the
+worker's death shows the incident and restore counters moving.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.scenarios.harness import (
     JobRun,
@@ -23,7 +30,7 @@ from tests.scenarios.harness import (
     only,
 )
 from trainguard.agent._shards import uri_to_path
-from trainguard.schemas import Lifecycle, Manifest
+from trainguard.schemas import Lifecycle, Manifest, Resume
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -37,13 +44,75 @@ def _kill_step(job_run: JobRun) -> tuple[int, int]:
     return seed, random.Random(seed).randrange(margin, shape.steps - margin)
 
 
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _scrape(url: str) -> Samples:
+    status, text = _get(f"{url}/metrics")
+    assert status == 200, text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def _ready(job_run: JobRun) -> str:
+    """Wait for ``/healthz`` of the daemon to answer ``200 ready`` (``503`` until then); the
+    URL of its metrics server."""
+    url = job_run.metrics_url()
+    deadline = time.monotonic() + 60
+    while (health := _get(f"{url}/healthz"))[0] != 200:
+        assert health[0] == 503, f"{health} {job_run.describe()}"
+        assert time.monotonic() < deadline, f"never ready: {health} {job_run.describe()}"
+        time.sleep(0.1)
+    assert health == (200, "ready\n")
+    return url
+
+
+def _assert_counted_once(job_run: JobRun, url: str) -> None:
+    """``/metrics`` shows one incident of cause ``exited``, its restart restore and resume."""
+    # The daemon counts a command once the bus has acknowledged it, which a reader of the bus
+    # (as wait_for is) can see a moment earlier: give the counter that moment.
+    deadline = time.monotonic() + 10
+    while _value(after := _scrape(url), "trainguard_commands_total", type="resume") < 1:
+        assert time.monotonic() < deadline, f"resume never counted {job_run.describe()}"
+        time.sleep(0.05)
+    exited = {"cause": "exited"}
+    assert _value(after, "trainguard_incidents_total", **exited) == 1, job_run.describe()
+    assert _value(after, "trainguard_restores_total", **exited, mode="restart") == 1
+    assert _value(after, "trainguard_commands_total", type="resume") == 1
+    assert _value(after, "trainguard_detection_latency_seconds_count", **exited) == 1
+    assert _value(after, "trainguard_time_to_resume_seconds_count", mode="restart") == 1
+    assert _value(after, "trainguard_events_folded_total", type="heartbeat") > 0
+
+
 def test_a_rank_killed_at_a_random_step_is_restored_once_from_the_latest_commit(
     job_run: JobRun,
 ) -> None:
     seed, step = _kill_step(job_run)
     job_run.context = f"TRAINGUARD_SCENARIO_SEED={seed}: kill@step={step},rank=1"
     job_run.start_daemon()
+    url = _ready(job_run)
+    before = _scrape(url)
+    exited = {"cause": "exited"}
+    assert _value(before, "trainguard_incidents_total", **exited) == 0
+    assert _value(before, "trainguard_restores_total", **exited, mode="restart") == 0
     job_run.start_job(f"kill@step={step},rank=1")
+    job_run.wait_for("the resume", lambda m: isinstance(m, Resume))
+    _assert_counted_once(job_run, url)
     code = job_run.finish()
     record = job_run.record()
 

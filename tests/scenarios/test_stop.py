@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 CLI = (sys.executable, "-m", "trainguard.daemon.cli")
 
 STEP_SLEEP = ("--step-sleep", "0.1")
-"""Paces the 120-step job over about 15 s, so that it is stopped while it trains."""
+"""Paces the 120-step job over about 15 s, so that it is stopped while it trains (a run that
+nothing waits for goes at full speed)."""
 
 
 def trainguard(run: JobRun, *args: str, timeout_s: float = 120.0) -> tuple[int, str]:
@@ -61,7 +62,7 @@ def continue_exactly(run: JobRun) -> None:
     before the stop, and a final result equal to the uninterrupted run's."""
     before = run.record()
     newest = max(m.message.step for m in before.manifests if m.message.generation == 0)
-    run.start_job(extra=STEP_SLEEP, run_args=["--continue"])
+    run.start_job(run_args=["--continue"])  # at full speed: nothing waits for it
     code = run.finish()
     record = run.record()
     [(restore, _)] = restore_decisions(record)
@@ -159,7 +160,7 @@ def test_a_restarted_supervisor_rejoins_the_running_generation(job_run: JobRun, 
     supervisor = job_run.supervisor
     assert supervisor is not None
     stop_process(supervisor, signal.SIGKILL)
-    job_run.start_job(faults, extra=STEP_SLEEP)
+    job_run.start_job(faults)  # at full speed: nothing waits for it
     job_run.wait_for("the rejoin restore", is_restore(generation + 1), timeout_s=120)
     code = job_run.finish()
     record = job_run.record()
