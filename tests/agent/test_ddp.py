@@ -7,8 +7,10 @@ from __future__ import annotations
 import hashlib
 import io
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from torch._C._distributed_c10d import FileStore  # dist.FileStore, as the stubs
 from torch.nn.parallel import DistributedDataParallel
 
 from examples.charlm.model import CharLM, ModelConfig, next_byte_loss
-from trainguard.agent import Agent, ordered_allreduce, ordered_allreduce_hook
+from trainguard.agent import Agent, _ddp, ordered_allreduce, ordered_allreduce_hook
 from trainguard.agent._ddp import averages_in_fixed_order
 
 
@@ -63,6 +65,27 @@ def test_which_models_average_in_a_fixed_order(one_rank_group: None) -> None:
     plain = DistributedDataParallel(small_model())
     assert not averages_in_fixed_order(plain)
     assert not averages_in_fixed_order(plain.module)
+
+
+class _FailedWork:
+    """A collective's handle whose future completed with ``error`` (a peer died)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.future: torch.futures.Future[Any] = torch.futures.Future()
+        self.future.set_exception(error)
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self.future
+
+
+def test_a_failed_all_gather_fails_the_average_instead_of_averaging_garbage(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    error = RuntimeError("Connection closed by peer")
+    monkeypatch.setattr(_ddp, "_ALL_GATHER", lambda *args, **kwargs: _FailedWork(error))
+    averaged = _ddp.average_in_rank_order(torch.ones(4))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        averaged.wait()
 
 
 def warnings_of(agent: Agent, model: torch.nn.Module) -> list[str]:
@@ -163,3 +186,45 @@ def test_a_restarted_ddp_is_bitwise_equal_on_three_ranks_only_with_the_hook(
             process.kill()
     straight, restarted = out.read_text().split()
     assert (straight == restarted) is equal
+
+
+def _dying_worker(rank: int, store: str, out: str) -> None:
+    """Rank 1 dies before the backward of step 2; rank 0 trains on and writes the step at
+    which its backward raised, or ``none``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    model = ordered_allreduce(DistributedDataParallel(small_model()))
+    raised = "none"
+    for step in range(6):
+        if rank == 1 and step == 2:
+            os._exit(1)
+        try:
+            model(torch.ones(3, 4) * step).pow(2).sum().backward()
+        except RuntimeError:
+            raised = str(step)
+            break
+    Path(out).write_text(raised)
+    os._exit(0)  # the group is broken: no orderly teardown
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_peer_that_dies_fails_the_survivors_backward(tmp_path: Path) -> None:
+    """As with DDP's own all-reduce: the survivor's backward raises at the step its peer never
+    joined, rather than averaging a buffer the failed all-gather never filled."""
+    out, store = tmp_path / "raised", tmp_path / "store"
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [
+        spawn.Process(target=_dying_worker, args=(r, str(store), str(out)), daemon=True)
+        for r in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        for process in ranks:
+            process.join(240)
+        assert [p.exitcode for p in ranks] == [0, 1]
+    finally:
+        for process in ranks:
+            process.kill()
+    assert out.read_text() == "2"

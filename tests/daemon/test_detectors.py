@@ -430,6 +430,29 @@ def test_the_exit_reports_step_counts_as_reached_in_a_crash_loop() -> None:
     assert state.phase == "failed"
 
 
+def test_a_crash_loop_at_the_furthest_step_does_not_rule_out_a_bad_batch() -> None:
+    """Every generation exits after step 23, the furthest step the job ever reached: the
+    steps after it were never trained, so a batch that fails whenever it is trained is still
+    a suspect, not only the restore."""
+    sim = Sim()
+    state, _ = running_job(sim, 24)  # heartbeats of steps 0..23, commits at 10 and 20
+    restores: list[Restore] = []
+    for cycle in range(4):
+        at = T0 + (100 + 40 * cycle) * S
+        if restores:
+            state, _ = run(sim.recover(restores[-1], at), state)
+            state, _ = run(sim.train(range(21, 24), start=at + S, checkpoint_every=0), state)
+        exited = sim.supervisor((1,), "exited", at + 20 * S, exit_code=7, step=23)
+        state, decisions = run([exited], state)
+        restores += issued(decisions, Restore)
+        if state.phase == "restoring":
+            state, _ = run([acted(state, at + 20 * S)], state)
+    [failed] = of_type(decisions, JobFailed)
+    assert "3 of the 4 incidents struck within 5 steps after a restore" in failed.reason
+    assert "trained past before" not in failed.reason
+    assert "or a batch that fails whenever it is trained" in failed.reason
+
+
 def test_a_job_that_progresses_between_incidents_is_no_crash_loop() -> None:
     sim, state, restore = killed_job()
     high = 37

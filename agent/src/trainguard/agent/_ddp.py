@@ -81,13 +81,18 @@ def average_in_rank_order(
     ``buffer`` is not changed.
 
     Returns:
-        A future of a new tensor of ``buffer``'s shape, dtype and device.
+        A future of a new tensor of ``buffer``'s shape, dtype and device; it completes with
+        the all-gather's error when the collective fails (a peer died), which DDP raises in
+        ``backward``, as it does for its own all-reduce.
     """
     world = dist.get_world_size(group)
     gathered = torch.empty(world * buffer.numel(), dtype=buffer.dtype, device=buffer.device)
     work = _ALL_GATHER(gathered, buffer.reshape(-1), group=group, async_op=True)
 
-    def average(_: torch.futures.Future[Any]) -> torch.Tensor:
+    def average(gather: torch.futures.Future[Any]) -> torch.Tensor:
+        # value() raises the collective's error: a failed all-gather leaves ``gathered``
+        # uninitialised, and averaging it would train on garbage without a word.
+        gather.value()
         rows = gathered.view(world, -1)
         total = rows[0].clone()
         for rank in range(1, world):

@@ -522,8 +522,10 @@ def _suspicion(loop: Loop, config: MachineConfig) -> str:
     )
     mark = loop.mark_step
     # Steps the job had passed before were computed without the failure then: a batch that
-    # always fails is ruled out, and the restored state is the suspect.
-    passed = mark is not None and all(e.step <= mark for e in early)
+    # always fails is ruled out, and the restored state is the suspect. The mark itself may be
+    # where the run's first failure struck (its exit's last completed step, its NaN's step):
+    # only steps below it were trained past.
+    passed = mark is not None and all(e.step < mark for e in early)
     seen = f", steps the job had trained past before (it reached step {mark})" if passed else ""
     other = "" if passed else ", or a batch that fails whenever it is trained"
     return (
