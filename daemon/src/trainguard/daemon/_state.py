@@ -342,7 +342,8 @@ class JobState(NamedTuple):
         bad_snapshots: ``(snapshot id, why)`` of each committed snapshot whose shards failed
             verification, in the order reported. A restore keeps those of the snapshots it
             abandons (the incident's give-up reason names every snapshot tried); the next
-            commit forgets those no longer committed.
+            commit forgets those no longer committed. The job's initial state, a snapshot of
+            another job (``init_from``), is kept once it failed verification.
         incident: the open incident, or ``None``.
         incidents_opened: incidents opened so far (numbers incident ids).
         command_seq: ``seq`` of the last command issued (0: none yet).
