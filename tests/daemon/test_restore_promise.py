@@ -361,6 +361,44 @@ def test_init_from_failing_in_a_restore_to_the_initial_state_ends_the_restores()
     assert state.phase == "failed"
 
 
+def seeded(inputs: list[Input]) -> list[Input]:
+    """``inputs`` with every checkpoint shard naming :data:`INIT_FROM` as its ``parent``."""
+    return [
+        item._replace(event=dataclasses.replace(item.event, parent=INIT_FROM))
+        if isinstance(item, Observed) and isinstance(item.event, Checkpoint)
+        else item
+        for item in inputs
+    ]
+
+
+def test_a_job_with_snapshots_of_its_own_notes_its_init_from_and_never_restarts_from_it() -> None:
+    """Once committed, the job restores its own snapshots; the bad initial state is kept across
+    commits, so that when none of those can be restored, a restart from scratch (allowed) is
+    refused too, naming both."""
+    cfg = config(allow_restart_from_scratch=True)
+    sim = Sim(world_size=2)
+    state, _ = run(seeded([*sim.start(T0), *sim.train(range(15), start=T0 + S)]), cfg=cfg)
+    state, decisions = run([init_from_corrupt(sim, 1, T0 + 16 * S)], state, cfg)
+    assert [(type(d), d.kind) for d in decisions if isinstance(d, Anomaly)] == [
+        (Anomaly, "snapshot_corrupt")
+    ]
+    assert len(decisions) == 1
+    assert state.phase == "running"
+    state, _ = run(seeded(sim.train(range(15, 25), start=T0 + 17 * S)), state, cfg)
+    assert [m.step for m in state.committed] == [10, 20]
+    assert [sid for sid, _ in state.bad_snapshots] == [INIT_FROM]
+    reports = [sim.corrupt(r, f"job/g0/s{s}", T0 + 26 * S) for r, s in ((0, 20), (1, 10))]
+    state, decisions = run([*reports, sim.kill(1, T0 + 27 * S)], state, cfg)
+    assert issued(decisions, Restore) == []
+    [failed] = of_type(decisions, JobFailed)
+    assert "no committed snapshot can be restored (job/g0/s20: rank 0 " in failed.reason
+    assert (
+        f"and the job's initial state cannot be restored either: it is snapshot {INIT_FROM} of "
+        "another job (init_from), and rank 1 on host h0 reported" in failed.reason
+    )
+    assert "allow_restart_from_scratch does not apply" in failed.reason
+
+
 def test_another_jobs_snapshot_a_job_did_not_start_from_is_only_an_anomaly() -> None:
     sim = Sim()
     state, _ = run([*sim.start(T0), *sim.train(range(12), start=T0 + S)])

@@ -745,9 +745,7 @@ def _add_shard(
     kept = {m.snapshot_id for m in committed}
     # Forget the abandoned timeline's bad snapshots, never the job's initial state's.
     bad = tuple(
-        (sid, why)
-        for sid, why in state.bad_snapshots
-        if sid in kept or sid.partition("/")[0] != state.job_id
+        (sid, why) for sid, why in state.bad_snapshots if sid in kept or not state.owns(sid)
     )
     reason = (
         f"all {world_size} ranks reported their shard of step {event.step} in generation "
@@ -879,7 +877,7 @@ def _on_error(
                 reason=f"{who} reported an error in generation {state.generation}{detail}",
             ),
         )
-    own = sid.partition("/")[0] == state.job_id
+    own = state.owns(sid)
     if own and all(m.snapshot_id != sid for m in state.committed):
         return state, (
             Anomaly(

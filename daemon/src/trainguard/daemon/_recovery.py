@@ -394,7 +394,7 @@ def _refusal(
     initial = _initial_failure(state) if target is None else None
     if initial is not None:
         sid, why = initial
-        own = (
+        lead = (
             f"{_unusable(state, onset_after_step)}, and the job's initial state cannot be "
             f"restored either"
             if state.committed
@@ -408,7 +408,7 @@ def _refusal(
             else ""
         )
         return (
-            f"{own}: it is snapshot {sid} of another job (init_from), and {why}; nothing is "
+            f"{lead}: it is snapshot {sid} of another job (init_from), and {why}; nothing is "
             f"left to restore{allowed}"
         )
     if target is None and state.committed and not config.allow_restart_from_scratch:
@@ -432,20 +432,14 @@ def _refusal(
 def _initial_failure(state: JobState) -> tuple[str, str] | None:
     """``(snapshot id, why)`` once a rank reported that the job's initial state, a snapshot of
     another job (``init_from``), failed verification, else ``None``."""
-    return next(
-        (bad for bad in state.bad_snapshots if bad[0].partition("/")[0] != state.job_id), None
-    )
+    return next((bad for bad in state.bad_snapshots if not state.owns(bad[0])), None)
 
 
 def _unusable(state: JobState, onset_after_step: int | None) -> str:
     """Every committed snapshot of the job's timeline, and every one this timeline's restores
     abandoned after it failed verification, with why it cannot be restored."""
     bad = dict(state.bad_snapshots)
-    why = [
-        f"{sid}: {reason}"
-        for sid, reason in state.bad_snapshots
-        if sid.partition("/")[0] == state.job_id
-    ]
+    why = [f"{sid}: {reason}" for sid, reason in state.bad_snapshots if state.owns(sid)]
     why += [
         f"{m.snapshot_id}: written at step {m.step}, after the incident's onset (known sound "
         f"up to step {onset_after_step})"

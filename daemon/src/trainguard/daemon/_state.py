@@ -388,6 +388,12 @@ class JobState(NamedTuple):
     loop: Loop = Loop()
     continued_generation: int = 0
 
+    def owns(self, snapshot_id: str) -> bool:
+        """Whether ``snapshot_id`` (``<job_id>/g<generation>/s<step>``) is a snapshot of this
+        job; a snapshot of another job a rank reports can only be the job's initial state
+        (``init_from``)."""
+        return snapshot_id.partition("/")[0] == self.job_id
+
     def restore_target(self, onset_after_step: int | None = None) -> Manifest | None:
         """The restore target: the newest committed snapshot not known bad whose step is
         ``<= onset_after_step`` (any step when ``None``), or ``None`` (start from scratch).
