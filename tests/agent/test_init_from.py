@@ -127,7 +127,7 @@ def test_a_job_without_snapshots_on_the_bus_is_named(
         agent.restore_target(timeout_s=20)
 
 
-def test_a_corrupt_origin_is_not_reported_to_this_jobs_daemon(
+def test_a_corrupt_origin_is_reported_to_this_jobs_daemon(
     make_agent: Callable[..., Agent], bus_url: str, origin: Origin
 ) -> None:
     path = uri_to_path(origin.manifest.shards[0].uri)
@@ -138,8 +138,8 @@ def test_a_corrupt_origin_is_not_reported_to_this_jobs_daemon(
     with pytest.raises(ShardCorrupt), agent:
         agent.load(agent.restore_target() or pytest.fail("no target"))
     (error,) = lifecycles(read_events(bus_url, B), "error")
-    # The daemon of B cannot rule out A's snapshot: the report names none, and says why.
-    assert error.snapshot_id is None
+    # The report names A's snapshot, B's initial state: B's daemon never restores it again.
+    assert error.snapshot_id == origin.manifest.snapshot_id
     assert error.message is not None
     assert f"cannot start from init_from snapshot {origin.manifest.snapshot_id}" in error.message
     assert "ShardCorrupt" in error.message
@@ -158,7 +158,7 @@ def test_a_rank_the_origin_has_no_shard_for_reports_why_before_it_exits(
             agent.load(agent.restore_target() or pytest.fail("no target"))
         finally:
             (error,) = lifecycles(read_events(bus_url, B), "error")
-            assert (error.rank, error.snapshot_id) == (1, None)
+            assert (error.rank, error.snapshot_id) == (1, sid)
             assert error.message is not None
             assert error.message.startswith(f"cannot start from init_from snapshot {sid}: ")
 

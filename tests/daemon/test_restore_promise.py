@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
+
 from tests.daemon.machine_scenarios import (
     T0,
     S,
@@ -290,6 +292,127 @@ def test_the_operator_may_allow_a_loud_restart_from_scratch() -> None:
     assert "restarting from the job's initial state, discarding every step trained" in (
         issue.reason
     )
+
+
+INIT_FROM = "nod/g0/s390"
+"""The snapshot of another job the synthetic jobs below start from (``init_from``)."""
+
+
+def init_from_corrupt(sim: Sim, rank: int, at: int) -> Input:
+    """``rank`` found its shard of :data:`INIT_FROM` failing its digest check while loading it
+    as the job's initial state (what the agent reports before ``load`` raises)."""
+    return sim.lifecycle(
+        rank,
+        "error",
+        at,
+        step=0,
+        snapshot_id=INIT_FROM,
+        message=f"cannot start from init_from snapshot {INIT_FROM}: ShardCorrupt: digest mismatch",
+    )
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_new_job_whose_init_from_fails_verification_fails_at_once_naming_it(
+    allow: bool,
+) -> None:
+    """No restore of the initial state (it would load the same snapshot again), with or
+    without allow_restart_from_scratch; the failing rank's exit is part of the same failure."""
+    cfg = config(allow_restart_from_scratch=allow)
+    sim = Sim(world_size=2)
+    state, _ = run(sim.start(T0), cfg=cfg)
+    state, decisions = run([init_from_corrupt(sim, 0, T0 + S)], state, cfg)
+    assert issued(decisions, Restore) == []
+    [noted] = of_type(decisions, Anomaly)
+    assert noted.kind == "snapshot_corrupt"
+    [opened] = of_type(decisions, IncidentOpened)
+    assert (opened.cause, opened.ranks) == ("snapshot_corrupt", (0,))
+    [failed] = of_type(decisions, JobFailed)
+    assert state.phase == "failed"
+    assert failed.reason.startswith(
+        "incident job/i1: the job has no committed snapshot of its own, and its initial state "
+        f"cannot be restored: it is snapshot {INIT_FROM} of another job (init_from), and rank 0 "
+        f"on host h0 reported that snapshot {INIT_FROM} failed verification: cannot start from "
+        f"init_from snapshot {INIT_FROM}: ShardCorrupt: digest mismatch; nothing is left to "
+        "restore"
+    )
+    assert ("allow_restart_from_scratch does not apply" in failed.reason) is allow
+    [abort] = issued(decisions, Abort)
+    assert abort.reason == failed.reason
+    later: list[Input] = [sim.crash(0, T0 + 2 * S), sim.kill(1, T0 + 3 * S), Tick(T0 + 600 * S)]
+    assert run(later, state, cfg) == (state, ())
+
+
+def test_init_from_failing_in_a_restore_to_the_initial_state_ends_the_restores() -> None:
+    """A job killed before its first commit restores its initial state; a rank then finds
+    the init_from snapshot corrupt: no second attempt loads it again."""
+    sim = Sim(world_size=2)
+    state, _ = run([*sim.start(T0), *sim.train(range(6), start=T0 + S)])
+    state, decisions = run([sim.kill(1, T0 + 7 * S)], state)
+    [restore] = issued(decisions, Restore)
+    assert restore.target is None
+    sim.generation = restore.generation
+    state, decisions = run([init_from_corrupt(sim, 0, T0 + 8 * S)], state)
+    assert issued(decisions, Restore) == []
+    [failed] = of_type(decisions, JobFailed)
+    assert failed.reason.startswith(
+        "incident job/i1: the job has no committed snapshot of its own, and its initial state "
+        f"cannot be restored: it is snapshot {INIT_FROM} of another job (init_from), and rank 0"
+    )
+    assert state.phase == "failed"
+
+
+def seeded(inputs: list[Input]) -> list[Input]:
+    """``inputs`` with every checkpoint shard naming :data:`INIT_FROM` as its ``parent``."""
+    return [
+        item._replace(event=dataclasses.replace(item.event, parent=INIT_FROM))
+        if isinstance(item, Observed) and isinstance(item.event, Checkpoint)
+        else item
+        for item in inputs
+    ]
+
+
+def test_a_job_with_snapshots_of_its_own_notes_its_init_from_and_never_restarts_from_it() -> None:
+    """Once committed, the job restores its own snapshots; the bad initial state is kept across
+    commits, so that when none of those can be restored, a restart from scratch (allowed) is
+    refused too, naming both."""
+    cfg = config(allow_restart_from_scratch=True)
+    sim = Sim(world_size=2)
+    state, _ = run(seeded([*sim.start(T0), *sim.train(range(15), start=T0 + S)]), cfg=cfg)
+    state, decisions = run([init_from_corrupt(sim, 1, T0 + 16 * S)], state, cfg)
+    assert [(type(d), d.kind) for d in decisions if isinstance(d, Anomaly)] == [
+        (Anomaly, "snapshot_corrupt")
+    ]
+    assert len(decisions) == 1
+    assert state.phase == "running"
+    state, _ = run(seeded(sim.train(range(15, 25), start=T0 + 17 * S)), state, cfg)
+    assert [m.step for m in state.committed] == [10, 20]
+    assert [sid for sid, _ in state.bad_snapshots] == [INIT_FROM]
+    reports = [sim.corrupt(r, f"job/g0/s{s}", T0 + 26 * S) for r, s in ((0, 20), (1, 10))]
+    state, decisions = run([*reports, sim.kill(1, T0 + 27 * S)], state, cfg)
+    assert issued(decisions, Restore) == []
+    [failed] = of_type(decisions, JobFailed)
+    assert "no committed snapshot can be restored (job/g0/s20: rank 0 " in failed.reason
+    assert (
+        f"and the job's initial state cannot be restored either: it is snapshot {INIT_FROM} of "
+        "another job (init_from), and rank 1 on host h0 reported" in failed.reason
+    )
+    assert "allow_restart_from_scratch does not apply" in failed.reason
+
+
+def test_another_jobs_snapshot_a_job_did_not_start_from_is_only_an_anomaly() -> None:
+    sim = Sim()
+    state, _ = run([*sim.start(T0), *sim.train(range(12), start=T0 + S)])
+    assert state.committed
+    report = init_from_corrupt(sim, 0, T0 + 13 * S)
+    after, decisions = run([report], state)
+    [anomaly] = decisions
+    assert isinstance(anomaly, Anomaly)
+    assert anomaly.kind == "unknown_snapshot"
+    assert "neither a committed snapshot of this job nor the snapshot it started from" in (
+        anomaly.reason
+    )
+    assert after.bad_snapshots == state.bad_snapshots
+    assert after.phase == "running"
 
 
 def test_an_onset_before_every_committed_step_fails_the_job() -> None:

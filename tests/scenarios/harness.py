@@ -277,16 +277,17 @@ class JobRun:
         self.assert_replays()
         return record
 
-    def assert_replays(self) -> None:
-        """Replay the job from the bus as ``trainguard replay`` does and check that the
-        replayed decisions equal the audit trail's exactly (architecture invariant 1).
+    def assert_replays(self, job: str = JOB) -> None:
+        """Replay ``job`` (the scenario's job by default; another job on the run's bus) from
+        the bus as ``trainguard replay`` does and check that the replayed decisions equal the
+        audit trail's exactly (architecture invariant 1).
 
         Raises:
             AssertionError: they differ; names the first difference.
         """
-        log = asyncio.run(read_bus(self.bus.url, self.bus.prefix, JOB))
+        log = asyncio.run(read_bus(self.bus.url, self.bus.prefix, job))
         result = replay(
-            JOB, log.events, log.trail(), MachineConfig(daemon_id="replay"), timeline=False
+            job, log.events, log.trail(), MachineConfig(daemon_id="replay"), timeline=False
         )
         difference = verify(result.replayed, result.recorded)
         assert difference is None, (

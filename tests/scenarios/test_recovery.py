@@ -12,9 +12,11 @@ worker's death shows the incident and restore counters moving.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -23,13 +25,25 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.buses import BusFactory
 from tests.scenarios.harness import (
+    GRACE_S,
+    REPO,
     JobRun,
+    Shape,
     assert_exact,
     assert_targets_newest_good,
     only,
 )
 from trainguard.agent._shards import uri_to_path
+from trainguard.agent._supervisor import EXIT_ABORTED
+from trainguard.daemon._rehearsal import (
+    charlm_command,
+    charlm_env,
+    read_job_record,
+    stop_process,
+    supervise,
+)
 from trainguard.schemas import Lifecycle, Manifest, Resume
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -227,6 +241,70 @@ def test_a_shard_corrupted_after_its_commit_is_caught_and_the_previous_snapshot_
     assert targets == [committed.snapshot_id, fallback], job_run.describe()
     assert_targets_newest_good(job_run, record)
     assert_exact(job_run, code, record)
+
+
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)  # see above
+def test_a_job_started_from_a_corrupt_init_from_snapshot_fails_at_once_naming_it(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """Job ``if2`` starts (``trainguard run --init-from``) from the scenario job's commit of
+    step 10, whose rank 0 shard was corrupted: the daemon fails it without a restore, and the
+    supervisor exits 3 with the digest failure as the reason (docs/recovery.md)."""
+    origin_run = JobRun(
+        bus_factory, tmp_path, Shape(steps=10, checkpoint_every=10), reference=tmp_path
+    )
+    origin_run.context = "if2 --init-from the scenario job's step 10, rank 0's shard corrupted"
+    seeded: subprocess.Popen[bytes] | None = None
+    try:
+        origin_run.start_daemon()
+        origin_run.start_job()
+        origin = origin_run.wait_for(
+            "the commit of step 10", lambda m: isinstance(m, Manifest) and m.step == 10
+        ).message
+        assert origin_run.supervisor is not None
+        assert origin_run.supervisor.wait(150) == 0, origin_run.describe()
+        [shard] = [s for s in origin.shards if s.rank == 0]
+        _flip_bytes(uri_to_path(shard.uri))
+
+        out = tmp_path / "if2"
+        seeded = supervise(
+            "if2",
+            charlm_command(out, steps=20, checkpoint_every=10, seed=origin_run.shape.seed),
+            bus_url=bus_factory.url,
+            prefix=bus_factory.prefix,
+            nproc_per_node=origin_run.shape.world_size,
+            log_path=tmp_path / "supervisor-if2.log",
+            env=charlm_env(out, REPO),
+            grace_s=GRACE_S,
+            args=["--init-from", origin.snapshot_id],
+        )
+        assert seeded.wait(150) == EXIT_ABORTED, origin_run.describe()
+        record = asyncio.run(read_job_record(bus_factory.url, bus_factory.prefix, "if2"))
+        origin_run.assert_replays("if2")
+    finally:
+        if seeded is not None and seeded.poll() is None:
+            stop_process(seeded, signal.SIGINT, timeout_s=GRACE_S + 10)
+        origin_run.close()
+
+    assert record.restores() == [], origin_run.describe()
+    [failed] = [d for d in record.decisions() if d["decision"] == "job_failed"]
+    reason = failed["reason"]
+    [error] = [
+        e.message
+        for e in record.events
+        if isinstance(e.message, Lifecycle) and e.message.kind == "error" and e.message.snapshot_id
+    ]
+    assert (error.rank, error.snapshot_id) == (0, origin.snapshot_id), origin_run.describe()
+    assert error.message.startswith(
+        f"cannot start from init_from snapshot {origin.snapshot_id}: ShardCorrupt: "
+    ), error.message
+    assert f"it is snapshot {origin.snapshot_id} of another job (init_from)" in reason, reason
+    assert (
+        f"rank 0 on host {error.host} reported that snapshot {origin.snapshot_id} failed "
+        f"verification: {error.message}" in reason
+    ), reason
+    [abort] = record.aborts()
+    assert abort.reason == reason, origin_run.describe()
 
 
 def _flip_bytes(path: Path) -> None:

@@ -413,9 +413,9 @@ class Agent:
             Before raising, a lifecycle ``error`` is sent (and given up to 30 s to reach the
             bus). For a snapshot of this job it names ``target.snapshot_id``, so that the
             daemon stops using that snapshot and retries the restore from an older one. For
-            another job's snapshot (``init_from``), which the daemon cannot rule out, it names
-            none and says that this rank cannot start from it: the daemon hears why before it
-            notices the rank missing.
+            the job's ``init_from`` it names that snapshot too and says that this rank cannot
+            start from it: the daemon never restores it again, and fails a job with no
+            snapshot of its own at once. For any other snapshot it names none.
         """
         self._require_open()
         rank = self.config.rank
@@ -442,9 +442,11 @@ class Agent:
                     message=_describe(exc),
                 )
             else:
+                initial = target.snapshot_id == self.config.init_from
                 self._lifecycle(
                     "error",
                     step=self._progress[0],
+                    snapshot_id=target.snapshot_id if initial else None,
                     message=_describe_init(target.snapshot_id, exc),
                 )
             self._link.flush(_FLUSH_S)

@@ -743,7 +743,10 @@ def _add_shard(
         )
     committed = (*state.committed, result)[-config.keep_snapshots :]
     kept = {m.snapshot_id for m in committed}
-    bad = tuple((sid, why) for sid, why in state.bad_snapshots if sid in kept)
+    # Forget the abandoned timeline's bad snapshots, never the job's initial state's.
+    bad = tuple(
+        (sid, why) for sid, why in state.bad_snapshots if sid in kept or not state.owns(sid)
+    )
     reason = (
         f"all {world_size} ranks reported their shard of step {event.step} in generation "
         f"{state.generation} (data version {result.data_version!r})"
@@ -832,8 +835,10 @@ def _on_exited(
 def _on_error(
     state: JobState, event: Lifecycle, config: MachineConfig
 ) -> tuple[JobState, Decisions]:
-    """An error report; one naming a snapshot marks it bad (and retries a restore to it); one
-    saying a rank missed the current in-process restore's step falls back to a restart."""
+    """An error report; one naming a snapshot marks it bad (and retries a restore to it, or,
+    for the job's initial state, another job's snapshot, fails a job that has no snapshot of
+    its own); one saying a rank missed the current in-process restore's step falls back to a
+    restart."""
     if event.rank is not None:
         state = _touch(state, event.rank, event.host, event.pid, config, step=event.step)
         who = f"rank {event.rank} on host {event.host}"
@@ -872,7 +877,8 @@ def _on_error(
                 reason=f"{who} reported an error in generation {state.generation}{detail}",
             ),
         )
-    if all(m.snapshot_id != sid for m in state.committed):
+    own = state.owns(sid)
+    if own and all(m.snapshot_id != sid for m in state.committed):
         return state, (
             Anomaly(
                 kind="unknown_snapshot",
@@ -880,9 +886,32 @@ def _on_error(
                 f"a committed snapshot of this job{detail}",
             ),
         )
+    if not own and state.committed and state.committed[-1].parent != sid:
+        return state, (
+            Anomaly(
+                kind="unknown_snapshot",
+                reason=f"{who} reported that snapshot {sid} failed verification, but it is "
+                f"neither a committed snapshot of this job nor the snapshot it started from "
+                f"({state.committed[-1].parent}){detail}",
+            ),
+        )
     reason = f"{who} reported that snapshot {sid} failed verification{detail}"
     if all(bad != sid for bad, _ in state.bad_snapshots):
         state = state._replace(bad_snapshots=(*state.bad_snapshots, (sid, reason)))
+    if not own:
+        # Another job's snapshot is the job's initial state (init_from). With no snapshot of
+        # its own on the timeline, the ranks of this generation started from it: they cannot
+        # train, and restoring the initial state would load it again (docs/recovery.md).
+        noted = Anomaly(
+            kind="snapshot_corrupt", reason=f"{reason}; the job's initial state is unusable"
+        )
+        if state.committed:
+            return state, (noted,)
+        named = (event.rank,) if event.rank is not None else event.ranks
+        state, decisions = fail_over(
+            state, Failure("snapshot_corrupt", reason, named, (event.host,)), config
+        )
+        return state, (noted, *decisions)
     noted = Anomaly(kind="snapshot_corrupt", reason=f"{reason}; no longer a restore target")
     incident = state.incident
     if (

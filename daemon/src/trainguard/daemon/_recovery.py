@@ -16,7 +16,9 @@ is another snapshot.
 No silent restart from scratch: when no committed snapshot of the job's timeline can be
 restored (each failed verification or was written after the onset), the job fails with a reason
 naming every one of them, unless ``allow_restart_from_scratch`` allows the restart from the
-initial state (which then says so in its reason).
+initial state (which then says so in its reason). An initial state that failed verification (the
+snapshot of another job the job started from, ``init_from``) is never restored: a job with no
+snapshot of its own fails at once.
 
 Acknowledgements: a restore resumes only once every rank acknowledged exactly the target's
 snapshot, step and data position (:func:`acknowledged`); otherwise it is retried.
@@ -386,7 +388,29 @@ def _refusal(
 ) -> str | None:
     """Why restoring ``target`` is refused, or ``None``: the initial state of a job with
     committed snapshots (unless ``allow_restart_from_scratch``), or a target on another data
-    version than the job's."""
+    version than the job's; or the initial state once it failed verification (the snapshot of
+    another job the job started from, ``init_from``: a restart from the initial state loads it
+    again, whatever ``allow_restart_from_scratch`` says)."""
+    initial = _initial_failure(state) if target is None else None
+    if initial is not None:
+        sid, why = initial
+        lead = (
+            f"{_unusable(state, onset_after_step)}, and the job's initial state cannot be "
+            f"restored either"
+            if state.committed
+            else "the job has no committed snapshot of its own, and its initial state cannot "
+            "be restored"
+        )
+        allowed = (
+            " (allow_restart_from_scratch does not apply: a restart from the initial state "
+            f"loads {sid} again; start a new job without init_from to train from scratch)"
+            if config.allow_restart_from_scratch
+            else ""
+        )
+        return (
+            f"{lead}: it is snapshot {sid} of another job (init_from), and {why}; nothing is "
+            f"left to restore{allowed}"
+        )
     if target is None and state.committed and not config.allow_restart_from_scratch:
         return (
             f"{_unusable(state, onset_after_step)}; restarting from the job's initial state "
@@ -405,11 +429,17 @@ def _refusal(
     )
 
 
+def _initial_failure(state: JobState) -> tuple[str, str] | None:
+    """``(snapshot id, why)`` once a rank reported that the job's initial state, a snapshot of
+    another job (``init_from``), failed verification, else ``None``."""
+    return next((bad for bad in state.bad_snapshots if not state.owns(bad[0])), None)
+
+
 def _unusable(state: JobState, onset_after_step: int | None) -> str:
     """Every committed snapshot of the job's timeline, and every one this timeline's restores
     abandoned after it failed verification, with why it cannot be restored."""
     bad = dict(state.bad_snapshots)
-    why = [f"{sid}: {reason}" for sid, reason in state.bad_snapshots]
+    why = [f"{sid}: {reason}" for sid, reason in state.bad_snapshots if state.owns(sid)]
     why += [
         f"{m.snapshot_id}: written at step {m.step}, after the incident's onset (known sound "
         f"up to step {onset_after_step})"

@@ -342,7 +342,8 @@ class JobState(NamedTuple):
         bad_snapshots: ``(snapshot id, why)`` of each committed snapshot whose shards failed
             verification, in the order reported. A restore keeps those of the snapshots it
             abandons (the incident's give-up reason names every snapshot tried); the next
-            commit forgets those no longer committed.
+            commit forgets those no longer committed. The job's initial state, a snapshot of
+            another job (``init_from``), is kept once it failed verification.
         incident: the open incident, or ``None``.
         incidents_opened: incidents opened so far (numbers incident ids).
         command_seq: ``seq`` of the last command issued (0: none yet).
@@ -386,6 +387,12 @@ class JobState(NamedTuple):
     data_version: str | None = None
     loop: Loop = Loop()
     continued_generation: int = 0
+
+    def owns(self, snapshot_id: str) -> bool:
+        """Whether ``snapshot_id`` (``<job_id>/g<generation>/s<step>``) is a snapshot of this
+        job; a snapshot of another job a rank reports can only be the job's initial state
+        (``init_from``)."""
+        return snapshot_id.partition("/")[0] == self.job_id
 
     def restore_target(self, onset_after_step: int | None = None) -> Manifest | None:
         """The restore target: the newest committed snapshot not known bad whose step is
