@@ -419,6 +419,7 @@ async def test_a_second_supervisor_of_a_live_job_and_node_is_refused_and_posts_n
         assert f"job {JOB!r} already has a supervisor on this node (rank0): pid {os.getpid()}" in (
             said
         )
+        assert f"holds {tmp_path / 'state' / 'trainguard' / 'supervisors'}/" in said
         assert await events(bus) == before  # nothing posted
         written = sorted(p.name for p in (tmp_path / "out").iterdir())
         assert written == ["0-0.json", "0-1.json", "0-2.json", "0-3.json"]

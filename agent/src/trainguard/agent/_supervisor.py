@@ -172,8 +172,9 @@ class SupervisorConfig:
         warn_every_s: seconds between two such warnings while it lasts (> 0).
         stop_timeout_s: seconds a signalled supervisor waits for the daemon to confirm the
             job's stop before it exits anyway (:data:`EXIT_SIGNALLED`).
-        state_dir: the per-user folder of the node slots' lock files (:mod:`._node_slot`);
-            default :func:`~trainguard.agent.bus.default_state_dir` of the environment.
+        state_dir: the per-user state folder; the node slots' lock files
+            (:mod:`._node_slot`) go to its ``supervisors`` folder. Default
+            :func:`~trainguard.agent.bus.default_state_dir` of the environment.
     """
 
     job_id: str
@@ -316,7 +317,7 @@ class Supervisor:
         c = self._c
         kind, where = parse_bus_url(c.bus.url)
         bus = f"{kind}:{Path(where).resolve() if kind == 'sqlite' else where} {c.bus.prefix}"
-        return NodeSlot.take(c.state_dir, bus, c.job_id, c.node())
+        return NodeSlot.take(c.state_dir / "supervisors", bus, c.job_id, c.node())
 
     async def _run(self, stop: asyncio.Event | None) -> int:
         async with open_bus(self._c.bus) as bus:
