@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.agent import DEFAULT_BUS_URL, Agent, AgentConfig, ConfigError
-from trainguard.agent.bus import default_bus_url, parse_bus_url, sqlite_url
+from trainguard.agent.bus import default_bus_url, default_state_dir, parse_bus_url, sqlite_url
 
 
 def test_defaults_apply_when_nothing_is_set():
@@ -31,6 +31,11 @@ def test_the_default_bus_is_one_absolute_file_per_user():
         assert default_bus_url({**state, "HOME": "/home/u"}) == (
             "sqlite:///home/u/.local/state/trainguard/bus.db"
         )
+    # The folder of the supervisors' node locks too (trainguard run): the same rule.
+    assert default_state_dir({"XDG_STATE_HOME": "/state"}) == Path("/state/trainguard")
+    assert default_state_dir({"XDG_STATE_HOME": "rel", "HOME": "/home/u"}) == Path(
+        "/home/u/.local/state/trainguard"
+    )
     kind, path = parse_bus_url(DEFAULT_BUS_URL)
     assert kind == "sqlite"
     assert Path(path).is_absolute()

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from trainguard.schemas import (
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 
 JOB = "sup-job"
 
@@ -85,6 +88,7 @@ def config(tmp_path: Path, mode: str, **overrides: Any) -> SupervisorConfig:
         "grace_s": 1.0,
         "host": "node-a",
         "daemon_timeout_s": 0.0,  # no daemon in these tests: no warnings unless asked
+        "state_dir": tmp_path / "state" / "trainguard",  # XDG_STATE_HOME=tmp_path/state
     }
     return SupervisorConfig(**{**base, **overrides})
 
@@ -374,6 +378,110 @@ async def test_a_restarted_supervisor_of_a_job_that_committed_in_generation_0_re
         await wait_for(bus, lambda es: any(e.kind == "started" and e.generation == 1 for e in es))
         await bus.publish("commands", JOB, abort_at(1))
         assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+async def test_a_second_supervisor_of_a_live_job_and_node_is_refused_and_posts_nothing(
+    tmp_path: Path,
+) -> None:
+    """Only the supervisor holding a node's slot may declare the node's previous ranks gone: a
+    second ``trainguard run`` of a job whose supervisor lives on this node (and has committed,
+    which a restarted supervisor takes for a rejoin) exits 2 naming the job, the node and the
+    holder's pid, posts nothing and starts no worker. The same job's other node is no
+    conflict."""
+    first = config(tmp_path, "sleep", nproc_per_node=2, nnodes=2, node_rank=0, master_port=29711)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        tasks = [asyncio.ensure_future(Supervisor(first).run())]
+        await wait_for(bus, lambda es: sum(e.kind == "started" for e in es) == 2)
+        tasks.append(asyncio.ensure_future(Supervisor(replace(first, node_rank=1)).run()))
+        await wait_for(bus, lambda es: sum(e.kind == "started" for e in es) == 4)
+        await bus.publish("manifests", JOB, encode(manifest(step=30)))
+        before = await events(bus)
+        second = await asyncio.create_subprocess_exec(
+            *CLI, "run", "--job", JOB, "--bus", first.bus.url, "--nproc-per-node", "2",
+            "--nnodes", "2", "--node-rank", "0", "--master-port", "29711",
+            "--daemon-timeout", "0", "--", *first.command,
+            env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        output = asyncio.ensure_future(second.communicate())
+        try:
+            # Without the slot it reports ranks 0-1 gone, then waits for a daemon for ever.
+            seen = await wait_for_events(
+                bus, lambda es: output.done() or any(is_exit(e) for e in es), timeout_s=60
+            )
+        finally:
+            if second.returncode is None:
+                second.kill()
+            _, err = await output
+        assert [e for e in seen if is_exit(e)] == []
+        assert second.returncode == 2
+        said = " ".join(err.decode().split())
+        assert f"job {JOB!r} already has a supervisor on this node (rank0): pid {os.getpid()}" in (
+            said
+        )
+        assert f"holds {tmp_path / 'state' / 'trainguard' / 'supervisors'}/" in said
+        assert await events(bus) == before  # nothing posted
+        written = sorted(p.name for p in (tmp_path / "out").iterdir())
+        assert written == ["0-0.json", "0-1.json", "0-2.json", "0-3.json"]
+        await bus.publish("commands", JOB, abort_at(0))
+        assert await asyncio.wait_for(asyncio.gather(*tasks), 30) == [EXIT_ABORTED] * 2
+
+
+def finished(rank: int, generation: int) -> bytes:
+    """A worker's last word: its rank finished in ``generation``."""
+    return encode(
+        Lifecycle(
+            job_id=JOB, generation=generation, ts=time.time_ns(), seq=9, rank=rank,
+            host="node-a", pid=100 + rank, kind="finished", step=30,
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("latest", "generation"), [(None, 0), ("resume", 1)], ids=["committed", "resumed"]
+)
+async def test_a_restarted_supervisor_whose_ranks_finished_posts_nothing(
+    tmp_path: Path, latest: str | None, generation: int
+) -> None:
+    """Rerunning a finished job: this node's ranks finished in the job's generation, so none is
+    gone: the supervisor refuses without reporting them (the daemon would ignore the report)."""
+    async with open_bus(bus_config(tmp_path)) as bus:
+        await bus.publish("manifests", JOB, encode(manifest(step=30)))
+        if latest == "resume":
+            value = encode(
+                Resume(job_id=JOB, generation=1, ts=time.time_ns(), seq=2, daemon_id="t", step=5)
+            )
+            await bus.publish("commands", JOB, value)
+            await bus.publish("events", JOB, finished(0, 0))  # an older generation: no answer
+        for rank in (0, 1):
+            await bus.publish("events", JOB, finished(rank, generation))
+        before = await events(bus)
+        with pytest.raises(JobNotJoinable, match=rf"\[0, 1\] finished in generation {generation}"):
+            await Supervisor(config(tmp_path, "exit", nproc_per_node=2)).run()
+        assert await events(bus) == before  # nothing posted
+    assert not list((tmp_path / "out").iterdir())
+
+
+async def test_a_restarted_supervisor_whose_ranks_did_not_all_finish_rejoins(
+    tmp_path: Path,
+) -> None:
+    async with open_bus(bus_config(tmp_path)) as bus:
+        await bus.publish("manifests", JOB, encode(manifest(step=30)))
+        await bus.publish("events", JOB, finished(0, 0))
+        task = asyncio.ensure_future(Supervisor(config(tmp_path, "sleep", nproc_per_node=2)).run())
+        seen = await wait_for_events(bus, lambda es: any(is_exit(e) for e in es))
+        assert [(e.ranks, e.signal) for e in seen if isinstance(e, Lifecycle) and is_exit(e)] == [
+            ((0, 1), signal.SIGKILL)
+        ]
+        await bus.publish("commands", JOB, abort_at(0))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+
+
+async def test_the_node_slot_is_free_again_once_its_supervisor_ended(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "exit", nproc_per_node=1)
+    async with open_bus(bus_config(tmp_path)):
+        assert await asyncio.wait_for(Supervisor(cfg).run(), 30) == 0
+        assert await asyncio.wait_for(Supervisor(cfg).run(), 30) == 0
 
 
 @pytest.mark.parametrize("outcome", ["failed", "stopped"])

@@ -32,15 +32,18 @@ inherit as well) the supervisor acts only on commands the daemon signed, for its
 replayed (:mod:`._command_gate`), and sends its lifecycle events and requests with their MAC.
 
 **Joining** (``docs/operations.md``, "A supervisor that restarts"): on start the supervisor
-reads the job's latest command. It starts workers only in a generation whose processes nobody
-runs yet: generation 0 of a job without command and without committed snapshot, or the
-generation of a ``restart`` restore. A job that runs already (a ``resume``, an ``in_process``
-restore, or a committed snapshot in generation 0) ran this node's ranks in a previous
-supervisor, whose workers died with it (``PR_SET_PDEATHSIG``): the supervisor reports them
-``exited`` (SIGKILL) in that generation, so that the daemon restores the job at once, and
-starts its workers in the restore's generation with its target. A job that was stopped or
-failed (``abort``) is refused unless ``continue_job`` is set: then it asks the daemon to
-continue it (a ``job-request`` ``continue``) and joins the restore that answers.
+takes the node's slot (:mod:`._node_slot`: one supervisor per job and node; a second one is
+refused before it reads or posts anything), then reads the job's latest command. It starts
+workers only in a generation whose processes nobody runs yet: generation 0 of a job without
+command and without committed snapshot, or the generation of a ``restart`` restore. A job that
+runs already (a ``resume``, an ``in_process`` restore, or a committed snapshot in generation 0)
+ran this node's ranks in a previous supervisor, whose workers died with it
+(``PR_SET_PDEATHSIG``): the supervisor reports them ``exited`` (SIGKILL) in that generation, so
+that the daemon restores the job at once, and starts its workers in the restore's generation
+with its target; unless every one of its ranks reported ``finished`` in that generation
+(nothing is gone: it refuses, posting nothing). A job that was stopped or failed (``abort``) is
+refused unless ``continue_job`` is set: then it asks the daemon to continue it (a
+``job-request`` ``continue``) and joins the restore that answers.
 
 **Stopping**: a SIGTERM or SIGINT asks the daemon to stop the whole job (a ``job-request``
 ``stop``) before this node's workers are stopped, so that their exits are no failure, and
@@ -76,6 +79,7 @@ from trainguard.agent._daemon_watch import DaemonWatch, poll_interval_s
 from trainguard.agent._errors import AgentError, ConfigError
 from trainguard.agent._keystore import AgentKeys
 from trainguard.agent._manifests import read_manifests
+from trainguard.agent._node_slot import NodeSlot, NodeTaken
 from trainguard.agent._requests import send_request
 from trainguard.agent._step_file import STEP_FILE_ENV, read_step_file, reset_step_file
 from trainguard.agent.bus import (
@@ -85,7 +89,9 @@ from trainguard.agent.bus import (
     Consumer,
     Delivery,
     TopicPartition,
+    default_state_dir,
     open_bus,
+    parse_bus_url,
 )
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import (
@@ -96,6 +102,7 @@ from trainguard.schemas import (
     Resume,
     SchemaError,
     add_mac,
+    decode,
     encode,
 )
 
@@ -104,6 +111,7 @@ __all__ = [
     "EXIT_SIGNALLED",
     "EXIT_STOPPED",
     "JobNotJoinable",
+    "NodeTaken",
     "Supervisor",
     "SupervisorConfig",
 ]
@@ -112,8 +120,9 @@ log = structlog.get_logger("trainguard.supervisor")
 
 
 class JobNotJoinable(AgentError):
-    """The job was stopped or failed (and ``--continue`` was not given), has ended, or the
-    daemon did not take this node's request to join it; the message says which and what to do."""
+    """The job was stopped or failed (and ``--continue`` was not given), has ended (this node's
+    ranks finished), or the daemon did not take this node's request to join it; the message
+    says which and what to do."""
 
 
 EXIT_ABORTED = 3
@@ -163,6 +172,9 @@ class SupervisorConfig:
         warn_every_s: seconds between two such warnings while it lasts (> 0).
         stop_timeout_s: seconds a signalled supervisor waits for the daemon to confirm the
             job's stop before it exits anyway (:data:`EXIT_SIGNALLED`).
+        state_dir: the per-user state folder; the node slots' lock files
+            (:mod:`._node_slot`) go to its ``supervisors`` folder. Default
+            :func:`~trainguard.agent.bus.default_state_dir` of the environment.
     """
 
     job_id: str
@@ -183,6 +195,7 @@ class SupervisorConfig:
     daemon_timeout_s: float = 30.0
     warn_every_s: float = 30.0
     stop_timeout_s: float = 30.0
+    state_dir: Path = field(default_factory=default_state_dir)
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for settings that could only fail later, less clearly."""
@@ -218,6 +231,12 @@ class SupervisorConfig:
             return self.ranks
         first = self.node_rank * self.nproc_per_node
         return tuple(range(first, first + self.nproc_per_node))
+
+    def node(self) -> str:
+        """This node's identity within the job: ``rank<first global rank>``, or
+        ``node<node_rank>`` when it names no rank (plain mode without ``ranks``)."""
+        ranks = self.local_ranks()
+        return f"rank{min(ranks)}" if ranks else f"node{self.node_rank}"
 
     @property
     def group(self) -> str:
@@ -278,11 +297,29 @@ class Supervisor:
         :data:`EXIT_SIGNALLED`.
 
         Raises:
+            NodeTaken: another supervisor of the job runs on this node (it holds the node's
+                slot); nothing was read or posted, no worker started.
             JobNotJoinable: the job was stopped or failed and ``continue_job`` is not set, or
                 the daemon read this node's report or request and ordered nothing (the job
                 has ended, or the request was refused).
+            ConfigError: the slot's lock file cannot be created.
             BusError: the bus failed.
         """
+        slot = self._take_slot()
+        try:
+            return await self._run(stop)
+        finally:
+            slot.release()
+
+    def _take_slot(self) -> NodeSlot:
+        """This node's slot for the job on this bus (a job id names a job within a bus and
+        topic prefix; an embedded bus by its absolute path)."""
+        c = self._c
+        kind, where = parse_bus_url(c.bus.url)
+        bus = f"{kind}:{Path(where).resolve() if kind == 'sqlite' else where} {c.bus.prefix}"
+        return NodeSlot.take(c.state_dir / "supervisors", bus, c.job_id, c.node())
+
+    async def _run(self, stop: asyncio.Event | None) -> int:
         async with open_bus(self._c.bus) as bus:
             commands = await self._follow_commands(bus)
             listener = asyncio.ensure_future(self._listen(commands))
@@ -454,6 +491,7 @@ class Supervisor:
             return
         self._failed = True  # nothing runs here until the daemon orders a restore
         if self._plan == "rejoin":
+            await self._refuse_if_finished(bus)
             delivery = await self._report_gone(bus)
             what = f"this node's report that its ranks are gone (generation {self._generation})"
         else:
@@ -476,6 +514,19 @@ class Supervisor:
         )
         log.info(f"{kind} request sent", generation=self._generation, offset=delivery.offset)
         return delivery
+
+    async def _refuse_if_finished(self, bus: Bus) -> None:
+        """Raise :class:`JobNotJoinable` if every rank of this node reported ``finished`` in
+        the current generation (the job's events, as the daemon counts finished ranks): none
+        is gone, and the job has ended or ends without this node."""
+        finished = await _finished_ranks(bus, self._c.job_id, self._generation)
+        ranks = self._c.local_ranks()
+        if set(ranks) <= finished:
+            raise JobNotJoinable(
+                f"job {self._c.job_id!r}: this node's ranks {list(ranks)} finished in "
+                f"generation {self._generation}; nothing to rejoin (for a new run, use a new "
+                "job id)"
+            )
 
     async def _report_gone(self, bus: Bus) -> Delivery:
         """Report this node's ranks ``exited`` (SIGKILL) in the current generation, as this
@@ -736,6 +787,37 @@ class Supervisor:
             if bus is not None and w not in reported:
                 with contextlib.suppress(BusError):
                     await self._report(bus, "exited", w, code=code)
+
+
+async def _finished_ranks(bus: Bus, job_id: str, generation: int) -> set[int]:
+    """The ranks whose worker reported ``finished`` in ``generation`` on the job's partition
+    of ``events``, read from its first record to its end offset at the call (one pass over
+    the partition: only a rejoining supervisor asks)."""
+    ends = await bus.end_offsets("events")
+    tp = TopicPartition("events", partition_for(job_id, len(ends)))
+    end = ends[tp]
+    finished: set[int] = set()
+    if end == 0:
+        return finished
+    async with await bus.assign({tp: 0}) as consumer:
+        seen = 0  # the next offset to see; a log trimmed by retention begins later
+        while seen < end:
+            for rec in await consumer.getmany(timeout_s=_ANSWER_POLL_S, max_records=10_000):
+                seen = max(seen, rec.offset + 1)
+                # Most records are heartbeats: skip them before decoding.
+                if (
+                    rec.key != job_id
+                    or rec.offset >= end
+                    or b'"finished"' not in (rec.value or b"")
+                ):
+                    continue
+                with contextlib.suppress(SchemaError):
+                    event = decode(rec.value or b"", expect=Lifecycle)
+                    if (event.kind, event.generation) == ("finished", generation) and (
+                        event.rank is not None
+                    ):
+                        finished.add(event.rank)
+    return finished
 
 
 def _ended(abort: Abort) -> int:

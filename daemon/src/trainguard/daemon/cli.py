@@ -313,7 +313,8 @@ def run(
             "--continue",
             help="Continue a job that was stopped (trainguard stop, a signal) or failed, from "
             "its latest committed snapshot; give it on every node. Without it such a job is "
-            "refused. A running job is joined either way.",
+            "refused. A running job is joined either way (by a supervisor restarted after "
+            "this node's previous one died: one supervisor per job and node, a second exits 2).",
         ),
     ] = False,
     daemon_timeout: Annotated[

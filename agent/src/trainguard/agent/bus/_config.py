@@ -21,6 +21,7 @@ __all__ = [
     "BusConfig",
     "KafkaSecurity",
     "default_bus_url",
+    "default_state_dir",
     "load_kafka_security",
     "parse_bus_url",
     "topic_prefixes",
@@ -41,10 +42,22 @@ def default_bus_url(env: Mapping[str, str] | None = None) -> str:
     Args:
         env: the environment; ``None`` reads ``os.environ``.
     """
+    return f"sqlite://{default_state_dir(env) / 'bus.db'}"
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """trainguard's per-user state folder: ``$XDG_STATE_HOME/trainguard``, or
+    ``~/.local/state/trainguard`` when ``XDG_STATE_HOME`` is unset, empty or relative; the
+    folder of the default bus (:func:`default_bus_url`) and of the supervisors' node locks.
+    Not created here.
+
+    Args:
+        env: the environment; ``None`` reads ``os.environ``.
+    """
     env = os.environ if env is None else env
     state = env.get("XDG_STATE_HOME", "")
     base = Path(state) if state and Path(state).is_absolute() else _home(env) / ".local" / "state"
-    return f"sqlite://{base / 'trainguard' / 'bus.db'}"
+    return base / "trainguard"
 
 
 def _home(env: Mapping[str, str]) -> Path:
