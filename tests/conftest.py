@@ -23,6 +23,16 @@ from tests.kafka_dev import CLUSTER_READY_TIMEOUT_S, dev_broker, wait_for_cluste
 _BROKER_LABEL = pytest.StashKey[str]()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Per-user state (the default embedded bus, supervisors' node locks) in a session tmp dir,
+    not the home folder of whoever runs the suite; a test may point ``XDG_STATE_HOME``
+    elsewhere for itself."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap(
     tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
