@@ -407,25 +407,34 @@ def test_a_crash_loop_fails_the_job_naming_the_repeating_cause() -> None:
     assert state.phase == "failed"
 
 
-def test_the_exit_reports_step_counts_as_reached_in_a_crash_loop() -> None:
-    """The worker exits at step 35 while its last heartbeat said 23 (it trained faster than it
-    heartbeats): the crash loop's mark is step 35, so later generations that reach 35 again
-    are no progress, and the fourth exit fails the job."""
+def exits_after_step(step: int) -> tuple[JobState, JobFailed, int]:
+    """A 4-rank job heartbeating steps 0..23 (commits at 10 and 20) whose rank 1 exits with
+    code 7 after ``step`` (its exit report's last completed step), and again after ``step`` in
+    each generation restored to step 20 (heartbeats 21..``step``), four times: the state, the
+    job's failure and the restores issued."""
     sim = Sim()
-    state, _ = running_job(sim, 24)  # heartbeats of steps 0..23, commits at 10 and 20
+    state, _ = running_job(sim, 24)
     restores: list[Restore] = []
     for cycle in range(4):
         at = T0 + (100 + 40 * cycle) * S
         if restores:
             state, _ = run(sim.recover(restores[-1], at), state)
-            state, _ = run(sim.train(range(21, 36), start=at + S, checkpoint_every=0), state)
-        exited = sim.supervisor((1,), "exited", at + 20 * S, exit_code=7, step=35)
+            state, _ = run(sim.train(range(21, step + 1), start=at + S, checkpoint_every=0), state)
+        exited = sim.supervisor((1,), "exited", at + 20 * S, exit_code=7, step=step)
         state, decisions = run([exited], state)
         restores += issued(decisions, Restore)
         if state.phase == "restoring":
             state, _ = run([acted(state, at + 20 * S)], state)
-    assert len(restores) == 3
     [failed] = of_type(decisions, JobFailed)
+    return state, failed, len(restores)
+
+
+def test_the_exit_reports_step_counts_as_reached_in_a_crash_loop() -> None:
+    """The worker exits after step 35 while its last heartbeat said 23 (it trained faster than
+    it heartbeats): the crash loop's mark is step 35, so later generations that reach 35 again
+    are no progress, and the fourth exit fails the job."""
+    state, failed, restores = exits_after_step(35)
+    assert restores == 3
     assert "never got 10 steps past step 35" in failed.reason
     assert state.phase == "failed"
 
@@ -434,20 +443,9 @@ def test_a_crash_loop_at_the_furthest_step_does_not_rule_out_a_bad_batch() -> No
     """Every generation exits after step 23, the furthest step the job ever reached: the
     steps after it were never trained, so a batch that fails whenever it is trained is still
     a suspect, not only the restore."""
-    sim = Sim()
-    state, _ = running_job(sim, 24)  # heartbeats of steps 0..23, commits at 10 and 20
-    restores: list[Restore] = []
-    for cycle in range(4):
-        at = T0 + (100 + 40 * cycle) * S
-        if restores:
-            state, _ = run(sim.recover(restores[-1], at), state)
-            state, _ = run(sim.train(range(21, 24), start=at + S, checkpoint_every=0), state)
-        exited = sim.supervisor((1,), "exited", at + 20 * S, exit_code=7, step=23)
-        state, decisions = run([exited], state)
-        restores += issued(decisions, Restore)
-        if state.phase == "restoring":
-            state, _ = run([acted(state, at + 20 * S)], state)
-    [failed] = of_type(decisions, JobFailed)
+    state, failed, restores = exits_after_step(23)
+    assert restores == 3
+    assert state.phase == "failed"
     assert "3 of the 4 incidents struck within 5 steps after a restore" in failed.reason
     assert "trained past before" not in failed.reason
     assert "or a batch that fails whenever it is trained" in failed.reason
