@@ -121,6 +121,22 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def run_ranks(target: Callable[..., None], args: list[tuple[Any, ...]]) -> list[int | None]:
+    """Run ``target(*args[r])`` in a spawned process per rank; their exit codes (``None``: still
+    running after 240 s, then killed)."""
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=target, args=a, daemon=True) for a in args]
+    for process in ranks:
+        process.start()
+    try:
+        for process in ranks:
+            process.join(240)
+        return [p.exitcode for p in ranks]
+    finally:  # a rank left behind would hold pytest's exit (multiprocessing joins children)
+        for process in ranks:
+            process.kill()
+
+
 def _worker(rank: int, world: int, store: str, ordered: bool, out: str) -> None:
     """Train 6 steps straight, and 3 steps then a fresh DDP from the step-3 state for 3 more
     (a restart from a checkpoint); write both parameter digests to ``out-<rank>``."""
@@ -172,20 +188,8 @@ def test_a_restarted_ddp_is_bitwise_equal_on_three_ranks_only_with_the_hook(
     """With DDP's own all-reduce the restarted run differs (its first step sums each element in
     the construction-time bucket order); with ``ordered_allreduce`` it is the same run."""
     out, store = tmp_path / "digests", tmp_path / "store"
-    spawn = multiprocessing.get_context("spawn")
-    ranks = [
-        spawn.Process(target=_worker, args=(r, 3, str(store), ordered, str(out)), daemon=True)
-        for r in range(3)
-    ]
-    for process in ranks:
-        process.start()
-    try:
-        for process in ranks:
-            process.join(240)
-        assert [p.exitcode for p in ranks] == [0, 0, 0]
-    finally:  # a rank left behind would hold pytest's exit (multiprocessing joins children)
-        for process in ranks:
-            process.kill()
+    exits = run_ranks(_worker, [(r, 3, str(store), ordered, str(out)) for r in range(3)])
+    assert exits == [0, 0, 0]
     digests = {Path(f"{out}-{r}").read_text() for r in range(3)}
     assert len(digests) == 1, digests  # DDP keeps the replicas equal
     straight, restarted = digests.pop().split()
@@ -217,18 +221,5 @@ def test_a_peer_that_dies_fails_the_survivors_backward(tmp_path: Path) -> None:
     """As with DDP's own all-reduce: the survivor's backward raises at the step its peer never
     joined, rather than averaging a buffer the failed all-gather never filled."""
     out, store = tmp_path / "raised", tmp_path / "store"
-    spawn = multiprocessing.get_context("spawn")
-    ranks = [
-        spawn.Process(target=_dying_worker, args=(r, str(store), str(out)), daemon=True)
-        for r in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    try:
-        for process in ranks:
-            process.join(240)
-        assert [p.exitcode for p in ranks] == [0, 1]
-    finally:
-        for process in ranks:
-            process.kill()
+    assert run_ranks(_dying_worker, [(r, str(store), str(out)) for r in range(2)]) == [0, 1]
     assert out.read_text() == "2"
