@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,6 +25,7 @@ from tests.daemon.test_service import (
     shard,
     started,
 )
+from tests.http_get import http_get
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.daemon import DaemonService, IncidentOpened, Observed, Tick, decide, new_job
 from trainguard.daemon._http import HealthServer
@@ -49,15 +48,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 @pytest.fixture
 def sqlite_bus(tmp_path: Path) -> BusFactory:
     return BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
-
-
-def http_get(url: str) -> tuple[int, str]:
-    """Status and body of a GET (errors included)."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 async def scrape(server: HealthServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

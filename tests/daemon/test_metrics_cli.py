@@ -14,17 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.http_get import http_get
+
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def listening_url(log: Path, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> str:
@@ -52,7 +46,7 @@ def test_the_daemon_serves_health_and_metrics_on_the_port_it_picked(tmp_path: Pa
         deadline = time.monotonic() + 30
         statuses = []
         while time.monotonic() < deadline:
-            status, body = get(f"{url}/healthz")
+            status, body = http_get(f"{url}/healthz")
             statuses.append(status)
             if status == 200:
                 assert body == "ready\n"
@@ -61,7 +55,7 @@ def test_the_daemon_serves_health_and_metrics_on_the_port_it_picked(tmp_path: Pa
             assert body.startswith("not ready: ")
             time.sleep(0.05)
         assert statuses[-1] == 200, statuses
-        status, text = get(f"{url}/metrics")
+        status, text = http_get(f"{url}/metrics")
         assert status == 200
         assert "# TYPE trainguard_incidents_total counter" in text
         assert 'trainguard_restores_total{cause="exited",mode="restart"} 0.0' in text

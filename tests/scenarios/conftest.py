@@ -18,18 +18,14 @@ SHAPE = Shape()
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Output folder of the uninterrupted run of :data:`SHAPE` (run once per session, no
     daemon needed), which every scenario's outcome is compared with."""
-    folder = tmp_path_factory.mktemp("reference")
-    with pytest.MonkeyPatch.context() as env:
-        # The supervisor's node lock (docs/operations.md) in the run's folder.
-        env.setenv("XDG_STATE_HOME", str(folder / "state"))
-        return reference_run(
-            REPO,
-            folder,
-            steps=SHAPE.steps,
-            checkpoint_every=SHAPE.checkpoint_every,
-            seed=SHAPE.seed,
-            world_size=WORLD_SIZE,
-        )
+    return reference_run(
+        REPO,
+        tmp_path_factory.mktemp("reference"),
+        steps=SHAPE.steps,
+        checkpoint_every=SHAPE.checkpoint_every,
+        seed=SHAPE.seed,
+        world_size=WORLD_SIZE,
+    )
 
 
 @pytest.fixture

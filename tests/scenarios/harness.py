@@ -193,17 +193,13 @@ class JobRun:
             prefix=self.bus.prefix,
             nproc_per_node=s.world_size,
             log_path=self.workdir / "supervisor.log",
-            env={
-                **charlm_env(
-                    self.out,
-                    REPO,
-                    faults=faults,
-                    heartbeat_interval_s=heartbeat_interval_s,
-                    checksum_every=checksum_every,
-                ),
-                # The supervisor's node lock (docs/operations.md) in the run's folder.
-                "XDG_STATE_HOME": str(self.workdir / "state"),
-            },
+            env=charlm_env(
+                self.out,
+                REPO,
+                faults=faults,
+                heartbeat_interval_s=heartbeat_interval_s,
+                checksum_every=checksum_every,
+            ),
             grace_s=GRACE_S,
             args=run_args,
         )

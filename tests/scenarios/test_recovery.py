@@ -18,14 +18,13 @@ import random
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.buses import BusFactory
+from tests.http_get import http_get
 from tests.scenarios.harness import (
     GRACE_S,
     REPO,
@@ -61,16 +60,8 @@ def _kill_step(job_run: JobRun) -> tuple[int, int]:
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def _scrape(url: str) -> Samples:
-    status, text = _get(f"{url}/metrics")
+    status, text = http_get(f"{url}/metrics")
     assert status == 200, text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -88,7 +79,7 @@ def _ready(job_run: JobRun) -> str:
     URL of its metrics server."""
     url = job_run.metrics_url()
     deadline = time.monotonic() + 60
-    while (health := _get(f"{url}/healthz"))[0] != 200:
+    while (health := http_get(f"{url}/healthz"))[0] != 200:
         assert health[0] == 503, f"{health} {job_run.describe()}"
         assert time.monotonic() < deadline, f"never ready: {health} {job_run.describe()}"
         time.sleep(0.1)
