@@ -65,6 +65,13 @@ def acted(state: JobState, at: int) -> Tick:
     return Tick(at, state.command_seq)
 
 
+def pulses(state: JobState, until: int, every: int = S) -> list[Tick]:
+    """The ticks the daemon writes every ``every`` ns (its ``pulse_s``) for ``state``'s job
+    while it is quiet, from its clock up to before ``until``: with them, the job's silence is
+    no gap in its inputs, which would be a bus outage (``MachineConfig.bus_gap_s``)."""
+    return [Tick(at) for at in range(state.clock_ns + every, until, every)]
+
+
 def of_type(decisions: Iterable[Decision], kind: type[D]) -> list[D]:
     """The decisions of one class, in order."""
     return [d for d in decisions if isinstance(d, kind)]
@@ -319,6 +326,34 @@ def killed_job(steps: int = 38) -> tuple[Sim, JobState, Restore]:
     [restore] = issued(decisions, Restore)
     state, _ = run([acted(state, at)], state)
     return sim, state, restore
+
+
+AWAY = (T0 + 40 * S, T0 + 100 * S)
+"""A bus outage from 40 s to 100 s: 60 s, as in issue 13's broker SIGSTOP runs."""
+
+
+def two_ranks_training(sim: Sim, last_step: int) -> list[Input]:
+    """A 2-rank job (``sim``'s world size): started, then steps 0..``last_step`` of 1 s (step
+    k ends at ``T0 + (k + 1) s``), a checkpoint every 10 steps half a second after its step, no
+    ticks (the test's driver writes them)."""
+    return [*sim.start(T0), *sim.train(range(last_step + 1), start=T0 + S, ticks=False)]
+
+
+def killed_in_an_outage(sim: Sim) -> list[Input]:
+    """A 2-rank job whose rank 1 is killed at 76.2 s, while the bus is away (:data:`AWAY`):
+    both ranks wrote their shards of step 70 at 71.5 s; rank 0 then hangs in its collective at
+    step 75 and heartbeats on. When the bus returns, the supervisor's exit report is the first
+    record appended, then (0.1 s later, another producer) the ranks' queued records in order."""
+    start, end = AWAY
+    sent = [
+        *two_ranks_training(sim, 75),
+        *(sim.heartbeat(0, 75, T0 + k * S) for k in range(77, 115)),
+    ]
+    kill = sim.kill(1, T0 + 76_200_000_000)
+    queued = [item._replace(at_ns=end + S // 10) for item in sent if start <= item.at_ns < end]
+    before = [item for item in sent if item.at_ns < start]
+    after = [item for item in sent if item.at_ns >= end]
+    return [*before, kill._replace(at_ns=end), *queued, *after]
 
 
 def restores_by_incident(restores: Iterable[Restore]) -> dict[str, list[Restore]]:

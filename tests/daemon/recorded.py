@@ -34,8 +34,9 @@ from trainguard.schemas import (
 
 JOB = "replay-job"
 CURSOR = DataCursor(data_version="v1", seed=7, epoch=0, offset=80, world_size=2)
-MACHINE = {"heartbeat_timeout_s": 1.0, "heartbeat_interval_s": 0.25}
-"""Settings of both daemons besides their ids: ranks silent for 1 s are dead."""
+MACHINE = {"heartbeat_timeout_s": 1.0, "heartbeat_interval_s": 0.25, "bus_gap_s": 0.75}
+"""Settings of both daemons besides their ids: ranks silent for 1 s are dead (and a gap in a
+job's inputs is an outage from 0.75 s, below that timeout)."""
 
 
 def daemon_config(factory: BusFactory, daemon_id: str) -> DaemonConfig:

@@ -193,7 +193,9 @@ async def test_commands_manifests_and_ticks_carry_the_daemons_authentication(
     async with setup.bus.open(topics=DEFAULT_TOPICS) as bus:
         await send(bus, key, started(0), started(1), beat(0, 1, 10), beat(1, 1, 10))
         await send(bus, key, shard(0, 2, 10), shard(1, 2, 10), killed(1))
-        service = DaemonService(config(setup, restore_timeout_s=1.0), keys=setup.keys)
+        service = DaemonService(
+            config(setup, restore_timeout_s=1.0, bus_gap_s=0.5), keys=setup.keys
+        )
         async with running(service):
 
             async def restores() -> list[bytes]:

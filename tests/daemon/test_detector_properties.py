@@ -330,12 +330,12 @@ def test_crash_loop_guard_fires_only_without_progress(progress: list[int]) -> No
     high, mark, streak = 37, 37, 0
     expected_failure: int | None = None
     for cycle, gain in enumerate(progress):
-        at = T0 + (100 + 100 * cycle) * S
+        at = state.clock_ns + S
         state, _ = run(sim.recover(restore, at), state)
         target = 0 if restore.target is None else restore.target.step
         high = max(high, high + gain)
         state, _ = run(sim.train(range(target + 1, high + 1), start=at + S), state)
-        state, decisions = run([sim.kill(cycle % 4, at + 90 * S)], state)
+        state, decisions = run([sim.kill(cycle % 4, state.clock_ns + S)], state)
         streak = 0 if high >= mark + CFG.crash_loop_progress_steps else streak + 1
         mark = high if streak == 0 else mark
         if streak >= CFG.max_restore_cycles:

@@ -337,15 +337,15 @@ def test_an_allowed_data_version_change_is_reported() -> None:
     state, decisions = run([sim.kill(1, T0 + 39 * S)], state, cfg)
     [restore] = issued(decisions, Restore)
     inputs = [
-        *sim.recover(restore, T0 + 45 * S),
-        *(sim.cursor(r, 31, T0 + 46 * S, data_version="v2") for r in range(4)),
+        *sim.recover(restore, T0 + 43 * S),
+        *(sim.cursor(r, 31, T0 + 44 * S, data_version="v2") for r in range(4)),
     ]
     state, decisions = run(inputs, state, cfg)
     [changed] = of_type(decisions, Anomaly)
     assert changed.kind == "data_version_changed"
     assert state.data_version == "v2"
     assert state.phase == "running"
-    shards = [sim.checkpoint(r, 40, T0 + 50 * S + r, data_version="v2") for r in range(4)]
+    shards = [sim.checkpoint(r, 40, T0 + 48 * S + r, data_version="v2") for r in range(4)]
     state, decisions = run(shards, state, cfg)
     [committed] = of_type(decisions, Committed)
     assert committed.manifest.data_version == "v2"
@@ -386,7 +386,7 @@ def test_a_crash_loop_fails_the_job_naming_the_repeating_cause() -> None:
         at = T0 + (100 + 20 * cycle) * S
         state, _ = run(sim.recover(restores[-1], at), state)
         state, _ = run(sim.train(range(31, 35), start=at + S, checkpoint_every=0), state)
-        state, decisions = run([sim.kill(1, at + 10 * S)], state)
+        state, decisions = run([sim.kill(1, at + 6 * S)], state)
         every_decision += decisions
         restores += issued(decisions, Restore)
     assert len(restores) == 3  # the fourth incident got no restore
@@ -415,16 +415,17 @@ def exits_after_step(step: int) -> tuple[JobState, JobFailed, int]:
     sim = Sim()
     state, _ = running_job(sim, 24)
     restores: list[Restore] = []
-    for cycle in range(4):
-        at = T0 + (100 + 40 * cycle) * S
+    for _ in range(4):
         if restores:
+            at = state.clock_ns + S
             state, _ = run(sim.recover(restores[-1], at), state)
             state, _ = run(sim.train(range(21, step + 1), start=at + S, checkpoint_every=0), state)
-        exited = sim.supervisor((1,), "exited", at + 20 * S, exit_code=7, step=step)
+        at = state.clock_ns + S  # right after the last input: no gap (an outage) before it
+        exited = sim.supervisor((1,), "exited", at, exit_code=7, step=step)
         state, decisions = run([exited], state)
         restores += issued(decisions, Restore)
         if state.phase == "restoring":
-            state, _ = run([acted(state, at + 20 * S)], state)
+            state, _ = run([acted(state, at)], state)
     [failed] = of_type(decisions, JobFailed)
     return state, failed, len(restores)
 
@@ -454,14 +455,14 @@ def test_a_crash_loop_at_the_furthest_step_does_not_rule_out_a_bad_batch() -> No
 def test_a_job_that_progresses_between_incidents_is_no_crash_loop() -> None:
     sim, state, restore = killed_job()
     high = 37
-    for cycle in range(6):
-        at = T0 + (100 + 100 * cycle) * S
+    for _ in range(6):
+        at = state.clock_ns + S
         target = restore.target.step if restore.target else 0
         state, _ = run(sim.recover(restore, at), state)
         steps = range(target + 1, high + CFG.crash_loop_progress_steps + 2)
         state, _ = run(sim.train(steps, start=at + S), state)
         high = steps[-1]
-        state, decisions = run([sim.kill(2, at + 60 * S)], state)
+        state, decisions = run([sim.kill(2, state.clock_ns + S)], state)
         [restore] = issued(decisions, Restore)
     assert state.phase == "restoring"
     assert state.loop.streak == 0

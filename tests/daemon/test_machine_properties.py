@@ -139,12 +139,20 @@ def test_at_most_one_restore_per_incident(steps: list[tuple[str, int, int]]) -> 
         assert len(issued(ds, Restore)) <= 1
     groups = restores_by_incident([first, *issued(everything, Restore)])
     opened = [o.incident_id for o in of_type(everything, IncidentOpened)]
-    stopped = [c.incident_id for c in of_type(everything, IncidentClosed) if c.attempts == 0]
+    closed = [c for c in of_type(everything, IncidentClosed) if c.attempts == 0]
+    stopped = [c.incident_id for c in closed if c.outcome == "failed"]
     assert stopped in ([], opened[-1:])
     if stopped:
         assert state.phase == "failed"
         assert "crash loop" in (state.failure or "")
-    assert list(groups) == ["job/i1", *(i for i in opened if i not in stopped)]
+    # An incident opened while the bus settled after a gap holds its restore until then: the
+    # job may finish meanwhile, or the trace end before it.
+    unrestored = {c.incident_id for c in closed if c.outcome == "finished"}
+    unrestored |= set() if state.held is None else {state.held.incident_id}
+    assert list(groups) == [
+        "job/i1",
+        *(i for i in opened if i not in stopped and i not in unrestored),
+    ]
     for restores in groups.values():
         assert [r.attempt for r in restores] == list(range(1, len(restores) + 1))
         assert len(restores) <= MAX_ATTEMPTS

@@ -20,6 +20,7 @@ from tests.daemon.machine_scenarios import (
     issued,
     killed_job,
     of_type,
+    pulses,
     run,
     running_job,
 )
@@ -180,7 +181,7 @@ def test_kill_restores_the_latest_committed_snapshot_once() -> None:
 
 def test_all_acknowledgements_resume_and_close_the_incident() -> None:
     sim, state, restore = killed_job()
-    acks = sim.recover(restore, T0 + 45 * S)
+    acks = sim.recover(restore, T0 + 43 * S)
     state, decisions = run(acks[:-1], state)
     assert decisions == ()
     state, decisions = run(acks[-1:], state)
@@ -189,7 +190,7 @@ def test_all_acknowledgements_resume_and_close_the_incident() -> None:
     assert (transition.old, transition.new) == ("restoring", "running")
     assert isinstance(issue, Issue)
     assert issue.command == Resume(
-        job_id=JOB, generation=1, ts=T0 + 45 * S + 103, seq=2, daemon_id=DAEMON, step=30
+        job_id=JOB, generation=1, ts=T0 + 43 * S + 103, seq=2, daemon_id=DAEMON, step=30
     )
     assert isinstance(closed, IncidentClosed)
     assert (closed.incident_id, closed.outcome, closed.attempts) == ("job/i1", "resumed", 1)
@@ -199,7 +200,7 @@ def test_all_acknowledgements_resume_and_close_the_incident() -> None:
 
 def test_a_supervisors_restored_report_is_no_acknowledgement() -> None:
     sim, state, restore = killed_job()
-    acks = sim.recover(restore, T0 + 45 * S, ranks=range(3))
+    acks = sim.recover(restore, T0 + 43 * S, ranks=range(3))
     state, decisions = run([*acks, sim.supervisor((2, 3), "restored", T0 + 46 * S)], state)
     assert issued(decisions, Resume) == []
     assert state.phase == "restoring"
@@ -207,10 +208,10 @@ def test_a_supervisors_restored_report_is_no_acknowledgement() -> None:
 
 def test_second_failure_after_recovery_opens_a_second_incident() -> None:
     sim, state, restore = killed_job()
-    state, _ = run(sim.recover(restore, T0 + 45 * S), state)
-    state, _ = run(sim.train(range(30, 45), start=T0 + 46 * S), state)
+    state, _ = run(sim.recover(restore, T0 + 43 * S), state)
+    state, _ = run(sim.train(range(30, 45), start=T0 + 44 * S), state)
     assert state.committed[-1].snapshot_id == "job/g1/s40"
-    state, decisions = run([sim.kill(2, T0 + 70 * S)], state)
+    state, decisions = run([sim.kill(2, T0 + 60 * S)], state)
     [opened] = of_type(decisions, IncidentOpened)
     [second] = issued(decisions, Restore)
     assert opened.incident_id == "job/i2"
@@ -237,7 +238,7 @@ def test_failure_evidence_of_the_old_generation_is_fenced_during_restore() -> No
 
 def test_rank_dying_during_restore_retries_with_a_new_generation() -> None:
     sim, state, restore = killed_job()
-    acks = sim.recover(restore, T0 + 45 * S)
+    acks = sim.recover(restore, T0 + 43 * S)
     state, _ = run(acks[:6], state)
     state, decisions = run([sim.crash(2, T0 + 46 * S)], state)
     [retry] = issued(decisions, Restore)
@@ -254,10 +255,10 @@ def test_rank_dying_during_restore_retries_with_a_new_generation() -> None:
 
 def test_restore_timeout_retries() -> None:
     sim, state, restore = killed_job()
-    state, _ = run(sim.recover(restore, T0 + 45 * S, ranks=range(3)), state)
+    state, _ = run(sim.recover(restore, T0 + 43 * S, ranks=range(3)), state)
     deadline = T0 + 39 * S + 120 * S + 1
     waiting = [
-        sim.heartbeat(r, 30, t) for t in range(T0 + 50 * S, deadline, 5 * S) for r in (0, 1, 2)
+        sim.heartbeat(r, 30, t) for t in range(T0 + 48 * S, deadline, 5 * S) for r in (0, 1, 2)
     ]
     state, decisions = run([*waiting, Tick(deadline - 1)], state)
     assert decisions == ()
@@ -271,7 +272,7 @@ def test_restore_timeout_retries() -> None:
 def test_corrupt_shard_restores_the_previous_committed_snapshot() -> None:
     sim, state, restore = killed_job()
     sim.generation = restore.generation
-    state, decisions = run([sim.corrupt(2, "job/g0/s30", T0 + 45 * S)], state)
+    state, decisions = run([sim.corrupt(2, "job/g0/s30", T0 + 43 * S)], state)
     anomaly, issue = decisions
     assert isinstance(anomaly, Anomaly)
     assert isinstance(issue, Issue)
@@ -310,7 +311,8 @@ def test_exhausted_restore_attempts_fail_the_job_loudly() -> None:
     for _ in range(3):
         # The tick the shell writes once the restore is out, then its timeout's.
         state, _ = run([acted(state, state.clock_ns)], state)
-        state, decisions = run([Tick(state.watch.acted_ns + 120 * S + 1)], state)
+        timeout = state.watch.acted_ns + 120 * S + 1
+        state, decisions = run([*pulses(state, timeout), Tick(timeout)], state)
         restores += issued(decisions, Restore)
     assert [r.attempt for r in restores] == [1, 2, 3]
     assert state.phase == "failed"
@@ -381,9 +383,11 @@ def test_heartbeat_timeout_fires_on_a_tick() -> None:
         assert deadline is not None
         if deadline > last_heard + 10 * S:
             break
-        state, decisions = decide(state, Tick(deadline), CFG)
+        state, decisions = run([*pulses(state, deadline), Tick(deadline)], state)
         assert decisions == ()
-    state, decisions = run([Tick(last_heard + 10 * S + 1)], state)
+    state, decisions = run(
+        [*pulses(state, last_heard + 10 * S), Tick(last_heard + 10 * S + 1)], state
+    )
     [opened] = of_type(decisions, IncidentOpened)
     assert opened.cause == "heartbeat_timeout"
     assert (opened.ranks, opened.hosts) == ((2,), ("h1",))
@@ -399,7 +403,7 @@ def test_ticks_alone_notice_a_job_gone_quiet() -> None:
     for _ in range(2):
         deadline = next_deadline(state, CFG)
         assert deadline is not None
-        state, _ = decide(state, Tick(deadline), CFG)
+        state, _ = run([*pulses(state, deadline), Tick(deadline)], state)
         if state.phase != "running":
             break
     assert state.phase == "restoring"
@@ -600,7 +604,7 @@ def test_config_rejects_nonsense(bad: dict[str, object]) -> None:
 
 
 def test_config_converts_seconds_to_nanoseconds() -> None:
-    cfg = MachineConfig(daemon_id="d", heartbeat_timeout_s=2.5)
+    cfg = MachineConfig(daemon_id="d", heartbeat_timeout_s=2.5, bus_gap_s=2.0)
     assert cfg.heartbeat_timeout_ns == 2_500_000_000
     assert cfg.startup_timeout_ns == 120 * S
 
@@ -613,6 +617,7 @@ PURE = (
     "_evidence",
     "_inputs",
     "_machine",
+    "_outage",
     "_recovery",
     "_stall",
     "_state",

@@ -167,7 +167,9 @@ async def test_metrics_follow_an_incident_and_health_flips_to_ready(
 
 
 async def test_ticks_written_are_counted(sqlite_bus: BusFactory) -> None:
-    config = daemon_config(sqlite_bus, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.25)
+    config = daemon_config(
+        sqlite_bus, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.25, bus_gap_s=0.75
+    )
     service = DaemonService(config)
     async with serving(service) as server, sqlite_bus.open(topics=DEFAULT_TOPICS) as bus:
         await publish(bus, started(0), started(1), beat(0, 1, 3), beat(1, 1, 3))

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import orjson
 import pytest
 
-from tests.daemon.machine_scenarios import JOB, S, config
+from tests.daemon.machine_scenarios import AWAY, JOB, T0, S, Sim, config, killed_in_an_outage
 from tests.daemon.traces import Faults, Job, Pace, drive, simulate
 from trainguard.agent.bus import Record
 from trainguard.daemon._audit import (
@@ -30,7 +30,7 @@ from trainguard.daemon._audit import (
 )
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import IncidentOpened, Issue
-from trainguard.daemon._inputs import Observed, Tick
+from trainguard.daemon._inputs import Input, Observed, Tick
 from trainguard.daemon._intake import Taken, take
 from trainguard.daemon._machine import decide
 from trainguard.daemon._replay import Replay, _replay_runs, replay, verify, what_if
@@ -55,13 +55,18 @@ B = MachineConfig(daemon_id="daemon-b")
 
 def log_of(job: Job, cfg: MachineConfig, daemon_id: str = "daemon-a") -> list[Record]:
     """The job's ``events`` records as a daemon under ``cfg`` leaves them: the simulated
-    events, and a ``ClockTick`` at every deadline that passed (bus times in whole ms, a tick
-    stamped at the first ms at or after its deadline)."""
+    events, and a ``ClockTick`` at every deadline that passed and every pulse (bus times in
+    whole ms, a tick stamped at the first ms at or after its deadline)."""
     trace = simulate(job)
     _, folded = drive(trace.inputs, cfg=cfg, until=trace.end_ns)
+    return records_of((item for item, _ in folded), daemon_id)
+
+
+def records_of(folded: Iterable[Input], daemon_id: str = "daemon-a") -> list[Record]:
+    """``folded`` (a driver's inputs, ticks included) as the ``events`` records holding them."""
     records: list[Record] = []
     seq = 0
-    for item, _ in folded:
+    for item in folded:
         if isinstance(item, Tick):
             seq += 1
             message: Any = ClockTick(
@@ -375,3 +380,47 @@ def _decides(records: Sequence[Record], index: int) -> bool:
         assert isinstance(item, Taken)
         state, decisions = decide(state, item.input, A)
     return bool(decisions)
+
+
+def outage_log() -> list[Record]:
+    """A 2-rank job whose rank 1 is killed while the bus is away for 60 s
+    (:func:`killed_in_an_outage`), as its daemon's log holds it: its ticks stop during the
+    outage too."""
+    inputs = killed_in_an_outage(Sim(world_size=2))
+    _, folded = drive(inputs, cfg=A, outages=[AWAY], until=T0 + 130 * S)
+    return records_of(item for item, _ in folded)
+
+
+def test_a_log_with_a_bus_outage_replays_to_the_held_restore_its_daemon_decided() -> None:
+    """The gap is in the job's own log, so a replay sees it as the daemon did: the same
+    ``bus_gap``, the restore held while the bus settled and issued to the checkpoint made
+    during the outage."""
+    records = outage_log()
+    result = replayed(records, audit_of(records, [(A, 0, len(records) - 1)]))
+    assert verify(result.replayed, result.recorded) is None
+    decided = [d for g in result.replayed for d in g.decisions]
+    anomalies = [d["kind"] for d in decided if d["decision"] == "anomaly"]
+    assert anomalies == ["bus_gap", "restore_held"]
+    [restore] = [d["command"] for d in decided if d["decision"] == "issue"]
+    assert isinstance(restore, dict)
+    target = restore["target"]
+    assert isinstance(target, dict)
+    assert target["step"] == 70
+
+
+def test_a_what_if_models_no_tick_inside_an_outage_of_the_log() -> None:
+    """The what-if model writes no tick where the recorded log shows the bus away, and pulses
+    where it was up: its baseline holds the same restore as the recorded run (a model ticking
+    through the outage would time rank 1 out during it and restore step 30)."""
+    records = outage_log()
+    result = what_if(JOB, records, A, A, tick_interval_s=0.25, poll_s=0.05)
+    restores = [
+        d.command
+        for row in result.baseline
+        for d in row.decisions
+        if isinstance(d, Issue) and isinstance(d.command, Restore)
+    ]
+    [restore] = restores
+    assert restore.target is not None
+    assert restore.target.step == 70
+    assert result.changes == ()

@@ -149,7 +149,9 @@ async def test_a_standby_taking_a_job_over_does_not_resend_the_owners_restore(
 async def test_silence_is_detected_through_ticks_written_into_the_log(
     bus_factory: BusFactory,
 ) -> None:
-    config = daemon_config(bus_factory, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.25)
+    config = daemon_config(
+        bus_factory, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.25, bus_gap_s=0.75
+    )
     async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
         await publish(bus, started(0), started(1))
         # Both beats queued before either is awaited, so that they are appended together: the
@@ -174,7 +176,7 @@ async def test_a_daemon_back_from_an_outage_times_its_restore_from_when_it_publi
     and restores; nobody acknowledges, so it retries, but a restore timeout after it
     published the restore, not at once (the old code retried as soon as it caught up: its
     timeout ran from the NaN)."""
-    config = daemon_config(bus_factory, restore_timeout_s=2.0)
+    config = daemon_config(bus_factory, restore_timeout_s=2.0, bus_gap_s=1.5)
     async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
         await publish(bus, started(0), started(1), beat(0, 1, 10), beat(1, 1, 10))
         await publish(bus, shard(0, 2, 10), shard(1, 2, 10))
@@ -215,7 +217,7 @@ async def test_a_restore_published_by_a_daemon_that_died_before_its_tick_is_time
         async def _write_due_ticks(self, bus: Bus) -> None:
             return None
 
-    config = daemon_config(bus_factory, restore_timeout_s=2.0)
+    config = daemon_config(bus_factory, restore_timeout_s=2.0, bus_gap_s=1.5)
     async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
         await publish(bus, started(0), started(1), shard(0, 1, 5), shard(1, 1, 5), killed(0))
         async with running(DiesBeforeItsTick(config)):

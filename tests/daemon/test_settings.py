@@ -51,10 +51,10 @@ def test_the_example_loads_to_the_defaults() -> None:
 
 def test_overrides_beat_the_file_and_unknown_keys_are_errors(tmp_path: Path) -> None:
     path = tmp_path / "d.toml"
-    path.write_text('[bus]\nurl = "sqlite:a.db"\n[machine]\nheartbeat_timeout_s = 3.0\n')
-    config = load_daemon_config(path, machine={"heartbeat_timeout_s": 4.0})
+    path.write_text('[bus]\nurl = "sqlite:a.db"\n[machine]\nheartbeat_timeout_s = 6.0\n')
+    config = load_daemon_config(path, machine={"heartbeat_timeout_s": 7.0})
     assert config.bus.url == "sqlite:a.db"  # the file's URL when none is given
-    assert config.machine.heartbeat_timeout_s == 4.0
+    assert config.machine.heartbeat_timeout_s == 7.0
     path.write_text("[machine]\nheartbeat_timeout = 3.0\n")
     with pytest.raises(ValueError, match="heartbeat_timeout"):
         load_daemon_config(path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -39,7 +40,7 @@ from trainguard.daemon._snapshot import (
 )
 from trainguard.daemon._snapshots import Fallback, Rebuild, plan_partition
 from trainguard.daemon._state import JobPhase, JobState, new_job
-from trainguard.daemon._state_codec import LAYOUT, encode_state
+from trainguard.daemon._state_codec import LAYOUT, decode_state, encode_state
 
 KEYS = make_keys(1)
 OTHER = make_keys(2)
@@ -221,7 +222,7 @@ def test_another_jobs_snapshot_under_this_jobs_key_is_refused(restoring: JobStat
 def test_a_state_of_another_layout_or_configuration_is_refused(
     restoring: JobState, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stricter = config(heartbeat_timeout_s=3.0)
+    stricter = config(heartbeat_timeout_s=6.0)
     assert refused(sealed(restoring, cfg=stricter)).code == "config"
     # daemon_id is no part of the fold: a daemon with another id reads the snapshot.
     header, state = opened(sealed(restoring, cfg=dataclasses.replace(CFG, daemon_id="another")))
@@ -235,6 +236,30 @@ def test_a_state_of_another_layout_or_configuration_is_refused(
     monkeypatch.undo()
     exc = refused(old_build)
     assert exc.code == "layout"
+
+
+OLD_BUILD = Path(__file__).with_name("data") / "jobstate-c35900be070fb0d2.json"
+"""A restoring 2-rank job's state as the build before the bus-outage rule encoded it."""
+
+
+def test_a_snapshot_written_before_the_outage_rule_opens_with_its_fields_at_their_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The build before wrote state layout c35900be070fb0d2, and its default configuration had
+    no ``bus_gap_s`` or ``outage_settle_s``, so its ``fold_config`` was 043cc3e3c7a1e8fc: this
+    build opens such a snapshot instead of folding the log again."""
+    assert fold_config_id(CFG) == "043cc3e3c7a1e8fc"
+    assert fold_config_id(config(bus_gap_s=4.0)) != fold_config_id(CFG)
+    old = OLD_BUILD.read_bytes()
+    state = decode_state(old)
+    monkeypatch.setattr("trainguard.daemon._snapshot.LAYOUT", "c35900be070fb0d2")
+    monkeypatch.setattr("trainguard.daemon._snapshot.encode_state", lambda _: old)
+    written = sealed(state)
+    monkeypatch.undo()
+    header, back = opened(written)
+    assert header.layout == "c35900be070fb0d2"
+    assert back == state
+    assert (back.phase, back.settle_until_ns, back.held) == ("restoring", None, None)
 
 
 def test_another_format_and_malformed_headers_are_refused(restoring: JobState) -> None:

@@ -36,7 +36,7 @@ from tests.daemon.machine_scenarios import (
 from tests.daemon.traces import Faults, Job, PhaseSpec, drive, paces, simulate
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import Decision
-from trainguard.daemon._inputs import Input
+from trainguard.daemon._inputs import Input, Tick
 from trainguard.daemon._machine import decide
 from trainguard.daemon._state import (
     Incident,
@@ -50,6 +50,7 @@ from trainguard.daemon._state import (
 from trainguard.daemon._state_codec import (
     FORMAT,
     LAYOUT,
+    READABLE_LAYOUTS,
     StateFormatError,
     _form,
     decode_state,
@@ -251,6 +252,10 @@ def features(state: JobState) -> set[str]:
         "long phase": state.watch.long_phases > 0,
         "acted": state.watch.acted_ns > 0,
         "held": state.watch.held,
+        "settle window": state.settle_until_ns is not None,
+        "restore held": state.held is not None,
+        "held evidence": state.held is not None and state.held.evidence is not None,
+        "held restart": state.held is not None and state.held.restart,
         "supervisor sender": any(rank is None for rank, _, _ in state.senders),
     }
     return found | {name for name, present in checks.items() if present}
@@ -326,6 +331,19 @@ def early_exit_after_a_restore() -> Folding:
     return record(inputs, CFG)
 
 
+def held_after_an_outage() -> Folding:
+    """A job restored to step 20 after a kill, whose loss is NaN at once (evidence against the
+    restore), reported after a gap: its restore is held while the bus settles, a kill joins it
+    (so it restarts), and it is issued at the settle deadline."""
+    sim = Sim()
+    inputs = [*sim.start(T0), *sim.train(range(25), start=T0 + S)]
+    _, decisions = run([*inputs, sim.kill(1, T0 + 27 * S)])
+    [restore] = issued(decisions, Restore)
+    inputs += [sim.kill(1, T0 + 27 * S), *sim.recover(restore, T0 + 28 * S)]
+    inputs += [sim.nan(0, 21, T0 + 60 * S), sim.kill(2, T0 + 61 * S), Tick(T0 + 65 * S)]
+    return record(inputs, CFG)
+
+
 SCENARIOS: list[Callable[[], Folding]] = [
     spike_then_in_process_restore,
     spike_on_a_flat_loss,
@@ -333,6 +351,7 @@ SCENARIOS: list[Callable[[], Folding]] = [
     failed_restores,
     finished_job,
     early_exit_after_a_restore,
+    held_after_an_outage,
 ]
 
 
@@ -352,6 +371,7 @@ def test_every_kind_of_value_round_trips() -> None:
     expected |= {"agreed", "versions", "pending", "committed", "bad snapshots", "crash loop"}
     expected |= {"progress timeout", "loss level", "straggling", "dead rank", "long phase"}
     expected |= {"supervisor sender", "ack cursor", "after restore", "positions", "acted", "held"}
+    expected |= {"settle window", "restore held", "held evidence", "held restart"}
     assert expected - seen == set()
 
 
@@ -678,6 +698,42 @@ def test_a_field_type_without_a_form_is_refused_when_the_codec_is_built(
     module (and the daemon) fail to import rather than write snapshots that lose it."""
     with pytest.raises(TypeError, match=field):
         _form(cls)
+
+
+OLD_LAYOUT = Path(__file__).with_name("data") / "jobstate-c35900be070fb0d2.json"
+"""``encode_state`` of the build before the bus-outage rule (layout c35900be070fb0d2, without
+``JobState.settle_until_ns`` and ``held``) for a 2-rank job killed after step 11."""
+
+
+def old_layout_inputs() -> list[Input]:
+    """The inputs the state of :data:`OLD_LAYOUT` was folded from."""
+    sim = Sim(world_size=2)
+    return [*sim.start(T0), *sim.train(range(12), start=T0 + S), sim.kill(1, T0 + 13 * S)]
+
+
+def test_a_document_of_the_layout_before_the_outage_fields_decodes_with_their_defaults() -> None:
+    """A snapshot written before this build added ``settle_until_ns`` and ``held`` reads back
+    as the state this build folds from the same inputs (those fields at their defaults), and
+    the fold continues from it exactly."""
+    data = OLD_LAYOUT.read_bytes()
+    assert orjson.loads(data)["layout"] == "c35900be070fb0d2" != LAYOUT
+    assert "c35900be070fb0d2" in READABLE_LAYOUTS
+    state = decode_state(data)
+    assert (state.settle_until_ns, state.held) == (None, None)
+    folded, _ = run(old_layout_inputs())
+    assert state == folded
+    assert encode_state(state) == encode_state(folded)
+
+
+def test_a_document_of_the_old_layout_with_the_new_fields_is_refused() -> None:
+    document = orjson.loads(OLD_LAYOUT.read_bytes())
+    document["state"]["held"] = None
+    with pytest.raises(StateFormatError) as caught:
+        state_from_dict(document)
+    assert caught.value.path == "state.held"
+    document = orjson.loads(OLD_LAYOUT.read_bytes())
+    document["layout"] = "1" * 16
+    assert refused(document).path == "layout"
 
 
 def test_the_layout_changes_with_the_state_classes() -> None:

@@ -23,6 +23,7 @@ from tests.daemon.machine_scenarios import (
     killed_job,
     of_type,
     play,
+    pulses,
     run,
     running_job,
 )
@@ -250,7 +251,7 @@ def test_the_continued_job_trains_and_recovers_as_usual() -> None:
     start = state.clock_ns + S
     state, decisions = run(sim.train(range(31, 45), start=start), state)
     assert not of_type(decisions, IncidentOpened)
-    state, decisions = run([sim.kill(2, start + 20 * S)], state)
+    state, decisions = run([sim.kill(2, state.clock_ns + S)], state)
     [again] = issued(decisions, Restore)
     assert again.target is not None
     assert (again.generation, again.target.snapshot_id) == (2, "job/g1/s40")
@@ -307,7 +308,9 @@ def test_a_failed_job_can_be_continued_and_its_failure_is_cleared() -> None:
     for _ in range(3):
         assert state.incident is not None
         at = state.clock_ns
-        state, _ = run([acted(state, at), Tick(at + 120 * S + 1)], state)
+        state, _ = run(
+            [acted(state, at), *pulses(state, at + 120 * S), Tick(at + 120 * S + 1)], state
+        )
     assert (state.phase, state.generation) == ("failed", 3)
     assert state.loop.incidents
     state, decisions = run([request("continue", state.clock_ns + S, 3)], state)

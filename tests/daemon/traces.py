@@ -19,7 +19,7 @@ import hashlib
 import itertools
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypedDict
 
@@ -30,7 +30,7 @@ from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import Decision, IncidentOpened
 from trainguard.daemon._inputs import Input, Observed, Tick
 from trainguard.daemon._machine import decide, next_deadline, unacted_command
-from trainguard.daemon._state import JobState, new_job
+from trainguard.daemon._state import TERMINAL_PHASES, JobState, new_job
 from trainguard.schemas import (
     Checkpoint,
     DataCursor,
@@ -443,6 +443,11 @@ Folded = list[tuple[Input, tuple[Decision, ...]]]
 """Each input folded (ticks included), with its decisions."""
 
 
+PULSE_NS = S
+"""The daemon's pulse (``DaemonConfig.pulse_s``, 1 s): it ticks a job that has had no input
+for this long."""
+
+
 def drive(
     inputs: Iterable[Input],
     state: JobState | None = None,
@@ -450,13 +455,21 @@ def drive(
     *,
     until: int | None = None,
     first_incident: bool = False,
+    pulse_ns: int | None = PULSE_NS,
+    outages: Sequence[tuple[int, int]] = (),
 ) -> tuple[JobState, Folded]:
     """Fold ``inputs`` like the daemon's shell: before each input, and after the last one up
-    to ``until``, tick at every :func:`next_deadline` that has passed; right after an input
-    that issued a command, tick to say it is on the bus (every tick names the latest command).
+    to ``until``, tick at every :func:`next_deadline` that has passed, and (its pulse) once the
+    job, not finished, failed or stopped, has had no input for ``pulse_ns``; right after an
+    input that issued a command, tick to say it is on the bus (every tick names the latest
+    command).
 
     Args:
         first_incident: stop after the first input that opened an incident.
+        pulse_ns: the daemon's pulse, ns; ``None``: no pulse (only deadline ticks).
+        outages: ``(start, end)`` bus times (ns) when the bus was away: a tick due then
+            reaches the bus at ``end`` (the inputs are expected to say the same, see
+            :func:`outage`).
 
     Returns:
         The last state and every folded input (ticks included) with its decisions.
@@ -478,9 +491,20 @@ def drive(
             return fold_one(Tick(current.clock_ns, current.command_seq))
         return found
 
+    def next_tick() -> int | None:
+        due = next_deadline(current, cfg)
+        live = current.phase not in TERMINAL_PHASES and current.generation_started_ns is not None
+        if pulse_ns is not None and live:
+            quiet = current.clock_ns + pulse_ns
+            due = quiet if due is None else min(due, quiet)
+        for start, end in outages:
+            if due is not None and start <= due < end:
+                due = end
+        return due
+
     def tick_until(limit: int) -> bool:
         while True:
-            due = next_deadline(current, cfg)
+            due = next_tick()
             if due is None or due > limit:
                 return False
             if fold_one(Tick(due, current.command_seq)):
@@ -494,6 +518,14 @@ def drive(
     if until is not None:
         tick_until(until)
     return current, folded
+
+
+def outage(inputs: Iterable[Input], start: int, end: int) -> list[Input]:
+    """``inputs`` (in bus order) with the bus away from ``start`` to ``end`` (ns): every input
+    appended in between is appended at ``end`` instead, in the same order (each sender's
+    records queued, then delivered in a burst), before those appended at ``end`` or later."""
+    moved = [item._replace(at_ns=end) if start <= item.at_ns < end else item for item in inputs]
+    return sorted(moved, key=lambda item: item.at_ns)  # stable: the burst keeps its order
 
 
 def opened(folded: Folded) -> list[tuple[int, IncidentOpened]]:

@@ -130,13 +130,27 @@ class MachineConfig:
             written on another dataset version than the one the job runs now) instead of
             refusing it and failing the job.
 
+    Outages (``docs/detection.md``, "Bus outages"):
+        bus_gap_s: a job's consecutive inputs (its events and the daemon's ticks, which the
+            daemon writes for every quiet job at least every ``pulse_s``) further apart than
+            this many seconds of bus time mean the bus or the daemon was away: time stops
+            across the gap, so no silence or progress timeout counts it. It must exceed twice
+            the daemon's pulse plus its poll, and stay below every timeout it protects
+            (``heartbeat_timeout_s``, ``progress_floor_s + heartbeat_interval_s``,
+            ``startup_allowance_s``, the phase limits, ``startup_timeout_s``,
+            ``restore_timeout_s``).
+        outage_settle_s: seconds after a gap during which a failure opens its incident but
+            holds its restore (>= 0; 0: no hold): the checkpoints the ranks made during the
+            outage arrive after it in a burst and commit first, so the restore targets them.
+
     The ``*_ns`` attributes hold the durations in nanoseconds, computed once.
 
     Raises:
         ValueError: an empty ``daemon_id``, an unknown ``restore_mode``, a duration not in (0, 1e9] seconds, a count
             below its minimum, a probability or factor out of range, a window that is not a
             multiple of 8, a progress floor above its ceiling, a heal limit below the spike
-            persistence, or a heartbeat interval not below the heartbeat timeout.
+            persistence, a heartbeat interval not below the heartbeat timeout, a bus gap not
+            below every timeout it protects, or a negative or non-finite settle time.
     """
 
     daemon_id: str
@@ -178,6 +192,8 @@ class MachineConfig:
     max_step_lag: int = 100
     max_clock_skew_s: float = 300.0
     allow_data_version_change: bool = False
+    bus_gap_s: float = 5.0
+    outage_settle_s: float = 5.0
     heartbeat_timeout_ns: int = field(init=False, repr=False, compare=False)
     heartbeat_interval_ns: int = field(init=False, repr=False, compare=False)
     startup_timeout_ns: int = field(init=False, repr=False, compare=False)
@@ -186,6 +202,8 @@ class MachineConfig:
     progress_ceiling_ns: int = field(init=False, repr=False, compare=False)
     startup_allowance_ns: int = field(init=False, repr=False, compare=False)
     max_clock_skew_ns: int = field(init=False, repr=False, compare=False)
+    bus_gap_ns: int = field(init=False, repr=False, compare=False)
+    outage_settle_ns: int = field(init=False, repr=False, compare=False)
     phase_limits_ns: Mapping[Phase, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -231,6 +249,7 @@ class MachineConfig:
             "progress_ceiling",
             "startup_allowance",
             "max_clock_skew",
+            "bus_gap",
         ):
             seconds = f"{name}_s"
             object.__setattr__(self, f"{name}_ns", _to_ns(seconds, getattr(self, seconds)))
@@ -243,6 +262,42 @@ class MachineConfig:
             for phase in ("init", "checkpoint", "eval", "data")
         }
         object.__setattr__(self, "phase_limits_ns", limits)
+        settle = self.outage_settle_s
+        if not (math.isfinite(settle) and 0 <= settle <= _MAX_S):
+            raise ValueError(
+                f"outage_settle_s must be a number of seconds >= 0 and <= {_MAX_S:g}, "
+                f"got {settle!r}"
+            )
+        object.__setattr__(self, "outage_settle_ns", round(settle * _NS_PER_S))
+        _check_bus_gap(self, limits)
+
+
+def _check_bus_gap(config: MachineConfig, limits: Mapping[Phase, int]) -> None:
+    """Check that ``bus_gap_s`` undercuts every timeout a bus outage could otherwise trip: a
+    gap up to ``bus_gap_s`` is not bridged, so each of them must allow more.
+
+    Raises:
+        ValueError: naming the first timeout ``bus_gap_s`` does not stay below.
+    """
+    protected: list[tuple[str, int]] = [
+        ("heartbeat_timeout_s", config.heartbeat_timeout_ns),
+        # A stall deadline allows the progress timeout plus one heartbeat interval.
+        (
+            "progress_floor_s + heartbeat_interval_s",
+            config.progress_floor_ns + config.heartbeat_interval_ns,
+        ),
+        ("startup_allowance_s", config.startup_allowance_ns),
+        *((f"phase_{phase}_s", ns) for phase, ns in limits.items()),
+        ("startup_timeout_s", config.startup_timeout_ns),
+        ("restore_timeout_s", config.restore_timeout_ns),
+    ]
+    for name, limit in protected:
+        if config.bus_gap_ns >= limit:
+            raise ValueError(
+                f"bus_gap_s ({config.bus_gap_s:g}) must be below {name} ({limit / _NS_PER_S:g} "
+                f"s): an outage shorter than bus_gap_s is not recognised as one, and would trip "
+                f"that timeout"
+            )
 
 
 def _at_least(config: MachineConfig, least: int, *names: str) -> None:

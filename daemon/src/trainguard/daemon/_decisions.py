@@ -43,9 +43,14 @@ AnomalyKind: TypeAlias = Literal[
     "suspect_host",
     "data_version_changed",
     "checkpoint_ignored",
+    "bus_gap",
+    "restore_held",
 ]
 """Something reported and recorded but not by itself acted on (``checkpoint_mismatch``, a
-step that can never commit, is also logged at error level and counted)."""
+step that can never commit, is also logged at error level and counted). ``bus_gap``: the job's
+inputs stopped for longer than ``bus_gap_s`` (the bus or the daemon was away), and time stopped
+across the gap; ``restore_held``: a failure while the bus settles after a gap, whose restore
+waits for the settle deadline (``docs/recovery.md``)."""
 
 IncidentOutcome: TypeAlias = Literal["resumed", "failed", "finished", "stopped"]
 

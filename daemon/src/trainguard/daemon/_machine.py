@@ -51,6 +51,7 @@ from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Issue, Rej
 from ._divergence import judge_checksum, judge_lag, judge_loss, nan_loss, note_data_version
 from ._evidence import Measures, exit_status, hosts_text, ranks_text, seconds_text, steps_text
 from ._inputs import Input, Observed, Tick
+from ._outage import bridge, gap_ns, settling
 from ._recovery import (
     Failure,
     acknowledged,
@@ -58,6 +59,7 @@ from ._recovery import (
     fail_over,
     give_up,
     next_command_seq,
+    release,
     target_text,
     wrong_acks_text,
 )
@@ -107,23 +109,36 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
             if type(event) is Heartbeat:
                 sender = _admitted(state, event, at_ns, config)
                 if sender is not None:
+                    state, bridged = _bridged(state, at_ns, config)
                     # The hot path: the heartbeat handler records time and seq itself, sparing
                     # a copy of the state.
                     state, decisions = _on_heartbeat(state, event, at_ns, sender, config)
-                    return _settled(state, config, decisions)
+                    return _settled(state, config, bridged + decisions if bridged else decisions)
             rejected = _screen(state, event) or _from_the_future(event, at_ns, config)
             if rejected is not None:
                 return state, (rejected,)
+            state, bridged = _bridged(state, at_ns, config)
             state = _accept(state, event, at_ns)
             state, decisions = _handle(state, event, config)
-            return _settled(state, config, decisions)
+            return _settled(state, config, bridged + decisions if bridged else decisions)
         case Tick(at_ns=at_ns, command_seq=command_seq):
+            state, bridged = _bridged(state, at_ns, config)
             state = _advance(state, at_ns)
             if command_seq is not None:
                 state = _acted(state, command_seq, config)
-            return _expire(state, config, _NONE)
+            return _expire(state, config, bridged)
         case _:
             assert_never(item)
+
+
+def _bridged(state: JobState, at_ns: int, config: MachineConfig) -> tuple[JobState, Decisions]:
+    """Step 0 of an accepted event or a tick: when ``at_ns`` ends a gap in the job's inputs
+    longer than ``bus_gap_s`` (an outage), stop time across it (:mod:`._outage`)."""
+    gap = gap_ns(state, at_ns, config)
+    if gap is None:
+        return state, _NONE
+    state, anomaly = bridge(state, at_ns, gap, config)
+    return state, (anomaly,)
 
 
 def _settled(
@@ -131,7 +146,7 @@ def _settled(
 ) -> tuple[JobState, Decisions]:
     """Steps 3 (the phase changes the event completes) and 4 (deadlines) after an event's
     handler; a running job with no deadline passed, the common case, returns at once."""
-    if state.phase == "running" and state.finished_ranks != state.world_size:
+    if state.phase == "running" and state.finished_ranks != state.world_size and state.held is None:
         floor, due, clock = state.silence_floor_ns, state.watch.progress_due_ns, state.clock_ns
         if (floor is None or clock <= floor + config.heartbeat_timeout_ns) and (
             due is None or clock <= due
@@ -182,6 +197,8 @@ def next_deadline(state: JobState, config: MachineConfig) -> int | None:
     """
     if state.phase in TERMINAL_PHASES:
         return None
+    if state.held is not None and state.settle_until_ns is not None:
+        return state.settle_until_ns  # when the held restore is issued; nothing is judged before
     due: list[int] = []
     if state.silence_floor_ns is not None:
         due.append(state.silence_floor_ns + config.heartbeat_timeout_ns + 1)
@@ -562,6 +579,8 @@ def _on_heartbeat(
         data_version,
         loop,
         continued_generation,
+        settle_until_ns,
+        held,
     ) = state
     state = new_tuple(
         JobState,
@@ -589,6 +608,8 @@ def _on_heartbeat(
             data_version,
             loop,
             continued_generation,
+            settle_until_ns,
+            held,
         ),
     )
     if not running:
@@ -949,7 +970,17 @@ def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions
                     reason=reason,
                 ),
             )
-        return state._replace(phase="finished", incident=None), decisions
+        if state.held is not None:
+            # Its restore was held while the bus settled: the job finished meanwhile.
+            decisions += (
+                IncidentClosed(
+                    incident_id=state.held.incident_id,
+                    outcome="finished",
+                    attempts=0,
+                    reason=reason,
+                ),
+            )
+        return state._replace(phase="finished", incident=None, held=None), decisions
     if state.phase == "starting" and len(state.ranks) == world_size:
         reason = f"all {world_size} ranks reported in generation {generation}"
         return state._replace(phase="running"), (
@@ -996,6 +1027,14 @@ def _expire(
     if state.phase in TERMINAL_PHASES:
         return state, decisions
     clock = state.clock_ns
+    held = state.held
+    if held is not None:
+        # An incident is open, and its restore, due when the bus has settled, restores every
+        # rank: no deadline is judged before it.
+        if settling(state):
+            return state, decisions
+        state, released = release(state, held, config)
+        return state, decisions + released
     failure: Failure | None = None
     floor = state.silence_floor_ns
     if floor is not None and clock > floor + config.heartbeat_timeout_ns:

@@ -45,6 +45,7 @@ from trainguard.schemas import Abort, DataCursor, Manifest, Restore, RestoreMode
 
 from ._config import MachineConfig
 from ._decisions import (
+    Anomaly,
     Decision,
     IncidentClosed,
     IncidentOpened,
@@ -52,8 +53,9 @@ from ._decisions import (
     JobFailed,
     Transition,
 )
-from ._evidence import NO_MEASURES, Measures, ranks_text
-from ._state import Ack, AfterRestore, Incident, IncidentCause, JobState, Loop, Watch
+from ._evidence import NO_MEASURES, Measures, ranks_text, seconds_text
+from ._outage import settling
+from ._state import Ack, AfterRestore, Held, Incident, IncidentCause, JobState, Loop, Watch
 
 IN_PROCESS_CAUSES: frozenset[IncidentCause] = frozenset(
     {"nan_loss", "loss_spike", "checksum_mismatch"}
@@ -107,9 +109,13 @@ def fail_over(
     state: JobState, failure: Failure, config: MachineConfig
 ) -> tuple[JobState, tuple[Decision, ...]]:
     """Act on ``failure`` in the current generation: open an incident and restore, or, while
-    restoring, retry the open incident's restore (abort after the last attempt)."""
+    restoring, retry the open incident's restore (abort after the last attempt). While the bus
+    settles after a gap the incident opens but its restore is held (:func:`release` issues
+    it), and a failure found while one is held joins it."""
     if state.phase == "restoring" and state.incident is not None:
         return _retry(state, state.incident, failure, config)
+    if state.held is not None:
+        return _join(state, state.held, failure)
     return _open(state, failure, config)
 
 
@@ -122,7 +128,7 @@ def give_up(
     opened: IncidentOpened | None = None,
 ) -> tuple[JobState, tuple[Decision, ...]]:
     """Fail the job for good: abort it, mark the ranks ``dead`` dead, close the open incident
-    (or ``opened``, an incident that gets no restore) as ``failed``.
+    (or ``opened``, an incident that gets no restore, or the held one) as ``failed``.
 
     Returns:
         The ``failed`` state and ``[opened], Transition, Issue(Abort), [IncidentClosed],
@@ -147,13 +153,15 @@ def give_up(
         Transition(old=state.phase, new="failed", generation=state.generation, reason=reason),
         Issue(command=abort, reason=reason),
     ]
-    incident = state.incident
+    incident, held = state.incident, state.held
     closing = (
         (incident.incident_id, incident.attempt)
         if incident is not None
-        else None
-        if opened is None
         else (opened.incident_id, 0)
+        if opened is not None
+        else None
+        if held is None
+        else (held.incident_id, 0)
     )
     if closing is not None:
         incident_id, attempts = closing
@@ -164,7 +172,7 @@ def give_up(
         )
     decisions.append(JobFailed(reason=reason))
     new = state._replace(
-        phase="failed", incident=None, command_seq=seq, failure=reason, ranks=ranks
+        phase="failed", incident=None, held=None, command_seq=seq, failure=reason, ranks=ranks
     )
     return new, tuple(decisions)
 
@@ -200,6 +208,7 @@ def _new_generation(
         pending=HashTrieMap(),
         silence_floor_ns=None,
         incident=incident,
+        held=None,
         incidents_opened=incidents,
         command_seq=command_seq,
         watch=Watch(base_step=base),
@@ -602,30 +611,55 @@ def _open(
     state: JobState, failure: Failure, config: MachineConfig
 ) -> tuple[JobState, tuple[Decision, ...]]:
     """Open the job's next incident and issue its first restore (or fail the job: a crash
-    loop, or a target on another data version)."""
+    loop, or a target on another data version); while the bus settles after a gap, hold the
+    restore instead (:func:`release` issues it)."""
     number = state.incidents_opened + 1
     incident_id = f"{state.job_id}/i{number}"
     evidence = _after_restore(state, incident_id, failure, config)
     if evidence is not None:
         failure = replace(failure, reason=f"{failure.reason}; {_after_restore_text(evidence)}")
     opened = _opened(state, incident_id, failure)
+    state = state._replace(incidents_opened=number)
+    if settling(state):
+        return _hold(state, incident_id, failure, evidence, opened)
+    return _first_restore(
+        state, incident_id, failure, evidence, config, opened=opened, opened_ns=state.clock_ns
+    )
+
+
+def _first_restore(
+    state: JobState,
+    incident_id: str,
+    failure: Failure,
+    evidence: AfterRestore | None,
+    config: MachineConfig,
+    *,
+    opened: IncidentOpened | None,
+    opened_ns: int,
+    restart: bool = False,
+    held_note: str = "",
+) -> tuple[JobState, tuple[Decision, ...]]:
+    """Issue the first restore of incident ``incident_id`` (already counted in
+    ``incidents_opened``), or fail the job: a crash loop, or no restorable target.
+
+    ``opened``: its opening decision, to decide with the restore (``None``: decided when it
+    was held). ``restart``: restart whatever ``restore_mode`` says. ``held_note`` ends the
+    restore's reason."""
     loop = _next_loop(state, incident_id, failure, evidence, config)
     state = state._replace(loop=loop)
     if loop.streak >= config.max_restore_cycles:
-        state = state._replace(incidents_opened=number)
         return give_up(state, _loop_reason(loop, failure, config), config, opened=opened)
     target = state.restore_target(failure.onset_after_step)
     refused = _refusal(state, target, failure.onset_after_step, config)
     if refused is not None:
-        state = state._replace(incidents_opened=number)
         return give_up(state, f"incident {incident_id}: {refused}", config, opened=opened)
     note = _scratch_note(state, target, failure.onset_after_step)
-    mode, at_step = _mode(state, failure, config)
+    mode, at_step = ("restart", None) if restart else _mode(state, failure, config)
     incident = Incident(
         incident_id=incident_id,
         cause=failure.cause,
         reason=failure.reason,
-        opened_ns=state.clock_ns,
+        opened_ns=opened_ns,
         attempt=1,
         target=target,
         issued_ns=state.clock_ns,
@@ -637,7 +671,9 @@ def _open(
     generation = state.generation + 1
     seq = next_command_seq(state)
     restore = _restore(state, incident, generation, seq, failure.reason, config)
-    new = _new_generation(state, incident=incident, command_seq=seq, incidents=number)
+    new = _new_generation(
+        state, incident=incident, command_seq=seq, incidents=state.incidents_opened
+    )
     how = "" if at_step is None else f" in process at step {at_step}"
     return new, (
         Transition(
@@ -646,12 +682,102 @@ def _open(
             generation=generation,
             reason=f"incident {incident_id}: {failure.reason}",
         ),
-        opened,
+        *(() if opened is None else (opened,)),
         Issue(
             command=restore,
             reason=f"incident {incident_id} attempt 1: restore {target_text(target)}{how} in "
-            f"generation {generation}{note}",
+            f"generation {generation}{note}{held_note}",
         ),
+    )
+
+
+def _hold(
+    state: JobState,
+    incident_id: str,
+    failure: Failure,
+    evidence: AfterRestore | None,
+    opened: IncidentOpened,
+) -> tuple[JobState, tuple[Decision, ...]]:
+    """Open incident ``incident_id`` for ``failure`` while the bus settles, holding its
+    restore until ``settle_until_ns``."""
+    held = Held(
+        incident_id=incident_id,
+        cause=failure.cause,
+        reason=failure.reason,
+        ranks=opened.ranks,
+        hosts=opened.hosts,
+        opened_ns=state.clock_ns,
+        onset_after_step=failure.onset_after_step,
+        skip=failure.skip,
+        step=failure.step,
+        evidence=evidence,
+    )
+    wait = (state.settle_until_ns or state.clock_ns) - state.clock_ns
+    note = Anomaly(
+        kind="restore_held",
+        reason=f"incident {incident_id}: restore held for {seconds_text(wait)}, until the bus has "
+        f"settled after a gap (outage_settle_s): checkpoints the ranks made during the outage "
+        f"commit first",
+        ranks=held.ranks,
+        hosts=held.hosts,
+    )
+    return state._replace(held=held), (opened, note)
+
+
+def _join(state: JobState, held: Held, failure: Failure) -> tuple[JobState, tuple[Decision, ...]]:
+    """``failure``, found while ``held``'s restore waits, joins it: that restore restores every
+    rank, to a target before the earliest onset of either, by restarting unless both are
+    failures of responsive processes."""
+    bounds = [s for s in (held.onset_after_step, failure.onset_after_step) if s is not None]
+    steps = [s for s in (held.step, failure.step) if s is not None]
+    joined = held._replace(
+        ranks=tuple(sorted({*held.ranks, *failure.ranks})),
+        hosts=tuple(sorted({*held.hosts, *failure.hosts})),
+        onset_after_step=min(bounds, default=None),
+        skip=held.skip if held.skip is not None else failure.skip,
+        step=max(steps, default=None),
+        restart=held.restart or failure.cause not in IN_PROCESS_CAUSES,
+    )
+    note = Anomaly(
+        kind="restore_held",
+        reason=f"{failure.reason}; joins incident {held.incident_id}, whose restore is held "
+        f"until the bus has settled after a gap",
+        ranks=tuple(sorted(set(failure.ranks))),
+        hosts=tuple(sorted(set(failure.hosts))),
+        measures=failure.measures,
+    )
+    return state._replace(held=joined), (note,)
+
+
+def release(
+    state: JobState, held: Held, config: MachineConfig
+) -> tuple[JobState, tuple[Decision, ...]]:
+    """The bus has settled: issue ``held``'s first restore (``state.held``), its target chosen
+    now, among the snapshots committed while it waited (or fail the job, as :func:`_open`
+    would have).
+
+    Returns:
+        The ``restoring`` state and ``Transition, Issue(Restore)``, or :func:`give_up`'s.
+    """
+    failure = Failure(
+        held.cause,
+        held.reason,
+        held.ranks,
+        held.hosts,
+        onset_after_step=held.onset_after_step,
+        skip=held.skip,
+        step=held.step,
+    )
+    return _first_restore(
+        state,
+        held.incident_id,
+        failure,
+        held.evidence,
+        config,
+        opened=None,
+        opened_ns=held.opened_ns,
+        restart=held.restart,
+        held_note="; held until the bus had settled after a gap",
     )
 
 

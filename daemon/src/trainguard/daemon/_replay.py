@@ -30,10 +30,14 @@ them (``DaemonService._write_due_ticks``): while the job is not finished or fail
 writes a tick once its clock has passed ``next_deadline(state)`` and ``tick_interval_s`` has
 passed since the job's last tick, checking after every poll of at most ``poll_s``. The model
 puts that tick at ``max(next_deadline, last tick + tick_interval_s) + poll_s`` (the longest the
-loop takes to notice), whenever that comes before the next event, or before the end of the log
-(the last record's time: the daemon ran at least that long); and after an input that issued a
-command, a tick naming it ``poll_s`` later (the shell publishes the command and appends that
+loop takes to notice), or, the daemon's pulse, ``pulse_s + poll_s`` after the job's latest
+input if that is earlier, whenever that comes before the next event, or before the end of the
+log (the last record's time: the daemon ran at least that long); and after an input that issued
+a command, a tick naming it ``poll_s`` later (the shell publishes the command and appends that
 tick after the batch the input came in). Every modelled tick names the latest command. Where
+the recorded log (its ticks included) has a gap longer than the configuration's ``bus_gap_s``,
+the bus or the daemon was away: a modelled tick due inside it lands at its end (as the shell's
+queued tick does), so the fold sees the outage the daemon saw. Where
 it differs: the shell's tick lands earlier when records keep its loop busy, and later by the
 bus's append latency (not modelled); and a daemon that was down or behind ticked later still. The two folds' decisions
 are aligned
@@ -692,6 +696,7 @@ def what_if(
     *,
     tick_interval_s: float,
     poll_s: float,
+    pulse_s: float = 1.0,
     start: int = 0,
     end_ns: int | None = None,
     auth: Authenticator | None = None,
@@ -708,6 +713,8 @@ def what_if(
             (``[service] tick_interval_s``), > 0.
         poll_s: the daemon's longest wait for events between two looks at the clock, seconds
             (``[service] poll_s``), >= 0.
+        pulse_s: the daemon's pulse, seconds (``[service] pulse_s``), > 0: it ticks a job that
+            has had no input for this long.
         start: index of the first record whose changes are reported (a window's start).
         end_ns: ticks are synthesised up to this time (ns since the epoch); default: the last
             record's append time (the daemon ran at least that long).
@@ -715,18 +722,21 @@ def what_if(
             refused as not authentic is left out of both folds); ``None`` takes every record.
 
     Raises:
-        ValueError: ``tick_interval_s`` is not > 0, or ``poll_s`` is negative.
+        ValueError: ``tick_interval_s`` or ``pulse_s`` is not > 0, or ``poll_s`` is negative.
     """
     if not tick_interval_s > 0:
         raise ValueError(f"tick_interval_s must be > 0, got {tick_interval_s!r}")
     if not poll_s >= 0:
         raise ValueError(f"poll_s must be >= 0, got {poll_s!r}")
+    if not pulse_s > 0:
+        raise ValueError(f"pulse_s must be > 0, got {pulse_s!r}")
     interval_ns, poll_ns = round(tick_interval_s * 1e9), round(poll_s * 1e9)
+    pulse_ns = round(pulse_s * 1e9)
     if end_ns is None:
         end_ns = records[-1].timestamp_ms * _NS_PER_MS if records else 0
     taken = [take(r, auth) for r in records]
     folds = [
-        _fold_modelled(job_id, records, taken, config, (interval_ns, poll_ns), end_ns)
+        _fold_modelled(job_id, records, taken, config, (interval_ns, poll_ns, pulse_ns), end_ns)
         for config in (baseline, variant)
     ]
     shown_from = records[start].timestamp_ms * _NS_PER_MS if start < len(records) else end_ns + 1
@@ -757,28 +767,26 @@ def _fold_modelled(
     records: Sequence[RawRecord],
     taken: Sequence[Taken | Refused],
     config: MachineConfig,
-    timing: tuple[int, int],
+    timing: tuple[int, int, int],
     end_ns: int,
 ) -> list[Row]:
     """Fold the events (recorded ticks left out) under ``config`` with the shell's ticks
-    modelled (module docstring); ``timing`` is ``(tick interval, poll)`` in ns."""
-    interval_ns, poll_ns = timing
+    modelled (module docstring); ``timing`` is ``(tick interval, poll, pulse)`` in ns."""
     cid = config_id(config)
     rows: list[Row] = []
     state = new_job(job_id)
     last_tick = 0  # the shell's _last_tick_ns default
     seq = 0
+    resumed = 0  # the end of the latest gap in the recorded log: no tick lands before it
 
     def ticks_until(until_ns: int) -> None:
         nonlocal state, last_tick, seq
         while state.phase not in TERMINAL_PHASES:
-            if unacted_command(state) is not None:
-                at = state.clock_ns + poll_ns
-            else:
-                due = next_deadline(state, config)
-                if due is None:
-                    return
-                at = max(due, last_tick + interval_ns) + poll_ns
+            at = _modelled_tick(state, config, last_tick, timing)
+            if at is None:
+                return
+            # A tick due while the bus was away reached it when the bus came back.
+            at = max(at, resumed)
             if at > until_ns:
                 return
             seq += 1
@@ -808,11 +816,17 @@ def _fold_modelled(
                 )
             )
 
+    previous_ns: int | None = None  # the append time of the record before, ticks included
     for record, item in zip(records, taken, strict=True):
+        at_ns = record.timestamp_ms * _NS_PER_MS
+        if previous_ns is not None and at_ns - previous_ns > config.bus_gap_ns:
+            ticks_until(previous_ns)  # nothing reached the bus in the gap: no tick either
+            resumed = at_ns
+        ticks_until(at_ns)
+        previous_ns = at_ns
         if isinstance(item, Taken) and isinstance(item.input, Tick):
             continue  # the recorded daemon's ticks; the model writes its own
         if isinstance(item, Taken):
-            ticks_until(item.input.at_ns)
             before = state
             state, decisions = decide(state, item.input, config)
             rows.append(
@@ -822,6 +836,24 @@ def _fold_modelled(
             rows.append(_row(record, item, state.phase, state.phase, state.generation, (), cid))
     ticks_until(end_ns)
     return rows
+
+
+def _modelled_tick(
+    state: JobState, config: MachineConfig, last_tick: int, timing: tuple[int, int, int]
+) -> int | None:
+    """When the shell writes the job's next tick (ns; ``None``: never): ``poll_s`` after an
+    input that issued a command; else at its next deadline, ``tick_interval_s`` after its last
+    tick at the earliest, or at its pulse, whichever comes first, each noticed up to a poll
+    late."""
+    interval_ns, poll_ns, pulse_ns = timing
+    if unacted_command(state) is not None:
+        return state.clock_ns + poll_ns
+    due = next_deadline(state, config)
+    at = None if due is None else max(due, last_tick + interval_ns) + poll_ns
+    if state.generation_started_ns is None:
+        return at
+    pulse = state.clock_ns + pulse_ns + poll_ns
+    return pulse if at is None else min(at, pulse)
 
 
 def _timed(rows: Iterable[Row]) -> list[tuple[int, Decision, Hashable]]:

@@ -29,7 +29,8 @@ same key (commands, manifests). Header fields (:class:`SnapshotHeader`)::
   complete set of snapshots from a partial one (:mod:`trainguard.daemon._snapshots`).
 * ``created_ns``: the state's clock (``JobState.clock_ns``, bus time), not a wall clock.
 * ``layout``: :data:`trainguard.daemon._state_codec.LAYOUT`; a build whose state classes differ
-  refuses the snapshot before decrypting it.
+  refuses the snapshot before decrypting it, unless it reads that layout too
+  (:data:`~trainguard.daemon._state_codec.READABLE_LAYOUTS`: it only added state fields).
 * ``config_id``: the writer's configuration as the audit trail names it
   (:func:`trainguard.daemon._audit.config_id`), for forensics. ``fold_config``: the same digest
   with ``daemon_id`` left out (:func:`fold_config_id`), the part of the configuration a state
@@ -61,7 +62,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ._audit import config_fields, config_id
 from ._config import MachineConfig
 from ._state import JobState
-from ._state_codec import LAYOUT, StateFormatError, decode_state, encode_state
+from ._state_codec import LAYOUT, READABLE_LAYOUTS, StateFormatError, decode_state, encode_state
 
 __all__ = [
     "FALLBACK_REASONS",
@@ -137,13 +138,24 @@ class SnapshotRefused(ValueError):
         return f"{self.code}: {self.reason}"
 
 
+_ADDED_FIELDS: Final = ("bus_gap_s", "outage_settle_s")
+"""``MachineConfig`` fields added after snapshots were first written: part of the digest only
+when set to another value than their default, so that a configuration leaving them alone has
+the digest that the snapshots written before they existed carry."""
+
+
 def fold_config_id(config: MachineConfig) -> str:
     """The digest of the configuration a job's state depends on: the first 16 hex digits of the
-    SHA-256 of :func:`~trainguard.daemon._audit.config_fields` without ``daemon_id``, as JSON
-    with sorted keys (the audit's :func:`~trainguard.daemon._audit.config_id` with that one
-    field left out)."""
+    SHA-256 of :func:`~trainguard.daemon._audit.config_fields` without ``daemon_id`` (and
+    without the fields of :data:`_ADDED_FIELDS` left at their defaults), as JSON with sorted
+    keys (the audit's :func:`~trainguard.daemon._audit.config_id` with those fields left
+    out)."""
     fields = config_fields(config)
     del fields["daemon_id"]
+    defaults = {f.name: f.default for f in dataclasses.fields(MachineConfig)}
+    for name in _ADDED_FIELDS:
+        if fields[name] == defaults[name]:
+            del fields[name]
     return hashlib.sha256(orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
@@ -387,7 +399,7 @@ def open_snapshot(
         raise SnapshotRefused(
             "wrong_job", f"a snapshot of job {header.job_id!r} where {expected_job!r} was expected"
         )
-    if header.layout != LAYOUT:
+    if header.layout not in READABLE_LAYOUTS:
         raise SnapshotRefused("layout", f"state layout {header.layout}, this build reads {LAYOUT}")
     if fold_config is not None and header.fold_config != fold_config:
         raise SnapshotRefused(

@@ -313,6 +313,40 @@ class Loop(NamedTuple):
     after_restore: tuple[AfterRestore, ...] = ()
 
 
+class Held(NamedTuple):
+    """An incident opened while the bus settled after a gap (``JobState.settle_until_ns``),
+    whose first restore waits for the end of the settle window: the checkpoints the ranks made
+    during the outage arrive after it and commit first, and the target is chosen then.
+
+    Attributes:
+        incident_id: the incident (its ``IncidentOpened`` was decided when it was held).
+        cause: the detector that opened it.
+        reason: its evidence (with what it says against the latest restore, if anything).
+        ranks: the ranks named by it and by every failure that joined it while held, ascending.
+        hosts: their hosts, sorted, without repeats.
+        opened_ns: daemon clock (ns) when it opened.
+        onset_after_step: the earliest last-known-good step among its failures (targets are
+            committed steps ``<=`` it), or ``None`` when none bounds the onset.
+        skip: steps whose batches the restored ranks skip, or ``None``.
+        step: the highest step its failures say they struck at, or ``None``.
+        evidence: it struck within the first steps after a restore (crash-loop evidence).
+        restart: a failure that joined it leaves no restorable process (a dead or silent
+            rank): its restore restarts, whatever ``restore_mode`` says.
+    """
+
+    incident_id: str
+    cause: IncidentCause
+    reason: str
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+    opened_ns: int
+    onset_after_step: int | None = None
+    skip: StepRange | None = None
+    step: int | None = None
+    evidence: AfterRestore | None = None
+    restart: bool = False
+
+
 class JobState(NamedTuple):
     """The state machine's whole knowledge of one job; derive new states, never mutate.
 
@@ -361,6 +395,11 @@ class JobState(NamedTuple):
         continued_generation: the generation the job's latest continuation (a ``continue``
             request of a ``stopped`` or ``failed`` job) started, 0 before any: a ``stop``
             request of an older generation was meant for the run before it and is stale.
+        settle_until_ns: daemon clock (ns) at which the bus counts as settled after the latest
+            gap in the job's inputs (``MachineConfig.bus_gap_s``): the gap's end plus
+            ``outage_settle_s``; ``None`` before any gap.
+        held: the incident whose restore waits for ``settle_until_ns``, or ``None``. Only a
+            ``starting`` or ``running`` job holds one.
     """
 
     job_id: str
@@ -387,6 +426,8 @@ class JobState(NamedTuple):
     data_version: str | None = None
     loop: Loop = Loop()
     continued_generation: int = 0
+    settle_until_ns: int | None = None
+    held: Held | None = None
 
     def owns(self, snapshot_id: str) -> bool:
         """Whether ``snapshot_id`` (``<job_id>/g<generation>/s<step>``) is a snapshot of this

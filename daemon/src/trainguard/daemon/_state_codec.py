@@ -35,8 +35,11 @@ Maps and sets are written in sorted order and object keys sorted, so a state alw
 the same bytes, in any process. ``layout`` is a digest of the description of every type above
 as this build defines them: a snapshot written by a build whose state classes differ (a field
 added, removed, renamed or retyped, a ``Literal`` value added) is refused as a whole rather
-than read into the wrong fields; the caller then folds the log instead. Any other change of the
-document's form needs a new ``format``.
+than read into the wrong fields; the caller then folds the log instead. The exception are the
+earlier layouts in :data:`READABLE_LAYOUTS`: this build differs from them only by ``JobState``
+fields it added, and a document of such a layout is read with those fields at their defaults
+(an *upcaster* per layout adds them to the ``state`` object before it is decoded). Any other
+change of the document's form needs a new ``format``.
 
 Decoding is strict: a missing or unknown field, a value of the wrong JSON type, an integer
 outside the 64-bit range, a string that is not one of a ``Literal``'s values, a malformed map
@@ -69,6 +72,7 @@ from ._state import JobState
 __all__ = [
     "FORMAT",
     "LAYOUT",
+    "READABLE_LAYOUTS",
     "StateFormatError",
     "decode_state",
     "encode_state",
@@ -550,7 +554,33 @@ _STATE: Final = _form(JobState)
 
 LAYOUT: Final = hashlib.sha256(_STATE.shape.encode()).hexdigest()[:16]
 """Digest (16 hex digits) of the state's type description as this build defines it; a
-document of another layout is refused."""
+document of another layout is refused, unless it is one of :data:`READABLE_LAYOUTS`."""
+
+_Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+"""The ``state`` object of an earlier layout -> one of this build's layout (a new object)."""
+
+
+def _added(**defaults: JSONValue) -> _Upcaster:
+    """An upcaster for a layout that lacked the ``JobState`` fields ``defaults`` (their JSON
+    values here); a document that has any of them is not of that layout, and is refused."""
+
+    def upcast(body: dict[str, Any]) -> dict[str, Any]:
+        present = next((name for name in defaults if name in body), None)
+        if present is not None:
+            raise StateFormatError(present, "unknown field of JobState in this layout")
+        return {**body, **defaults}
+
+    return upcast
+
+
+_UPCASTERS: Final[dict[str, _Upcaster]] = {
+    # Before the bus-outage rule (settle window, held restore).
+    "c35900be070fb0d2": _added(settle_until_ns=None, held=None),
+}
+
+READABLE_LAYOUTS: Final = frozenset({LAYOUT, *_UPCASTERS})
+"""The layouts this build reads: its own, and earlier ones it only added ``JobState`` fields
+to (read with those fields at their defaults)."""
 
 
 # -- public API -------------------------------------------------------------------------------
@@ -580,12 +610,13 @@ def state_from_dict(document: object) -> JobState:
     """The state a ``jobstate/1`` document (as parsed from JSON) describes.
 
     Args:
-        document: the parsed document; it is not modified.
+        document: the parsed document; it is not modified. One of an earlier layout in
+            :data:`READABLE_LAYOUTS` gives the fields added since their defaults.
 
     Raises:
         StateFormatError: the document is not an object with exactly ``format``, ``layout``
-            and ``state``, names another format or layout, or any value in it breaks the form
-            (``path`` names it).
+            and ``state``, names another format or a layout not in :data:`READABLE_LAYOUTS`,
+            or any value in it breaks the form (``path`` names it).
     """
     if type(document) is not dict:
         raise _bad(document, "a jobstate document (an object)")
@@ -593,7 +624,9 @@ def state_from_dict(document: object) -> JobState:
     if stated != FORMAT:
         shown = f", got {stated!r}" if type(stated) is str and len(stated) <= 64 else ""
         raise StateFormatError("format", f"expected {FORMAT!r}{shown}")
-    if document.get("layout") != LAYOUT:
+    layout = document.get("layout")
+    upcast = None if layout == LAYOUT or type(layout) is not str else _UPCASTERS.get(layout)
+    if layout != LAYOUT and upcast is None:
         raise StateFormatError(
             "layout", f"written for another state layout than this build's ({LAYOUT})"
         )
@@ -602,8 +635,11 @@ def state_from_dict(document: object) -> JobState:
     unknown = [k for k in document if k not in _TOP_LEVEL]
     if unknown:
         raise StateFormatError(str(unknown[0]), "unknown field")
+    body = document["state"]
     try:
-        state: JobState = _STATE.decode(document["state"])
+        if upcast is not None and type(body) is dict:
+            body = upcast(body)
+        state: JobState = _STATE.decode(body)
     except StateFormatError as exc:
         raise _under("state", exc) from None
     return state

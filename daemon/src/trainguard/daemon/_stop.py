@@ -164,7 +164,15 @@ def _stop(
                 reason=reason,
             )
         )
-    return state._replace(phase="stopped", incident=None, command_seq=seq), tuple(decisions)
+    if state.held is not None:  # opened while the bus settled, its restore not issued yet
+        decisions.append(
+            IncidentClosed(
+                incident_id=state.held.incident_id, outcome="stopped", attempts=0, reason=reason
+            )
+        )
+    return state._replace(phase="stopped", incident=None, held=None, command_seq=seq), tuple(
+        decisions
+    )
 
 
 def _continue(

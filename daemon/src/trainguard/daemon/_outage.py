@@ -1,0 +1,122 @@
+"""A bus outage is not a failure: time stops across a gap in a job's inputs.
+
+While the bus and the daemon work, a live job's inputs are dense in bus time: its ranks
+heartbeat, and the daemon appends a tick for every quiet job at least every ``pulse_s``. So
+two consecutive inputs further apart than ``MachineConfig.bus_gap_s`` mean that nothing could
+be appended in between: the bus, or the daemon that writes the ticks, was away. What the ranks
+sent meanwhile arrives after the gap, in a burst, with the bus time of its return; judged
+against the clock before the gap, every rank would look silent or stalled at once.
+
+The rule (:func:`bridge`, pure, applied by :func:`trainguard.daemon._machine.decide` to the
+first event or tick after such a gap): every time the detectors measure from moves forward by
+the gap, so no duration the machine judges includes it, and the bus *settles* for
+``outage_settle_s`` from the gap's end (``JobState.settle_until_ns``). A failure found while
+it settles opens its incident but holds its restore until then (``JobState.held``,
+:mod:`trainguard.daemon._recovery`): the checkpoints the ranks made during the outage commit
+first and become the target. The gap is measured on the job's own inputs, which the log holds,
+so a replay of the log decides the same (``docs/detection.md``, "Bus outages").
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rpds import HashTrieMap
+
+from ._config import MachineConfig
+from ._decisions import Anomaly
+from ._evidence import Measures, seconds_text
+from ._state import JobState, RankState
+
+__all__ = ["bridge", "gap_ns", "settling"]
+
+_NS_PER_S = 1_000_000_000
+
+
+def gap_ns(state: JobState, at_ns: int, config: MachineConfig) -> int | None:
+    """How far ``at_ns`` (ns) lies after the job's clock when that is more than ``bus_gap_s``
+    (an outage), else ``None``; also ``None`` before the job's first input."""
+    if state.generation_started_ns is None:
+        return None
+    gap = at_ns - state.clock_ns
+    return gap if gap > config.bus_gap_ns else None
+
+
+def settling(state: JobState) -> bool:
+    """Whether the bus is still settling after a gap at the job's clock: a failure found now
+    holds its restore until ``settle_until_ns``."""
+    until = state.settle_until_ns
+    return until is not None and state.clock_ns < until
+
+
+def bridge(
+    state: JobState, at_ns: int, gap: int, config: MachineConfig
+) -> tuple[JobState, Anomaly]:
+    """Stop time across a gap of ``gap`` ns ending at ``at_ns`` (the first input after it).
+
+    Every daemon-clock time the detectors count from moves forward by ``gap``: each rank's
+    ``last_heard_ns``, ``step_advanced_ns`` and ``phase_since_ns``; the silence floor; the
+    generation's start; the stall bound, the end of the last declared phase and the tick that
+    showed the latest command (``Watch``); an open incident's ``issued_ns``. The clock itself
+    moves to ``at_ns`` with the input, as always. Times that record what happened
+    (``Incident.opened_ns``, manifests' ``ts``) and delays (``RankState.delay_floor_ns``) stay.
+    The bus settles until ``at_ns + outage_settle_s``.
+
+    Returns:
+        The bridged state (its clock still before the gap) and the ``bus_gap`` anomaly that
+        records it, with ``from_ns`` and ``to_ns`` (bus times, ns) and ``gap_s``.
+    """
+    ranks = HashTrieMap((r, _shifted_rank(rec, gap)) for r, rec in state.ranks.items())
+    watch = state.watch
+    due = watch.progress_due_ns
+    watch = watch._replace(
+        progress_due_ns=None if due is None else due + gap,
+        long_phase_ended_ns=_later(watch.long_phase_ended_ns, gap),
+        acted_ns=_later(watch.acted_ns, gap),
+    )
+    incident = state.incident
+    if incident is not None:
+        incident = replace(incident, issued_ns=incident.issued_ns + gap)
+    floor, started = state.silence_floor_ns, state.generation_started_ns
+    settle_until = at_ns + config.outage_settle_ns
+    bridged = state._replace(
+        ranks=ranks,
+        watch=watch,
+        incident=incident,
+        silence_floor_ns=None if floor is None else floor + gap,
+        generation_started_ns=None if started is None else started + gap,
+        settle_until_ns=settle_until,
+    )
+    held = (
+        f"; restores held until the bus has settled ({seconds_text(config.outage_settle_ns)}, "
+        f"outage_settle_s)"
+        if config.outage_settle_ns
+        else ""
+    )
+    anomaly = Anomaly(
+        kind="bus_gap",
+        reason=f"no input of the job for {seconds_text(gap)} of bus time (more than bus_gap_s "
+        f"{seconds_text(config.bus_gap_ns)}) in generation {state.generation}: the bus or the "
+        f"daemon was away; timeouts do not count the gap{held}",
+        measures=Measures(
+            gap_s=gap / _NS_PER_S,
+            from_ns=state.clock_ns,
+            to_ns=at_ns,
+            settle_until_ns=settle_until,
+        ),
+    )
+    return bridged, anomaly
+
+
+def _shifted_rank(rec: RankState, gap: int) -> RankState:
+    advanced = rec.step_advanced_ns
+    return rec._replace(
+        last_heard_ns=rec.last_heard_ns + gap,
+        step_advanced_ns=None if advanced is None else advanced + gap,
+        phase_since_ns=rec.phase_since_ns + gap,
+    )
+
+
+def _later(at_ns: int, gap: int) -> int:
+    """``at_ns`` moved by ``gap``; 0 (never) stays 0."""
+    return at_ns + gap if at_ns else 0
