@@ -248,11 +248,11 @@ def no_incident_across(job_trace: list[Input], start: int, length: int, cfg: Mac
     assert opened(folded) == [], [d.reason for _, d in opened(folded)]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     job=healthy_jobs(),
     where=st.floats(0.0, 1.0),
-    length_s=st.floats(CFG.bus_gap_s + 1.0, 600.0),
+    length_s=st.floats(6.0, 600.0),  # longer than bus_gap_s (5 s) and a pulse
 )
 def test_an_outage_in_a_healthy_trace_never_creates_an_incident(
     job: object, where: float, length_s: float
@@ -310,10 +310,14 @@ def test_the_gap_moves_every_anchor_forward_and_nothing_else() -> None:
 
 
 def test_the_restored_job_resumes_after_a_held_restore() -> None:
-    """The held restore is an ordinary restore once issued: acknowledged, the job resumes."""
+    """The held restore is an ordinary restore once issued: acknowledged, the job resumes
+    from the checkpoint made during the outage."""
     sim = Sim(world_size=2)
     state, folded = drive(killed_in_an_outage(sim), cfg=CFG, outages=[AWAY], until=T0 + 106 * S)
     [restore] = issued(every(folded), Restore)
     state, decisions = run(sim.recover(restore, T0 + 107 * S), state, CFG)
-    assert issued(decisions, Resume)
+    [resume] = issued(decisions, Resume)
+    assert (resume.generation, resume.step) == (1, 70)
+    [closed] = of_type(decisions, IncidentClosed)
+    assert closed.outcome == "resumed"
     assert (state.phase, state.generation) == ("running", 1)

@@ -200,7 +200,9 @@ def test_detection_latency_is_the_detectors_measure_or_the_silence_before_the_ev
     # Rank 1 was last heard at t0 + 0.3 s, the supervisor reported its death at t0 + 3 s.
     assert detection_latency_s(state, opened, after.clock_ns) == pytest.approx(2.7)
 
-    silent_at = t0 + 20 * 10**9  # beyond the 10 s heartbeat timeout
+    silent_at = t0 + 11 * 10**9  # beyond the 10 s heartbeat timeout
+    for at in range(t0 + 10**9, silent_at, 10**9):  # the daemon's pulse: the job is quiet
+        state, _ = decide(state, Tick(at), config)
     after, decisions = decide(state, Tick(silent_at), config)
     [opened] = [d for d in decisions if isinstance(d, IncidentOpened)]
     assert opened.cause == "heartbeat_timeout"

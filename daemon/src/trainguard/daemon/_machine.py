@@ -10,12 +10,15 @@ Order of work for an observed event:
 2. screen it (wrong job, stale or future generation, duplicate ``seq``, world-size conflict,
    rank out of range): a rejected event leaves the state untouched and yields one
    :class:`Rejected`;
-3. fold it (one handler per event type, running the detectors that event feeds), then settle
+3. when it ends a gap of more than ``bus_gap_s`` in the job's inputs (the bus or the daemon
+   was away), stop time across the gap (:mod:`trainguard.daemon._outage`); then fold it (one
+   handler per event type, running the detectors that event feeds), then settle
    phase changes it completes (all ranks heard, all restores acknowledged, and acknowledged
    as ordered, all ranks finished);
-4. check the deadlines (heartbeat silence, stalls, startup, restore) at the new clock.
+4. check the deadlines (heartbeat silence, stalls, startup, restore) at the new clock, or,
+   while a restore is held after a gap, only whether the bus has settled (then issue it).
 
-A :class:`Tick` runs steps 1 and 4 only, after noting the command it shows on the bus
+A :class:`Tick` runs steps 1, the gap rule of 3, and 4 only, after noting the command it shows on the bus
 (``Tick.command_seq``): a timeout that starts with one of the daemon's own commands counts from
 the first tick naming it, never from the input that decided it (a daemon catching up on a
 backlog decides from old inputs but acts now). A :class:`~trainguard.schemas.JobRequest` (stop

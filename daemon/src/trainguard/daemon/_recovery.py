@@ -30,6 +30,11 @@ the job instead of restoring again. An incident that strikes within ``startup_st
 after a restore is evidence against that restore: its reason says so, and the crash loop's
 reason names those incidents and suspects an incomplete restore.
 
+Bus outages (:mod:`trainguard.daemon._outage`): while the bus settles after a gap in the job's
+inputs, an incident opens but its first restore is held (``JobState.held``) until the settle
+deadline, when :func:`release` issues it with the target chosen then; a failure meanwhile joins
+it, and a job that finishes or is stopped meanwhile is never restored.
+
 ``docs/recovery.md`` states these rules.
 """
 
