@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -239,7 +240,7 @@ def test_events_unsent_at_close_stay_in_the_spool_in_order(make_agent, bus_url, 
             agent.ready(0)
             shard = agent.checkpoint(5, {"w": torch.ones(2)}, cursor=CURSOR).result()
             path = agent._link.spool_path
-        events = [decode(s.data, expect=Event) for s in read_spool(spool)]
+        events = [cast(Event, decode(s.data, expect=Event)) for s in read_spool(spool)]
     assert [type(e).__name__ for e in events] == ["Lifecycle", "Checkpoint", "Lifecycle"]
     assert events[1] == shard
     assert (events[0].kind, events[2].kind) == ("started", "finished")  # type: ignore[union-attr]
