@@ -545,6 +545,15 @@ class _KafkaConsumer(Consumer):
 
 async def _close_quietly(aw: Awaitable[Any], timeout_s: float) -> None:
     """Await a stop/close coroutine for at most ``timeout_s``; a broken connection is not an
-    error while shutting down (aiokafka #1101: ``stop()`` can hang with the broker gone)."""
+    error while shutting down (aiokafka #1101: ``stop()`` can hang with the broker gone).
+
+    After an outage a consumer's ``stop()`` raises the ``CancelledError`` of its fetcher task,
+    which it cancelled in its retry back-off: that is swallowed too; a cancellation of the
+    calling task goes on."""
     with contextlib.suppress(TimeoutError, KafkaError, OSError):
-        await asyncio.wait_for(aw, timeout_s)
+        try:
+            await asyncio.wait_for(aw, timeout_s)
+        except asyncio.CancelledError:
+            caller = asyncio.current_task()
+            if caller is None or caller.cancelling():
+                raise
