@@ -327,6 +327,11 @@ class Supervisor:
         again while waiting, or no confirmation within ``stop_timeout_s``, returns
         :data:`EXIT_SIGNALLED`.
 
+        Before it returns, it waits until the bus has taken its outbox (its reports and its
+        exited workers' undelivered events; module docstring, outages), however long the bus is
+        away; setting ``stop`` ends that wait and returns :data:`EXIT_SIGNALLED` (after a
+        stop, the wait lasts at most ``stop_timeout_s``).
+
         Raises:
             NodeTaken: another supervisor of the job runs on this node (it holds the node's
                 slot); nothing was read or posted, no worker started.
