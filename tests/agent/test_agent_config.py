@@ -109,6 +109,26 @@ def test_issue_4_settings_from_the_environment(raw, value):
     assert (defaults.checksum_every, defaults.in_process_restore) == (50, False)
 
 
+def test_issue_13_outbox_spool_and_close_settings_from_the_environment():
+    env = {
+        "TRAINGUARD_OUTBOX_MAX_EVENTS": "500",
+        "TRAINGUARD_SPOOL_DIR": "/spool/w0",
+        "TRAINGUARD_CLOSE_TIMEOUT": "2.5",
+    }
+    config = AgentConfig.resolve(env=env, job_id="j")
+    assert (config.outbox_max_events, config.spool_dir, config.close_timeout_s) == (
+        500,
+        Path("/spool/w0"),
+        2.5,
+    )
+    defaults = AgentConfig.resolve(env={}, job_id="j")
+    assert (defaults.outbox_max_events, defaults.spool_dir, defaults.close_timeout_s) == (
+        100_000,
+        None,
+        30.0,
+    )
+
+
 def test_none_arguments_and_empty_variables_count_as_unset():
     config = AgentConfig.resolve(env={"TRAINGUARD_JOB": "j", "RANK": ""}, job_id=None, rank=None)
     assert (config.job_id, config.rank) == ("j", 0)
@@ -128,6 +148,8 @@ def test_none_arguments_and_empty_variables_count_as_unset():
         ({}, {"job_id": "j", "heartbeat_interval_s": 0}, "heartbeat_interval_s"),
         ({"TRAINGUARD_RESUME_TIMEOUT": "nan"}, {"job_id": "j"}, "resume_timeout_s"),
         ({}, {"job_id": "j", "heartbeat_queue": 0}, "heartbeat_queue"),
+        ({"TRAINGUARD_OUTBOX_MAX_EVENTS": "0"}, {"job_id": "j"}, "outbox_max_events must be >= 1"),
+        ({"TRAINGUARD_CLOSE_TIMEOUT": "-1"}, {"job_id": "j"}, "close_timeout_s"),
         ({"TRAINGUARD_BUS": "redis://x"}, {"job_id": "j"}, "scheme must be sqlite or kafka"),
         ({"TRAINGUARD_FAULTS": "kill@step=1"}, {"job_id": "j"}, "missing rank"),
         ({"TRAINGUARD_CHECKSUM_EVERY": "-1"}, {"job_id": "j"}, "checksum_every must be >= 0"),

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ from structlog.testing import capture_logs
 
 from tests.agent._jobbus import JOB, lifecycles, of_type, read_events, wait_for_events
 from trainguard.agent import Agent
+from trainguard.agent._spool import read_spool
 from trainguard.agent.bus import BusConfig, open_bus
-from trainguard.schemas import Checkpoint, DataCursor, Event, Heartbeat
+from trainguard.schemas import Checkpoint, DataCursor, Event, Heartbeat, Lifecycle, decode
 
 CURSOR = DataCursor(data_version="v1", seed=7, epoch=0, offset=64, world_size=1)
 
@@ -226,3 +228,57 @@ def test_an_unreachable_bus_is_counted_and_closing_is_bounded(make_agent, tmp_pa
     assert len(trouble) == 1  # one warning for the streak, not one per retry
     unsent = [entry for entry in logs if entry["event"] == "events_unsent"]
     assert [(e["count"], e["job_id"], e["rank"]) for e in unsent] == [(1, JOB, 0)]  # started
+
+
+def test_events_unsent_at_close_stay_in_the_spool_in_order(make_agent, bus_url, tmp_path: Path):
+    """Issue 13: a process that ends while the bus is away leaves its checkpoint and
+    lifecycle events in its spool (the supervisor forwards them), not dropped."""
+    create_bus(bus_url)
+    spool = tmp_path / "spool"
+    with write_locked(tmp_path / "bus.db"), capture_logs() as logs:
+        with make_agent(spool_dir=spool, close_timeout_s=0.2) as agent:
+            agent.ready(0)
+            shard = agent.checkpoint(5, {"w": torch.ones(2)}, cursor=CURSOR).result()
+            path = agent._link.spool_path
+        events = [cast(Event, decode(s.data, expect=Event)) for s in read_spool(spool)]
+    assert [type(e).__name__ for e in events] == ["Lifecycle", "Checkpoint", "Lifecycle"]
+    assert events[1] == shard
+    assert (events[0].kind, events[2].kind) == ("started", "finished")  # type: ignore[union-attr]
+    assert seqs_rise(events)
+    (unsent,) = [e for e in logs if e["event"] == "events_unsent"]
+    assert (unsent["count"], unsent["spooled"]) == (3, str(path))
+
+
+def test_delivered_events_leave_no_spool_behind(make_agent, bus_url, tmp_path: Path):
+    spool = tmp_path / "spool"
+    with make_agent(spool_dir=spool) as agent:
+        agent.checkpoint(5, {"w": torch.ones(2)}, cursor=CURSOR).result()
+    assert len(of_type(read_events(bus_url, JOB), Checkpoint)) == 1
+    assert read_spool(spool) == []
+    assert list(spool.iterdir()) == []
+
+
+def test_a_full_outbox_refuses_new_events_with_an_error_and_counts_them(
+    make_agent, bus_url, tmp_path: Path
+):
+    """Issue 13: while the bus is away at most ``outbox_max_events`` checkpoint and lifecycle
+    events wait; a further one is refused, logged as an error and counted, and training goes
+    on; the ones kept arrive in order once the bus is back."""
+    create_bus(bus_url)
+    agent = make_agent(outbox_max_events=3, heartbeat_interval_s=60.0)
+    with capture_logs() as logs, agent:
+        with write_locked(tmp_path / "bus.db"):
+            agent.ready(0)  # started waits
+            kept = [
+                agent.checkpoint(s, {"w": torch.ones(2)}, cursor=CURSOR).result() for s in (1, 2)
+            ]
+            refused = agent.checkpoint(3, {"w": torch.ones(2)}, cursor=CURSOR).result()
+            stats = agent.stats
+        assert agent._link.flush(30.0)
+    assert (stats.refused_events, stats.dropped_cursors) == (1, 0)
+    (error,) = [e for e in logs if e["event"] == "event_refused_outbox_full"]
+    assert (error["log_level"], error["seq"], error["queued"]) == ("error", refused.seq, 3)
+    events = read_events(bus_url, JOB)
+    assert of_type(events, Checkpoint) == kept
+    assert [e.kind for e in of_type(events, Lifecycle)] == ["started", "finished"]
+    assert seqs_rise(events)

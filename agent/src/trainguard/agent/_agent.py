@@ -82,6 +82,9 @@ class AgentStats:
         sent: events the bus confirmed.
         dropped_heartbeats: heartbeats never delivered (more than ``heartbeat_queue`` waited
             while the bus was slow or away, or their send failed).
+        dropped_cursors: data-cursor events dropped to make room in a full outbox
+            (``outbox_max_events``).
+        refused_events: checkpoint and lifecycle events refused by a full outbox.
         send_errors: failed connect, send and poll attempts (each retried).
         last_error: the latest of those failures, as text, or ``None``.
         commands_ignored: commands not acted on (older generations, undecodable ones, and with
@@ -102,6 +105,8 @@ class AgentStats:
     checkpoints_written: int
     checkpoint_failures: int
     commands_ignored_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    dropped_cursors: int = 0
+    refused_events: int = 0
 
 
 class Agent:
@@ -241,6 +246,8 @@ class Agent:
             c.job_id,
             c.generation,
             ring=c.heartbeat_queue,
+            max_events=c.outbox_max_events,
+            spool=c.spool_dir,
             beat=self._heartbeat,
             interval_s=c.heartbeat_interval_s,
             log=self._log,
@@ -297,14 +304,16 @@ class Agent:
         finally:
             self.close()
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Finish a pending checkpoint write, send the queued events (waiting at most
-        ``timeout_s`` seconds for the bus), stop the background thread. Idempotent."""
+        ``timeout_s`` seconds for the bus, default ``close_timeout_s``), stop the background
+        thread. Events left unsent stay in the spool (``spool_dir``) for the supervisor to
+        forward, or are lost without one (logged either way). Idempotent."""
         if self._state == "closed":
             return
         self._state = "closed"
         self._writer.shutdown(wait=True)
-        self._link.close(timeout_s)
+        self._link.close(self.config.close_timeout_s if timeout_s is None else timeout_s)
         self._step_cell = None
         if self._steps is not None:
             self._steps.close()
@@ -324,6 +333,8 @@ class Agent:
             checkpoints_written=self._written,
             checkpoint_failures=self._write_failures,
             commands_ignored_by_reason={str(k): n for k, n in link.commands.ignored.items()},
+            dropped_cursors=link.dropped_cursors,
+            refused_events=link.refused_events,
         )
 
     # -- restore -----------------------------------------------------------------------------

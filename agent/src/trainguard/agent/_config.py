@@ -61,6 +61,9 @@ _ENVIRONMENT: Mapping[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
     "code_version": (("TRAINGUARD_CODE_VERSION",), str),
     "init_from": (("TRAINGUARD_INIT_FROM",), str),
     "step_file": (("TRAINGUARD_STEP_FILE",), Path),
+    "outbox_max_events": (("TRAINGUARD_OUTBOX_MAX_EVENTS",), int),
+    "spool_dir": (("TRAINGUARD_SPOOL_DIR",), Path),
+    "close_timeout_s": (("TRAINGUARD_CLOSE_TIMEOUT",), float),
 }
 """Setting name -> (environment variables, highest precedence first; parser of their value)."""
 
@@ -116,6 +119,16 @@ class AgentConfig:
             insecure (``docs/security.md``).
         heartbeat_queue: most heartbeats kept while the bus is slow or away (>= 1); older ones
             are dropped and counted.
+        outbox_max_events: most checkpoint, data-cursor and lifecycle events kept while the bus
+            is slow or away (``TRAINGUARD_OUTBOX_MAX_EVENTS``, >= 1), default 100,000: beyond
+            that the oldest data-cursor event is dropped, and without one the new event is
+            refused (an error log, counted in :attr:`AgentStats.refused_events`).
+        spool_dir: the folder of this worker's spool (``TRAINGUARD_SPOOL_DIR``, set by
+            ``trainguard run``), in which events wait until the bus took them, so that the
+            supervisor can forward them after the process ended; ``None``: no spool.
+        close_timeout_s: seconds leaving the ``with`` block (:meth:`Agent.close`) waits for
+            the bus to take the queued events (``TRAINGUARD_CLOSE_TIMEOUT``), default 30; what
+            is left stays in the spool.
         step_file: a file in which :meth:`Agent.step` records the last step completed, for the
             supervisor's exit report (``TRAINGUARD_STEP_FILE``, set by ``trainguard run
             --nproc-per-node``; see :mod:`._step_file`), or ``None``.
@@ -144,6 +157,9 @@ class AgentConfig:
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     host: str = field(default_factory=socket.gethostname)
     heartbeat_queue: int = 16
+    outbox_max_events: int = 100_000
+    spool_dir: Path | None = None
+    close_timeout_s: float = 30.0
     keys: AgentKeys = field(default_factory=AgentKeys)
     step_file: Path | None = None
 
@@ -154,6 +170,12 @@ class AgentConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if not (self.close_timeout_s >= 0 and math.isfinite(self.close_timeout_s)):
+            raise ConfigError(
+                f"close_timeout_s must be a number of seconds >= 0, got {self.close_timeout_s}"
+            )
+        if self.outbox_max_events < 1:
+            raise ConfigError(f"outbox_max_events must be >= 1, got {self.outbox_max_events}")
         if self.checksum_every < 0:
             raise ConfigError(f"checksum_every must be >= 0 steps, got {self.checksum_every}")
         if self.heartbeat_queue < 1:
@@ -211,7 +233,7 @@ class AgentConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("job_id"):
             raise ConfigError("job id missing: pass job_id=... or set TRAINGUARD_JOB")
-        for name in ("checkpoint_dir", "step_file"):
+        for name in ("checkpoint_dir", "step_file", "spool_dir"):
             if name in values:
                 values[name] = Path(values[name])
         return cls(**values)

@@ -6,13 +6,24 @@ sends them. (ARCHITECTURE.md section 2 names an anyio blocking portal; but the p
 ``start_blocking_portal`` runs in a non-daemon thread, so a process that never closes its agent
 would hang at exit, and the bus adapters are asyncio-only anyway.) Events leave in the order
 of their ``seq`` numbers, which the daemon uses to drop duplicates (``seq <= last seen``), so
-an event never overtakes one with a lower ``seq``. One FIFO, two policies:
+an event never overtakes one with a lower ``seq``. The outbox (:mod:`._outbox`) holds them:
 
-* checkpoint and lifecycle events are retried, unchanged, until the bus takes them, and nothing
-  behind them is sent meanwhile (losing one would lose a commit or an acknowledgement; a retry
-  that lands twice is dropped by the daemon as a duplicate);
+* checkpoint, data-cursor and lifecycle events wait, unchanged, until the bus takes them, and
+  nothing behind them is sent meanwhile (losing one would lose a commit or an
+  acknowledgement). At most ``max_events`` wait: beyond that the oldest data cursor is dropped,
+  and without one the new event is refused (logged as an error, counted). Each is sent once
+  per connection: the link awaits that delivery for as long as it takes, since the idempotent
+  Kafka producer retries it by itself (a second copy could land too). Only after a failure that
+  leaves the delivery in doubt does it reconnect, with a new producer, and send the same bytes
+  again; the daemon drops a copy that landed twice as a duplicate. A failure that appended
+  nothing (the embedded bus's file stayed locked) is retried on the same connection.
 * heartbeats are dropped, oldest first, when more than ``ring`` of them wait: only the newest
   progress matters, and a backlog would grow without limit while the bus is away.
+
+With a spool folder (``TRAINGUARD_SPOOL_DIR``, from the supervisor) every event but the
+heartbeats is also written to this process's spool file the moment it is queued, and marked
+once the bus took it (:mod:`._spool`); what the process could not deliver before it ended,
+closed or killed, its supervisor forwards.
 
 The loop connects in the background and reconnects after failures (capped exponential
 back-off), so a bus that is down, locked or slow at start-up or later never stalls training;
@@ -36,7 +47,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -44,11 +55,14 @@ from structlog.typing import FilteringBoundLogger
 
 from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
 from trainguard.agent._keystore import EventKey
+from trainguard.agent._outbox import Kind, Outbox, Queued
+from trainguard.agent._spool import Spool
 from trainguard.agent.bus import (
     Bus,
     BusConfig,
     BusError,
     Consumer,
+    DeliveryFailed,
     Record,
     TopicPartition,
     open_bus,
@@ -57,6 +71,7 @@ from trainguard.agent.bus import (
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import (
     Abort,
+    DataCursorEvent,
     Event,
     Heartbeat,
     Lifecycle,
@@ -79,25 +94,16 @@ _POLL_S = 1.0
 """Longest wait of one command poll, seconds (bounds how late a broken consumer is noticed)."""
 
 _STOP_GRACE_S = 5.0
+"""Seconds :meth:`Link.close` waits for the loop thread after cancelling it."""
 
 _LAST_WORDS = frozenset({"finished", "error"})
 """Lifecycle kinds after which a process sends no heartbeat."""
-"""Seconds :meth:`Link.close` waits for the loop thread after cancelling it."""
 
 # One counter for the whole process: a sender is (rank, host, pid), and seqs must keep rising
 # across every Agent a process creates. Starting at the wall clock in ns keeps them rising
 # across processes too, when a restarted worker gets the same pid (a container's pid namespace)
 # in the same generation: the daemon would drop its events as duplicates otherwise.
 _SEQ = itertools.count(time.time_ns())
-
-
-@dataclass(frozen=True, slots=True)
-class _Queued:
-    """One encoded event waiting in the FIFO."""
-
-    seq: int
-    data: bytes
-    heartbeat: bool
 
 
 class Commands:
@@ -179,6 +185,11 @@ class Link:
         job_id: the job: the key of every event sent and of the commands followed.
         generation: this process's generation; commands of older ones are ignored.
         ring: most heartbeats kept waiting (>= 1); older ones are dropped when more arrive.
+        max_events: most checkpoint, data-cursor and lifecycle events kept waiting (>= 1; see
+            the module docstring for what happens beyond).
+        spool: the supervisor's spool folder for this worker, or ``None`` (no spool: what is
+            unsent when the process ends is lost). A folder that cannot be written is logged
+            and not used.
         beat: builds the current heartbeat for a ``seq``; called from the loop thread every
             ``interval_s`` seconds, so heartbeats keep flowing while the training thread is
             busy or stuck (that is how the daemon tells a hang from a death).
@@ -197,6 +208,8 @@ class Link:
         connected: whether the loop holds a working connection.
         sent: events the bus confirmed.
         dropped_heartbeats: heartbeats never delivered (ring overflow, failed sends).
+        dropped_cursors: data-cursor events dropped to make room in a full outbox.
+        refused_events: checkpoint and lifecycle events refused by a full outbox.
         send_errors: failed connect, send and poll attempts.
         last_error: the latest of those failures, as text.
     """
@@ -208,6 +221,8 @@ class Link:
         generation: int,
         *,
         ring: int,
+        max_events: int,
+        spool: Path | None = None,
         beat: Callable[[int], Heartbeat],
         interval_s: float,
         log: FilteringBoundLogger,
@@ -218,7 +233,6 @@ class Link:
         parse_bus_url(bus_config.url)
         self._bus_config = bus_config
         self._job_id = job_id
-        self._ring = ring
         self._beat = beat
         self._interval_s = interval_s
         self._log = log
@@ -227,12 +241,22 @@ class Link:
         self.connected = False
         self.sent = 0
         self.dropped_heartbeats = 0
+        self.dropped_cursors = 0
+        self.refused_events = 0
         self.send_errors = 0
         self.last_error: str | None = None
-        # The FIFO; its condition's lock also makes "assign seq, append" one step, and lets
-        # flush() wait for the loop thread's progress.
-        self._queue: collections.deque[_Queued] = collections.deque()
+        # The outbox and the spool; the condition's lock also makes "assign seq, spool,
+        # append" one step, and lets flush() wait for the loop thread's progress.
+        self._outbox = Outbox(max_events, ring)
         self._queue_changed = threading.Condition()
+        self._spool: Spool | None = None
+        if spool is not None:
+            try:
+                self._spool = Spool(spool)
+            except OSError as exc:
+                log.warning(
+                    "spool not used: unsent events are lost if the process ends", error=str(exc)
+                )
         self._last_seq = -1
         self._commands_next: int | None = None  # offset after the last command read
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -248,15 +272,23 @@ class Link:
     @property
     def queued(self) -> int:
         """Events waiting to be sent."""
-        return len(self._queue)
+        return len(self._outbox)
+
+    @property
+    def spool_path(self) -> Path | None:
+        """This process's spool file, or ``None`` without a spool."""
+        return None if self._spool is None else self._spool.path
 
     def submit(self, build: Callable[[int], _E]) -> _E:
         """Queue the event ``build(seq)`` and return it; safe from any thread.
 
-        ``seq`` is assigned, the event built (and MACed, with an event key) and encoded under
-        the queue's lock, so queue order and ``seq`` order agree. A heartbeat beyond ``ring``
-        waiting ones evicts the oldest; one after a ``finished`` or ``error`` lifecycle event
-        (the process's last word) is not queued. The event returned carries its ``auth``.
+        ``seq`` is assigned, the event built (and MACed, with an event key), encoded and
+        spooled under the outbox's lock, so queue order and ``seq`` order agree. A heartbeat
+        beyond ``ring`` waiting ones evicts the oldest; one after a ``finished`` or ``error``
+        lifecycle event (the process's last word) is not queued. Any other event beyond
+        ``max_events`` waiting ones evicts the oldest data cursor, or without one is refused
+        (logged as an error and counted, never raised: training goes on). The event returned
+        carries its ``auth``.
 
         Raises:
             SchemaError: the event breaks the wire contract (nothing is queued).
@@ -266,30 +298,76 @@ class Link:
             event = build(seq)
             if self._event_key is not None:
                 event = add_mac(event, self._event_key.kid, self._event_key.secret)
-            heartbeat = isinstance(event, Heartbeat)
-            if heartbeat and self._said_last:
+            kind: Kind = (
+                "heartbeat"
+                if isinstance(event, Heartbeat)
+                else "cursor"
+                if isinstance(event, DataCursorEvent)
+                else "event"
+            )
+            if kind == "heartbeat" and self._said_last:
                 # The background beat can fire between the training thread's last word and
                 # close(): a heartbeat after it would tell the daemon the process still runs.
                 return event
+            item = Queued(seq, encode(event), kind)
             if isinstance(event, Lifecycle) and event.kind in _LAST_WORDS:
                 self._said_last = True
-            item = _Queued(seq, encode(event), heartbeat)
-            if heartbeat and sum(q.heartbeat for q in self._queue) >= self._ring:
-                oldest = next(i for i, q in enumerate(self._queue) if q.heartbeat)
-                del self._queue[oldest]
-                self.dropped_heartbeats += 1
-            self._queue.append(item)
+            added = self._outbox.add(item)
+            if not added.accepted:
+                self.refused_events += 1
+                self._log.error(
+                    "event_refused_outbox_full",
+                    schema=type(event).SCHEMA,
+                    seq=seq,
+                    queued=self._outbox.events,
+                    refused=self.refused_events,
+                    last_error=self.last_error,
+                )
+                return event
+            if added.evicted is not None:
+                if added.evicted.kind == "heartbeat":
+                    self.dropped_heartbeats += 1
+                else:
+                    self.dropped_cursors += 1
+            if kind != "heartbeat":
+                self._spool_add(item)
             self._last_seq = seq
         self._call(self._wake.set)
         return event
 
+    def _spool_add(self, item: Queued) -> None:
+        """Spool ``item`` (under the outbox's lock); a failed write stops spooling."""
+        if self._spool is None:
+            return
+        try:
+            self._spool.add(item.seq, item.data)
+        except OSError as exc:
+            self._spool_failed(exc)
+
+    def _spool_settled(self, seq: int) -> None:
+        if self._spool is None:
+            return
+        try:
+            self._spool.settled(seq)
+        except OSError as exc:
+            self._spool_failed(exc)
+
+    def _spool_failed(self, exc: OSError) -> None:
+        # A spool that missed a line could make the supervisor forward a partial history.
+        assert self._spool is not None
+        self._log.error(
+            "spool write failed: spooling stopped", path=str(self._spool.path), error=str(exc)
+        )
+        self._spool.close()
+        self._spool = None
+
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every event queued so far has left the FIFO (sent, or a heartbeat
+        """Wait until every event queued so far has left the outbox (sent, or a heartbeat
         dropped), at most ``timeout_s`` seconds; return whether it has."""
         with self._queue_changed:
             upto = self._last_seq
             return self._queue_changed.wait_for(
-                lambda: not self._queue or self._queue[0].seq > upto, timeout_s
+                lambda: (oldest := self._outbox.oldest) is None or oldest > upto, timeout_s
             )
 
     def start(self) -> None:
@@ -302,8 +380,9 @@ class Link:
 
     def close(self, timeout_s: float) -> int:
         """Stop heartbeats, send what is queued (for at most ``timeout_s`` seconds), disconnect,
-        stop the thread. Returns the number of checkpoint and lifecycle events left unsent
-        (logged when > 0)."""
+        stop the thread. Returns the number of checkpoint, data-cursor and lifecycle events left
+        unsent (logged when > 0); with a spool they stay in its file, for the supervisor to
+        forward once this process ended."""
         thread = self._thread
         if thread is None or not thread.is_alive():
             return self._unsent()
@@ -315,9 +394,19 @@ class Link:
         return self._unsent()
 
     def _unsent(self) -> int:
-        unsent = sum(not q.heartbeat for q in self._queue)
+        with self._queue_changed:
+            unsent = self._outbox.events
+            spool = self._spool
+            if spool is not None:
+                spool.close()
+                self._spool = None
         if unsent:
-            self._log.warning("events_unsent", count=unsent, last_error=self.last_error)
+            self._log.warning(
+                "events_unsent",
+                count=unsent,
+                last_error=self.last_error,
+                spooled=None if spool is None else str(spool.path),
+            )
         return unsent
 
     def _call(self, fn: Callable[[], Any]) -> None:
@@ -350,7 +439,7 @@ class Link:
         """Stop heartbeats; with nothing left to send, disconnect at once, else let the sender
         finish first."""
         self._stopping = True
-        if self._queue:
+        if self._outbox:
             self._wake.set()
         else:
             self._cancel_main()
@@ -447,44 +536,62 @@ class Link:
             self._wake.set()
 
     async def _send(self, bus: Bus) -> None:
-        """Send the FIFO's events in order until stopped with an empty FIFO.
+        """Send the outbox's events in order until stopped with an empty outbox.
 
         Raises:
-            BusError: the connection is unusable (the caller reconnects).
+            BusError: the connection is unusable, or a delivery is in doubt (the caller
+                reconnects; the event stays taken, to be sent again on the new connection).
         """
-        failures = 0
         while True:
             if self._broken is not None:
                 raise self._broken
-            head = self._queue[0] if self._queue else None
-            if head is None:
-                if self._stopping:
-                    return
+            with self._queue_changed:
+                beats = self._outbox.take_heartbeats()
+                item = None if beats else self._outbox.take()
+            if beats:
+                await self._send_heartbeats(bus, beats)
+            elif item is not None:
+                await self._deliver(bus, item)
+            elif self._stopping:
+                return
+            else:
                 await self._wake.wait()
                 self._wake.clear()
-            elif head.heartbeat:
-                await self._send_heartbeats(bus)
-            else:
-                try:
-                    await bus.publish("events", self._job_id, head.data)
-                except BusError as exc:
-                    if not exc.retriable:
-                        raise
-                    self._fail("send", exc, first=not failures)
-                    failures += 1
-                    await self._pause(failures)
-                    continue
-                failures = 0
-                self._pop(1, sent=1)
 
-    async def _send_heartbeats(self, bus: Bus) -> None:
-        """Pipeline the run of heartbeats at the head of the FIFO; failures drop them.
+    async def _deliver(self, bus: Bus, item: Queued) -> None:
+        """Send the taken ``item`` and wait until the bus has it, however long that takes.
 
-        The run leaves the FIFO at once, so that the ring's evictions never touch it.
+        A retriable failure that appended nothing (not a ``DeliveryFailed`` in doubt) is
+        retried on this connection after a pause.
+
+        Raises:
+            BusError: a failure that may have appended it, or that needs a new connection.
         """
+        failures = 0
+        while True:
+            try:
+                delivery = await bus.send("events", self._job_id, item.data)
+                # Shielded: closing the link cancels this wait, not the delivery.
+                await asyncio.shield(delivery)
+            except BusError as exc:
+                if not exc.retriable or (isinstance(exc, DeliveryFailed) and exc.in_doubt):
+                    raise
+                self._fail("send", exc, first=not failures)
+                failures += 1
+                await self._pause(failures)
+                continue
+            break
         with self._queue_changed:
-            batch = list(itertools.takewhile(lambda q: q.heartbeat, self._queue))
-            self._pop(len(batch), sent=0)
+            self._outbox.done()
+            self.sent += 1
+            self._spool_settled(item.seq)
+            self._queue_changed.notify_all()
+
+    async def _send_heartbeats(self, bus: Bus, batch: list[Queued]) -> None:
+        """Pipeline ``batch``, the heartbeats that came next (already out of the outbox, so
+        that the ring's evictions never touch them); failures drop them."""
+        with self._queue_changed:
+            self._queue_changed.notify_all()
         futures: list[asyncio.Future[Any]] = []
         try:
             for item in batch:
@@ -502,11 +609,3 @@ class Link:
             self.dropped_heartbeats += len(failures)
         if failures:
             self._fail("heartbeat", failures[0], first=False)
-
-    def _pop(self, count: int, *, sent: int) -> None:
-        """Remove ``count`` events from the FIFO's head, ``sent`` of them delivered."""
-        with self._queue_changed:
-            for _ in range(count):
-                self._queue.popleft()
-            self.sent += sent
-            self._queue_changed.notify_all()

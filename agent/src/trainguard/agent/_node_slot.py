@@ -40,6 +40,13 @@ class NodeSlot:
         self.path = path
         """The lock file."""
 
+    @staticmethod
+    def name(bus: str, job_id: str, node: str) -> str:
+        """The slot's name, ``<job_id>.<node>.<digest of bus>``: safe in a file name, and the
+        same for every supervisor of the job and node on that bus."""
+        digest = hashlib.sha256(bus.encode()).hexdigest()[:16]
+        return f"{job_id}.{node}.{digest}"
+
     @classmethod
     def take(cls, folder: Path, bus: str, job_id: str, node: str) -> NodeSlot:
         """Take the slot without waiting.
@@ -54,8 +61,7 @@ class NodeSlot:
             NodeTaken: a live process holds the slot.
             ConfigError: the folder or the lock file cannot be created or locked.
         """
-        digest = hashlib.sha256(bus.encode()).hexdigest()[:16]
-        path = folder / f"{job_id}.{node}.{digest}.lock"
+        path = folder / f"{cls.name(bus, job_id, node)}.lock"
         try:
             folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by the workers

@@ -51,6 +51,19 @@ waits up to ``stop_timeout_s`` for the daemon's ``abort`` (outcome ``stopped``).
 
 **No daemon**: while no daemon reads the job's events for ``daemon_timeout_s``, a warning is
 logged every ``warn_every_s`` (:mod:`._daemon_watch`).
+
+**Outages** (``docs/operations.md``, "Agents and supervisors during a bus outage"): the
+supervisor's lifecycle reports leave through its outbox (:mod:`._courier`), which delivers them
+in order and retries for as long as the bus is away; no bus failure ends or stalls the watch
+of a worker. Each worker gets a spool folder (``TRAINGUARD_SPOOL_DIR``, under the state
+folder's ``spool``), in which its agents keep the events the bus has not taken yet
+(:mod:`._spool`). When a worker exits, the supervisor forwards those events, the same bytes,
+and then its exit report, through the same outbox: a rank's ``finished`` is on the bus before
+the supervisor's ``exited``, so a finished job is never taken for a failed one. Before it
+exits, the supervisor waits for its outbox to be delivered, logging every ``warn_every_s``;
+a signal ends that wait (a supervisor that was signalled before waits at most
+``stop_timeout_s``), and the spools of undelivered workers stay on disk: the next supervisor
+of the job on this node forwards them before anything else.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import functools
 import itertools
 import os
 import shutil
@@ -67,7 +81,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -75,12 +89,14 @@ from typing import Literal
 import structlog
 
 from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
+from trainguard.agent._courier import Courier
 from trainguard.agent._daemon_watch import DaemonWatch, poll_interval_s
 from trainguard.agent._errors import AgentError, ConfigError
 from trainguard.agent._keystore import AgentKeys
 from trainguard.agent._manifests import read_manifests
 from trainguard.agent._node_slot import NodeSlot, NodeTaken
 from trainguard.agent._requests import send_request
+from trainguard.agent._spool import SPOOL_DIR_ENV, read_spool
 from trainguard.agent._step_file import STEP_FILE_ENV, read_step_file, reset_step_file
 from trainguard.agent.bus import (
     Bus,
@@ -250,6 +266,7 @@ class _Worker:
     proc: asyncio.subprocess.Process
     watcher: asyncio.Task[None] | None = None
     step_file: Path | None = None
+    spool: Path | None = None
 
 
 class Supervisor:
@@ -286,6 +303,20 @@ class Supervisor:
         # _closing is set, never cancelled in the middle of a bus call.
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = asyncio.Event()
+        # The supervisor's outbox (module docstring, outages) and its workers' spool folders.
+        self._courier = Courier(config.bus, config.job_id)
+        self._spool_root = (
+            config.state_dir
+            / "spool"
+            / NodeSlot.name(self._bus_identity(), config.job_id, config.node())
+        )
+        self._signalled = False
+
+    @property
+    def undelivered(self) -> int:
+        """Events in the supervisor's outbox that the bus has not taken yet (its reports, and
+        the events of exited workers it forwards)."""
+        return self._courier.undelivered
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         """Start (or rejoin) the workers, follow the job's commands, restart on restore orders.
@@ -295,6 +326,11 @@ class Supervisor:
         exits, and returns :data:`EXIT_STOPPED` once the daemon confirmed the stop; setting it
         again while waiting, or no confirmation within ``stop_timeout_s``, returns
         :data:`EXIT_SIGNALLED`.
+
+        Before it returns, it waits until the bus has taken its outbox (its reports and its
+        exited workers' undelivered events; module docstring, outages), however long the bus is
+        away; setting ``stop`` ends that wait and returns :data:`EXIT_SIGNALLED` (after a
+        stop, the wait lasts at most ``stop_timeout_s``).
 
         Raises:
             NodeTaken: another supervisor of the job runs on this node (it holds the node's
@@ -315,12 +351,79 @@ class Supervisor:
         """This node's slot for the job on this bus (a job id names a job within a bus and
         topic prefix; an embedded bus by its absolute path)."""
         c = self._c
-        kind, where = parse_bus_url(c.bus.url)
-        bus = f"{kind}:{Path(where).resolve() if kind == 'sqlite' else where} {c.bus.prefix}"
-        return NodeSlot.take(c.state_dir / "supervisors", bus, c.job_id, c.node())
+        return NodeSlot.take(c.state_dir / "supervisors", self._bus_identity(), c.job_id, c.node())
+
+    def _bus_identity(self) -> str:
+        """The bus's URL and topic prefix, the namespace of job ids (an embedded bus by its
+        absolute path)."""
+        kind, where = parse_bus_url(self._c.bus.url)
+        return f"{kind}:{Path(where).resolve() if kind == 'sqlite' else where} {self._c.bus.prefix}"
 
     async def _run(self, stop: asyncio.Event | None) -> int:
+        stop = stop or asyncio.Event()
+        courier = asyncio.ensure_future(self._courier.run())
+        try:
+            try:
+                status = await self._run_on_bus(stop)
+            except AgentError:
+                await self._deliver_rest(stop)
+                raise
+            return status if await self._deliver_rest(stop) else EXIT_SIGNALLED
+        finally:
+            courier.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await courier
+
+    async def _deliver_rest(self, stop: asyncio.Event) -> bool:
+        """Wait until the outbox is delivered, logging every ``warn_every_s`` seconds; a
+        signal (``stop``) ends the wait, and so does ``stop_timeout_s`` for a supervisor that
+        was signalled before. Whether everything was delivered."""
+        c = self._c
+        if not self._courier.undelivered:
+            return True
+        deadline = time.monotonic() + c.stop_timeout_s if self._signalled else float("inf")
+        delivered = asyncio.ensure_future(self._courier.delivered())
+        signalled = asyncio.ensure_future(stop.wait())
+        try:
+            while not delivered.done():
+                left = deadline - time.monotonic()
+                if signalled.done() or left <= 0:
+                    log.error(
+                        f"exiting with {self._courier.undelivered} events the bus has not "
+                        "taken; the workers' undelivered events stay in their spools, which "
+                        "the next trainguard run of this job on this node forwards",
+                        spool=str(self._spool_root),
+                        last_error=self._courier.last_error,
+                    )
+                    return False
+                log.warning(
+                    f"waiting for the bus to take {self._courier.undelivered} events before "
+                    "exiting (a signal ends the wait)",
+                    job_id=c.job_id,
+                    last_error=self._courier.last_error,
+                )
+                await asyncio.wait(
+                    {delivered, signalled},
+                    timeout=min(c.warn_every_s, left),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            return True
+        finally:
+            delivered.cancel()
+            signalled.cancel()
+
+    async def _forward_leftovers(self) -> None:
+        """Forward the undelivered events of a previous supervisor's workers (their spools,
+        left when it was signalled or killed during an outage), and wait for the bus to take
+        them, before this supervisor reads the job's state."""
+        with contextlib.suppress(FileNotFoundError):
+            for folder in sorted(p for p in self._spool_root.iterdir() if p.is_dir()):
+                self._forward(folder, None)
+        await self._courier.delivered()
+
+    async def _run_on_bus(self, stop: asyncio.Event) -> int:
         async with open_bus(self._c.bus) as bus:
+            await self._forward_leftovers()
             commands = await self._follow_commands(bus)
             listener = asyncio.ensure_future(self._listen(commands))
             if self._c.nproc_per_node is not None:
@@ -328,7 +431,7 @@ class Supervisor:
             if self._c.daemon_timeout_s > 0:
                 self._tasks.append(asyncio.ensure_future(self._watch_daemon(bus)))
             try:
-                return await self._supervise(bus, stop or asyncio.Event())
+                return await self._supervise(bus, stop)
             finally:
                 self._closing.set()
                 listener.cancel()
@@ -338,7 +441,7 @@ class Supervisor:
                     # Each finishes the bus call it is in (bounded by the bus's timeouts).
                     await asyncio.wait(self._tasks)
                 await commands.close()
-                await self._stop_workers(None)
+                await self._stop_workers(report=False)
                 if self._step_dir is not None:
                     shutil.rmtree(self._step_dir, ignore_errors=True)
 
@@ -479,7 +582,7 @@ class Supervisor:
                 target=order.target.snapshot_id if order.target else None,
                 reason=order.reason,
             )
-            await self._stop_workers(None)
+            await self._stop_workers(report=False)
             self._generation = order.generation
             await self._start_workers(bus)
 
@@ -592,6 +695,7 @@ class Supervisor:
                 job_id=self._c.job_id,
             )
             return EXIT_SIGNALLED
+        self._signalled = True
         log.warning("signalled: asking the daemon to stop the job", generation=self._generation)
         try:
             await self._request(bus, "stop", f"trainguard run on host {self._c.host} was signalled")
@@ -601,9 +705,9 @@ class Supervisor:
                 "for a failure",
                 error=str(exc),
             )
-            await self._stop_workers(bus)
+            await self._stop_workers(report=True)
             return EXIT_SIGNALLED
-        await self._stop_workers(bus)
+        await self._stop_workers(report=True)
         stop.clear()
         deadline = time.monotonic() + self._c.stop_timeout_s
         again = asyncio.ensure_future(stop.wait())
@@ -712,26 +816,82 @@ class Supervisor:
                     log.warning("step file not written", path=str(step_file), error=str(exc))
                     step_file = None
                     env.pop(STEP_FILE_ENV, None)
+            spool = self._spool_dir(ranks)
+            if spool is not None:
+                env[SPOOL_DIR_ENV] = str(spool)
             proc = await asyncio.create_subprocess_exec(
                 *self._c.command, env=env, start_new_session=True, preexec_fn=_die_with_parent
             )
-            worker = _Worker(ranks, proc, step_file=step_file)
+            worker = _Worker(ranks, proc, step_file=step_file, spool=spool)
             self._workers.append(worker)
-            await self._report(bus, "started", worker)
-            worker.watcher = asyncio.ensure_future(self._watch(bus, worker))
+            self._report("started", worker)
+            worker.watcher = asyncio.ensure_future(self._watch(worker))
         log.info("workers started", generation=self._generation, ranks=self._c.local_ranks())
 
-    async def _watch(self, bus: Bus, worker: _Worker) -> None:
+    def _spool_dir(self, ranks: tuple[int, ...]) -> Path | None:
+        """A new spool folder for a worker hosting ``ranks`` (``None``, logged, if it cannot be
+        made: its agents then run without a spool)."""
+        first = f"r{ranks[0]}" if ranks else "node"
+        try:
+            self._spool_root.mkdir(parents=True, exist_ok=True)
+            return Path(
+                tempfile.mkdtemp(prefix=f"g{self._generation}-{first}-", dir=self._spool_root)
+            )
+        except OSError as exc:
+            log.warning(
+                "no spool for the worker: events it cannot deliver die with it", error=str(exc)
+            )
+            return None
+
+    async def _watch(self, worker: _Worker) -> None:
         code = await worker.proc.wait()
         if worker not in self._workers:
             return  # stopped for a restart: the daemon has moved on
         if code != 0:
             self._failed = True
-        await self._report(bus, "exited", worker, code=code)
+        self._gone(worker, code, report=True)
         if all(w.proc.returncode is not None for w in self._workers):
             self._all_exited.set()
 
-    async def _report(self, bus: Bus, kind: str, worker: _Worker, code: int | None = None) -> None:
+    def _gone(self, worker: _Worker, code: int, *, report: bool) -> None:
+        """``worker`` ended with status ``code``: forward what its agents never delivered
+        (their spool), then, with ``report``, its exit report."""
+        if worker.spool is None:
+            if report:
+                self._report("exited", worker, code=code)
+            return
+        self._forward(worker.spool, (worker, code) if report else None)
+
+    def _forward(self, spool: Path, report: tuple[_Worker, int] | None) -> None:
+        """Queue the undelivered events of the spool folder ``spool``, the same bytes, then the
+        exit ``report`` if given; the folder is removed once the bus has taken them all."""
+        spooled = read_spool(spool)
+        if spooled:
+            log.warning(
+                "forwarding events a worker could not deliver itself",
+                count=len(spooled),
+                spool=str(spool),
+            )
+        remove = functools.partial(shutil.rmtree, spool, ignore_errors=True)
+        for n, item in enumerate(spooled, start=1):
+            self._courier.put(
+                item.data, then=remove if n == len(spooled) and report is None else None
+            )
+        if report is not None:
+            self._report("exited", report[0], code=report[1], then=remove)
+        elif not spooled:
+            remove()
+
+    def _report(
+        self,
+        kind: str,
+        worker: _Worker,
+        code: int | None = None,
+        *,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue this supervisor's lifecycle report ``kind`` of ``worker`` in its outbox
+        (``then`` runs once the bus has it)."""
         exit_code = signal_no = step = None
         if code is not None:
             exit_code, signal_no = (None, -code) if code < 0 else (code, None)
@@ -754,7 +914,7 @@ class Supervisor:
         key = self._c.keys.event
         if key is not None:
             event = add_mac(event, key.kid, key.secret)
-        await bus.publish("events", self._c.job_id, encode(event))
+        self._courier.put(encode(event), then=then)
         log.info(
             f"worker {kind}",
             ranks=worker.ranks,
@@ -765,11 +925,12 @@ class Supervisor:
             step=step,
         )
 
-    async def _stop_workers(self, bus: Bus | None) -> None:
-        """SIGTERM every worker's process group, SIGKILL after the grace period, reap them.
+    async def _stop_workers(self, *, report: bool) -> None:
+        """SIGTERM every worker's process group, SIGKILL after the grace period, reap them,
+        forward what their agents never delivered.
 
-        With ``bus``, report each worker's exit (a restore order does not: the daemon already
-        moved on to a new generation)."""
+        With ``report``, report each worker's exit (a restore order does not: the daemon
+        already moved on to a new generation)."""
         workers, self._workers = self._workers, []
         reported = [w for w in workers if w.proc.returncode is not None]  # their watchers did
         for w in workers:
@@ -784,9 +945,8 @@ class Supervisor:
             # The group may hold grandchildren (torchrun's workers) even after the leader died.
             _signal_group(w.proc.pid, signal.SIGKILL)
             code = await w.proc.wait()
-            if bus is not None and w not in reported:
-                with contextlib.suppress(BusError):
-                    await self._report(bus, "exited", w, code=code)
+            if w not in reported:
+                self._gone(w, code, report=report)
 
 
 async def _finished_ranks(bus: Bus, job_id: str, generation: int) -> set[int]:

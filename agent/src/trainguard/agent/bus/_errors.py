@@ -26,9 +26,24 @@ class BusUnavailable(BusError, TimeoutError):
 
 
 class DeliveryFailed(BusError):
-    """A record could not be made durable (timeout, broker error, too large)."""
+    """A record could not be made durable (timeout, broker error, too large).
+
+    Args:
+        message: what failed.
+        in_doubt: see the attribute.
+
+    Attributes:
+        in_doubt: the record may still be appended later (Kafka: the idempotent producer keeps
+            retrying it after its waiter gave up, or the broker's answer was lost). A caller
+            that sends it again while the same producer lives may append it twice; when false,
+            the record was not appended.
+    """
 
     retriable = True
+
+    def __init__(self, message: str, *, in_doubt: bool = False) -> None:
+        super().__init__(message)
+        self.in_doubt = in_doubt
 
 
 class BusClosed(BusError):

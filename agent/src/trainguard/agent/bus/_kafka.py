@@ -254,8 +254,14 @@ class KafkaBus(Bus):
     async def send(self, topic: str, key: str, value: bytes | None) -> asyncio.Future[Delivery]:
         """Queue one record; the returned future resolves when the cluster acknowledged it.
 
-        The future raises :class:`DeliveryFailed` for a value over ``max_message_bytes`` or
-        when the record is not acknowledged within ``send_timeout_s``.
+        The future raises :class:`DeliveryFailed` for a value over ``max_message_bytes``
+        (not appended), or when the producer gives the record up (``in_doubt``: it may have
+        been appended). While the broker is away the future simply stays pending: aiokafka
+        retries the record for as long as the producer lives and never expires it (measured:
+        a 60 s SIGSTOP of the broker, every record delivered once on SIGCONT), so a caller
+        that must bound the wait does so itself, without cancelling this future if others
+        await it too (:meth:`publish` shields it). Cancelling it is harmless: the record
+        still goes out, and its acknowledgement is dropped.
         """
         producer = self._started_producer()
         delivery: asyncio.Future[Delivery] = asyncio.get_running_loop().create_future()
@@ -277,10 +283,16 @@ class KafkaBus(Bus):
             return delivery
 
         def _done(fut: asyncio.Future[Any]) -> None:
+            if delivery.done():
+                return  # its waiter cancelled it: nobody is left to tell
             if fut.cancelled():
                 delivery.cancel()
             elif (exc := fut.exception()) is not None:
-                delivery.set_exception(DeliveryFailed(f"send to {topic!r} failed: {exc!r}"))
+                # The idempotent producer gave the batch up after its own retries: an
+                # attempt may have been appended all the same.
+                delivery.set_exception(
+                    DeliveryFailed(f"send to {topic!r} failed: {exc!r}", in_doubt=True)
+                )
             else:
                 meta = fut.result()
                 delivery.set_result(Delivery(topic, meta.partition, meta.offset))
@@ -289,15 +301,27 @@ class KafkaBus(Bus):
         return delivery
 
     async def publish(self, topic: str, key: str, value: bytes | None) -> Delivery:
-        """Send one record and wait for its acknowledgement, at most ``send_timeout_s``."""
+        """Send one record and wait for its acknowledgement, at most ``send_timeout_s + 5``
+        seconds.
+
+        Raises:
+            DeliveryFailed: not acknowledged in time (``in_doubt``: the producer keeps the
+                record and appends it once the broker answers, so sending it again while this
+                bus lives can append it twice), or see :meth:`send`.
+        """
         delivery = await self.send(topic, key, value)
         try:
-            # The future already expires after request_timeout_ms; the outer bound guards
-            # against the producer hanging with the broker gone (aiokafka #1101).
-            return await asyncio.wait_for(delivery, self._config.send_timeout_s + 5.0)
+            # aiokafka never expires a record while the broker is away (#1101: the producer
+            # just waits), so the bound is ours. Shielded: a timeout must not cancel the
+            # delivery, which aiokafka completes later.
+            return await asyncio.wait_for(
+                asyncio.shield(delivery), self._config.send_timeout_s + 5.0
+            )
         except TimeoutError as exc:
             raise DeliveryFailed(
-                f"no acknowledgement from Kafka within {self._config.send_timeout_s:g} s"
+                f"no acknowledgement from Kafka within {self._config.send_timeout_s + 5.0:g} s; "
+                "the producer still holds the record and may append it later",
+                in_doubt=True,
             ) from exc
 
     # -- consuming ---------------------------------------------------------------------------
@@ -521,6 +545,15 @@ class _KafkaConsumer(Consumer):
 
 async def _close_quietly(aw: Awaitable[Any], timeout_s: float) -> None:
     """Await a stop/close coroutine for at most ``timeout_s``; a broken connection is not an
-    error while shutting down (aiokafka #1101: ``stop()`` can hang with the broker gone)."""
+    error while shutting down (aiokafka #1101: ``stop()`` can hang with the broker gone).
+
+    After an outage a consumer's ``stop()`` raises the ``CancelledError`` of its fetcher task,
+    which it cancelled in its retry back-off: that is swallowed too; a cancellation of the
+    calling task goes on."""
     with contextlib.suppress(TimeoutError, KafkaError, OSError):
-        await asyncio.wait_for(aw, timeout_s)
+        try:
+            await asyncio.wait_for(aw, timeout_s)
+        except asyncio.CancelledError:
+            caller = asyncio.current_task()
+            if caller is None or caller.cancelling():
+                raise

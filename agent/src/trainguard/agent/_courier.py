@@ -1,0 +1,153 @@
+"""The supervisor's outbox: its own events, and the events its dead workers never delivered,
+sent in order over a bus connection of its own, for as long as the bus is away.
+
+One FIFO of encoded events. The courier sends the head, waits for the bus to take it however
+long that takes (the idempotent Kafka producer retries it by itself), and only then sends the
+next, so the bus holds them in the order they were put: a worker's spooled ``finished`` is on
+the bus before the supervisor's report of its exit. A failure that appended nothing (the
+embedded bus's file stayed locked) is retried on the same connection; one that may have
+appended the event (a delivery in doubt), or a broken connection, makes the courier reconnect
+with a new producer and send the same bytes again (the daemon drops a copy that landed twice:
+same sender, ``seq`` not above the last). Pauses between attempts double from 0.1 s to 2 s.
+Nothing raises out of :meth:`Courier.run`: the courier keeps trying until it is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from trainguard.agent.bus import Bus, BusConfig, BusError, DeliveryFailed, open_bus
+
+__all__ = ["Courier"]
+
+_BACKOFF_S = (0.1, 2.0)
+"""First and longest pause after a failed connect or send, seconds (doubling in between)."""
+
+_CLOSE_GRACE_S = 1.0
+"""Seconds a cancelled courier gives its connection to close (an event in flight may still
+go out meanwhile); not the bus's send timeout, so that a signal ends the supervisor promptly."""
+
+log = structlog.get_logger("trainguard.supervisor")
+
+
+@dataclass(frozen=True, slots=True)
+class _Parcel:
+    data: bytes
+    then: Callable[[], None] | None
+
+
+class Courier:
+    """Delivers encoded events to the job's partition of ``events``, in order (module
+    docstring). Start :meth:`run` as a task; :meth:`put` from the same event loop.
+
+    Args:
+        bus_config: how to reach the bus; the courier opens its own connection.
+        job_id: the key of every event.
+
+    Attributes:
+        last_error: the latest failure, as text, or ``None``.
+    """
+
+    def __init__(self, bus_config: BusConfig, job_id: str) -> None:
+        self._config = bus_config
+        self._job_id = job_id
+        self._parcels: collections.deque[_Parcel] = collections.deque()
+        self._changed = asyncio.Event()  # something was put
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self.last_error: str | None = None
+
+    @property
+    def undelivered(self) -> int:
+        """Events put and not yet taken by the bus."""
+        return len(self._parcels)
+
+    def put(self, data: bytes, *, then: Callable[[], None] | None = None) -> None:
+        """Queue the encoded event ``data``; ``then`` is called once the bus has it (it must
+        not raise)."""
+        self._parcels.append(_Parcel(data, then))
+        self._empty.clear()
+        self._changed.set()
+
+    async def delivered(self) -> None:
+        """Return once every event put so far (and since) has been delivered."""
+        await self._empty.wait()
+
+    async def run(self) -> None:
+        """Connect, deliver, and reconnect after failures, until cancelled."""
+        failures = 0
+        while True:
+            bus = open_bus(self._config)
+            grace: float | None = None
+            try:
+                await bus.start()
+                if failures:
+                    log.info("bus reachable again: delivering", undelivered=self.undelivered)
+                failures = 0
+                await self._deliver(bus)
+            except BusError as exc:
+                failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                if failures == 1:
+                    log.warning(
+                        "cannot deliver to the bus: retrying until it answers",
+                        error=self.last_error,
+                        undelivered=self.undelivered,
+                    )
+            except asyncio.CancelledError:
+                grace = _CLOSE_GRACE_S
+                raise
+            finally:
+                with contextlib.suppress(BusError, TimeoutError):
+                    await asyncio.wait_for(bus.close(), grace)
+            await _pause(failures)
+
+    async def _deliver(self, bus: Bus) -> None:
+        """Deliver parcels for as long as the connection serves.
+
+        Raises:
+            BusError: a delivery in doubt, or a failure a new connection may cure.
+        """
+        failures = 0
+        while True:
+            if not self._parcels:
+                self._empty.set()
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            parcel = self._parcels[0]
+            try:
+                delivery = await bus.send("events", self._job_id, parcel.data)
+                # Shielded: cancelling the courier must not cancel a delivery in flight.
+                await asyncio.shield(delivery)
+            except BusError as exc:
+                if not exc.retriable or (isinstance(exc, DeliveryFailed) and exc.in_doubt):
+                    raise
+                failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                if failures == 1:
+                    log.warning(
+                        "the bus did not take an event: retrying",
+                        error=self.last_error,
+                        undelivered=self.undelivered,
+                    )
+                await _pause(failures)
+                continue
+            failures = 0
+            self._parcels.popleft()
+            if not self._parcels:
+                self._empty.set()
+            if parcel.then is not None:
+                parcel.then()
+
+
+async def _pause(failures: int) -> None:
+    """Back off before retrying: ``0.1 * 2**(failures - 1)`` seconds, at most 2."""
+    low, high = _BACKOFF_S
+    await asyncio.sleep(min(high, low * 2 ** max(0, failures - 1)))

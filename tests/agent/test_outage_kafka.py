@@ -1,0 +1,189 @@
+"""Issue 13 on a real Kafka broker of this module's own, which the tests pause (SIGSTOP) and
+stop: a publish that times out is in doubt and never cancels the delivery (no asyncio
+``InvalidStateError``), the record lands once; the agent's outbox never appends an event
+twice while its producer lives; a worker that ends while the broker is down loses nothing, and
+its supervisor delivers everything in order once the broker is back, then exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import structlog
+
+from tests.agent._outage import (
+    agent_started,
+    job_events,
+    last_words_in_order,
+    supervised,
+    until,
+    wait_for_events,
+)
+from tests.kafka_dev import KAFKA_DEV_STOP_TIMEOUT_S, dev_broker, kafka_dev
+from trainguard.agent._link import Link
+from trainguard.agent._supervisor import Supervisor
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, DeliveryFailed, open_bus
+from trainguard.schemas import Heartbeat, Lifecycle, decode
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(600)]
+
+PAUSE_S = 8.0
+"""How long the broker stays paused where a test needs the old code's timeout to expire
+within the pause (send_timeout_s=1 bounded publish by 6 s): the new code passes whatever the
+length, the pause only gives the old one its chance to fail."""
+
+
+@pytest.fixture(scope="module")
+def own_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A broker for this module alone (``host:port``, its run folder): the tests pause and
+    stop it."""
+    run_dir = tmp_path_factory.mktemp("own-kafka")
+    with dev_broker(run_dir, what="the outage tests' own Kafka broker") as bootstrap:
+        yield bootstrap, run_dir
+
+
+@contextmanager
+def paused(run_dir: Path) -> Iterator[None]:
+    """The broker SIGSTOPped for the block (its TCP connections stay open)."""
+    pid = int((run_dir / "kafka.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def kafka(bootstrap: str, *, send_timeout_s: float = 30.0) -> BusConfig:
+    """A bus on the module's broker with a fresh topic prefix."""
+    return BusConfig(
+        url=f"kafka://{bootstrap}",
+        prefix=f"o-{uuid.uuid4().hex[:8]}.",
+        topics=DEFAULT_TOPICS,
+        connect_timeout_s=5.0,
+        send_timeout_s=send_timeout_s,
+    )
+
+
+async def values(bus: Bus, key: str) -> list[bytes]:
+    """The values of ``key``'s records on ``events``, in order."""
+    ends = {tp: end for tp, end in (await bus.end_offsets("events")).items() if end}
+    out: list[tuple[int, bytes]] = []
+    if ends:
+        async with await bus.assign(dict.fromkeys(ends, 0)) as consumer:
+            seen = 0
+            while seen < sum(ends.values()):
+                for r in await consumer.getmany(timeout_s=1.0):
+                    seen += 1
+                    if r.key == key and r.value is not None:
+                        out.append((r.offset, r.value))
+    return [v for _, v in sorted(out)]
+
+
+async def test_a_publish_that_times_out_is_in_doubt_and_lands_once(
+    own_broker: tuple[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    bootstrap, run_dir = own_broker
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    async with open_bus(kafka(bootstrap, send_timeout_s=1.0)) as bus:
+        await bus.publish("events", "k", b"before")  # connected, metadata known
+        with paused(run_dir), pytest.raises(DeliveryFailed) as failed:
+            await bus.publish("events", "k", b"paused")
+        assert failed.value.in_doubt
+        # Back: the producer delivers the record it kept; a later publish is acknowledged
+        # after it (one partition, in order), so its delivery callback has run by then.
+        while True:
+            try:
+                await bus.publish("events", "k", b"after")
+                break
+            except DeliveryFailed:
+                continue  # a retry can only add a later "after"
+        got = await values(bus, "k")
+    assert got[:3] == [b"before", b"paused", b"after"]
+    assert got.count(b"paused") == 1
+    assert not [
+        r for r in caplog.records if "InvalidStateError" in r.getMessage() + str(r.exc_info)
+    ]
+
+
+def test_the_agent_outbox_appends_an_event_once_across_a_pause(
+    own_broker: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The old link re-published after each timed-out publish (6 s here): every copy landed
+    once the broker was back (4 copies of one event in a 60 s pause)."""
+    bootstrap, run_dir = own_broker
+    config = kafka(bootstrap, send_timeout_s=1.0)
+    beat = lambda seq: Heartbeat(  # noqa: E731
+        job_id="kj", generation=0, ts=time.time_ns(), seq=seq, rank=0, host="h", pid=1,
+        world_size=1, step=0, phase="train",
+    )  # fmt: skip
+    link = Link(
+        config, "kj", 0, ring=2, max_events=100, beat=beat, interval_s=3600.0,
+        log=structlog.get_logger("test"), spool=tmp_path / "spool",
+    )  # fmt: skip
+    link.start()
+
+    def lifecycle(kind: str) -> Lifecycle:
+        return link.submit(
+            lambda seq: Lifecycle(
+                job_id="kj", generation=0, ts=time.time_ns(), seq=seq, rank=0, host="h", pid=1,
+                kind=kind,  # type: ignore[arg-type]
+            )
+        )  # fmt: skip
+
+    try:
+        first = lifecycle("started")
+        assert link.flush(120.0)
+        with paused(run_dir):
+            during = lifecycle("started")
+            last = lifecycle("finished")
+            threading.Event().wait(PAUSE_S)
+        assert link.flush(120.0)
+    finally:
+        link.close(30.0)
+
+    async def read() -> list[int]:
+        async with open_bus(config) as bus:
+            events = [decode(v, expect=(Lifecycle, Heartbeat)) for v in await values(bus, "kj")]
+        return [e.seq for e in events if isinstance(e, Lifecycle)]
+
+    assert asyncio.run(read()) == [first.seq, during.seq, last.seq]
+    assert link.send_errors == 0  # it waited for the one delivery, however long
+
+
+async def test_a_worker_that_ends_while_the_broker_is_down_loses_nothing(
+    own_broker: tuple[str, Path], tmp_path: Path
+) -> None:
+    bootstrap, run_dir = own_broker
+    bus = kafka(bootstrap)
+    async with open_bus(bus):
+        pass  # topics created
+    supervisor = Supervisor(supervised(tmp_path, bus))
+    run = asyncio.ensure_future(supervisor.run())
+    try:
+        async with open_bus(bus) as reader:
+            await wait_for_events(reader, agent_started)
+        stopped = await asyncio.to_thread(
+            kafka_dev, "stop", "--dir", run_dir, timeout=KAFKA_DEV_STOP_TIMEOUT_S + 30
+        )
+        assert stopped.returncode == 0, stopped.stderr
+        (tmp_path / "go").touch()  # checkpoint and finish while the broker is down
+        await until(lambda: supervisor.undelivered == 3, "checkpoint, finished and exit queued")
+        assert not run.done()
+    finally:
+        started = await asyncio.to_thread(
+            kafka_dev, "start", "--port", "0", "--dir", run_dir, timeout=600
+        )
+        assert started.returncode == 0, started.stderr
+    assert await asyncio.wait_for(run, 300) == 0
+    async with open_bus(bus) as reader:
+        events = await job_events(reader)
+    assert last_words_in_order(events) == ["checkpoint@3", "finished", "exited(0)"]

@@ -1,0 +1,96 @@
+"""Issue 13, agents and supervisors during a bus outage, on the embedded bus (its file held
+write-locked by another connection, as a stuck process would): a worker that ends meanwhile
+loses nothing, the supervisor delivers its events and exit report in order once the bus is
+back and then exits; a signal ends a supervisor that waits; its spools stay on disk and the
+next supervisor of the job and node forwards them first."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.agent._outage import (
+    agent_started,
+    first_copies,
+    job_events,
+    last_words_in_order,
+    supervised,
+    until,
+    wait_for_events,
+)
+from tests.agent.test_agent_link import write_locked
+from trainguard.agent._spool import read_spool
+from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor
+from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
+from trainguard.schemas import Lifecycle
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
+
+WAITING = "waiting for the bus to take 3 events before exiting (a signal ends the wait)"
+
+
+async def created_bus(tmp_path: Path) -> BusConfig:
+    """The embedded bus in ``tmp_path``, created with its topics (so it can be locked)."""
+    config = BusConfig(url=f"sqlite://{tmp_path / 'bus.db'}", topics=DEFAULT_TOPICS)
+    async with open_bus(config):
+        return config
+
+
+async def test_a_worker_that_ends_while_the_bus_is_away_loses_nothing(tmp_path: Path) -> None:
+    bus = await created_bus(tmp_path)
+    supervisor = Supervisor(supervised(tmp_path, bus, warn_every_s=0.05))
+    with capture_logs() as logs:
+        run = asyncio.ensure_future(supervisor.run())
+        async with open_bus(bus) as reader:
+            await wait_for_events(reader, agent_started)
+        with write_locked(tmp_path / "bus.db"):
+            (tmp_path / "go").touch()  # checkpoint and finish now, while the bus is away
+            # The worker's checkpoint and finished (from its spool) and the exit report wait,
+            # and the supervisor, whose worker finished, keeps saying that it waits.
+            await until(
+                lambda: sum(e["event"] == WAITING for e in logs) >= 2,
+                "the supervisor waiting for its outbox",
+            )
+            assert supervisor.undelivered == 3
+            assert not run.done()
+        assert await run == 0
+    async with open_bus(bus) as reader:
+        events = await job_events(reader)
+    assert last_words_in_order(events) == ["checkpoint@3", "finished", "exited(0)"]
+    assert not [p for p in (tmp_path / "state" / "spool").rglob("*") if p.is_file()]
+
+
+async def test_a_signal_ends_a_waiting_supervisor_and_the_next_one_forwards_its_spool(
+    tmp_path: Path,
+) -> None:
+    bus = await created_bus(tmp_path)
+    stop = asyncio.Event()
+    config = supervised(tmp_path, bus)
+    supervisor = Supervisor(config)
+    with capture_logs() as logs:
+        run = asyncio.ensure_future(supervisor.run(stop))
+        async with open_bus(bus) as reader:
+            await wait_for_events(reader, agent_started)
+        with write_locked(tmp_path / "bus.db"):
+            (tmp_path / "go").touch()
+            await until(lambda: any(e["event"] == WAITING for e in logs), "waiting")
+            stop.set()  # SIGTERM
+            assert await asyncio.wait_for(run, 30.0) == EXIT_SIGNALLED
+            (spool,) = [p for p in (tmp_path / "state" / "spool").glob("*/*") if p.is_dir()]
+            left = [s.data for s in read_spool(spool)]
+    assert len(left) == 2  # the checkpoint and finished; the exit report was the supervisor's
+    assert any(e["event"].startswith("exiting with 3 events") for e in logs)
+    # The bus is back: the next supervisor of the job and node forwards the spool before it
+    # reads the job or starts anything (its worker then runs again, and finishes at once).
+    assert await Supervisor(config).run() == 0
+    async with open_bus(bus) as reader:
+        events = await job_events(reader)
+    started = [i for i, e in enumerate(events) if isinstance(e, Lifecycle) and e.kind == "started"]
+    # The first supervisor's courier may have had its copy of the checkpoint in flight when it
+    # was signalled: the daemon drops a second copy (same sender and seq), and so does this.
+    assert last_words_in_order(first_copies(events[: started[2]])) == ["checkpoint@3", "finished"]
+    assert [e.rank for e in (events[i] for i in started)] == [None, 0, None, 0]
+    assert not spool.exists()
