@@ -218,8 +218,11 @@ def test_decoding_errors_map_to_a_bounded_set_of_classes() -> None:
 
 def test_revoked_partitions_leave_the_lag_gauge_and_registries_are_separate() -> None:
     first, second = DaemonMetrics(), DaemonMetrics()
-    first.observe_assignment({0: 5, 1: 0}, [new_job("a")], ready=True)
-    first.observe_assignment({1: 2}, [], ready=False)
+    first.observe_lag({0: 5, 1: 0})
+    first.observe_assignment(2, [new_job("a")])
+    first.observe_lag({1: 2})
+    first.observe_assignment(1, [])
+    first.follow_readiness(lambda: "rebuilding")
     values = {
         (s.name, tuple(s.labels.items())): s.value
         for family in first.registry.collect()
@@ -228,6 +231,7 @@ def test_revoked_partitions_leave_the_lag_gauge_and_registries_are_separate() ->
     assert values[("trainguard_consumer_lag_records", (("partition", "1"),))] == 2
     assert ("trainguard_consumer_lag_records", (("partition", "0"),)) not in values
     assert values[("trainguard_jobs", (("phase", "starting"),))] == 0
+    assert values[("trainguard_partitions_assigned", ())] == 1
     assert values[("trainguard_ready", ())] == 0
     assert second.registry.get_sample_value("trainguard_ready") == 0
     assert (

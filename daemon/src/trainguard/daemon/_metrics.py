@@ -19,7 +19,7 @@ never the local clock), so a replay of the log would measure the same:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final, Literal, TypeAlias, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -212,8 +212,25 @@ class DaemonMetrics:
         )
         self._lag = Gauge(
             "trainguard_consumer_lag_records",
-            "Records of an owned events partition not processed yet (end offset - position).",
+            "Records of an owned events partition not processed yet (end offset - position), "
+            "as of the last successful probe of the bus.",
             ["partition"],
+            registry=r,
+        )
+        self._bus_connected = Gauge(
+            "trainguard_bus_connected",
+            "1 while the bus answers the daemon's probes, 0 from the first probe without an "
+            "answer until the next answered one.",
+            registry=r,
+        )
+        self._bus_last_contact = Gauge(
+            "trainguard_bus_last_contact_seconds",
+            "Seconds since the bus last answered a probe (grows during an outage).",
+            registry=r,
+        )
+        self._bus_outages = Counter(
+            "trainguard_bus_outages",
+            "Bus outages: probes of the bus going from answered to unanswered.",
             registry=r,
         )
         self._jobs = Gauge(
@@ -226,8 +243,8 @@ class DaemonMetrics:
         )
         self._ready = Gauge(
             "trainguard_ready",
-            "1 when the instance owns partitions and has caught up to their committed "
-            "positions (as /healthz), else 0.",
+            "1 when /healthz answers ready (the instance reaches the bus, owns partitions and "
+            "has caught up to their committed positions and end offsets), else 0.",
             registry=r,
         )
         self._incidents = Counter(
@@ -420,16 +437,25 @@ class DaemonMetrics:
 
     # -- gauges -------------------------------------------------------------------------------
 
-    def observe_assignment(
-        self, lag: Mapping[int, int], jobs: Iterable[JobState], *, ready: bool
-    ) -> None:
-        """Set the gauges: consumer lag per owned partition (partitions no longer owned are
-        dropped), jobs per phase, partitions owned, readiness.
+    def observe_assignment(self, partitions: int, jobs: Iterable[JobState]) -> None:
+        """Set the gauges of what the instance holds: partitions owned, jobs per phase.
+
+        Args:
+            partitions: partitions of ``events`` the instance owns.
+            jobs: the job states the instance holds.
+        """
+        counts = dict.fromkeys(_PHASES, 0)
+        for state in jobs:
+            counts[state.phase] += 1
+        for phase, n in counts.items():
+            self._jobs.labels(phase).set(n)
+        self._partitions.set(partitions)
+
+    def observe_lag(self, lag: Mapping[int, int]) -> None:
+        """Set the consumer lag per owned partition (partitions no longer owned are dropped).
 
         Args:
             lag: partition -> records behind its end offset, for every owned partition.
-            jobs: the job states the instance holds.
-            ready: whether ``/healthz`` would answer ``ready``.
         """
         owned = {str(p) for p in lag}
         for gone in self._lag_partitions - owned:
@@ -437,10 +463,23 @@ class DaemonMetrics:
         self._lag_partitions = owned
         for partition, records in lag.items():
             self._lag.labels(str(partition)).set(records)
-        counts = dict.fromkeys(_PHASES, 0)
-        for state in jobs:
-            counts[state.phase] += 1
-        for phase, n in counts.items():
-            self._jobs.labels(phase).set(n)
-        self._partitions.set(len(lag))
-        self._ready.set(1 if ready else 0)
+
+    def follow_readiness(self, readiness: Callable[[], str | None]) -> None:
+        """Make ``trainguard_ready`` read ``readiness()`` at each scrape: 1 when it returns
+        ``None`` (ready), else 0. ``readiness`` is called from the scraping thread and must
+        only read (``DaemonService.not_ready_reason``)."""
+        self._ready.set_function(lambda: 0.0 if readiness() is not None else 1.0)
+
+    def follow_bus_contact(self, age_s: Callable[[], float]) -> None:
+        """Make ``trainguard_bus_last_contact_seconds`` read ``age_s()`` (seconds since the bus
+        last answered) at each scrape, so it grows while the bus is away whatever the event
+        loop does. ``age_s`` is called from the scraping thread and must only read."""
+        self._bus_last_contact.set_function(age_s)
+
+    def bus_connected(self, connected: bool) -> None:
+        """Set ``trainguard_bus_connected``."""
+        self._bus_connected.set(1 if connected else 0)
+
+    def bus_outage(self) -> None:
+        """Count one bus outage (at its start)."""
+        self._bus_outages.inc()

@@ -14,14 +14,17 @@ One loop per daemon process:
    :meth:`DaemonService._dead_letter`), except a routine late report of an ended job's final
    generation (a supervisor's ``exited`` after its ranks finished), which is counted
    (``trainguard_late_inputs_total``) and logged at debug level only;
-3. when a job's :func:`next_deadline` has passed, append a ``ClockTick`` to the job's event
-   stream (so the timeout is decided when the tick is folded, and a replay of the log decides
+3. when a job's :func:`next_deadline` has passed, or it has had nothing folded for ``pulse_s``
+   (a pulse, :mod:`trainguard.daemon._pulse`), append a ``ClockTick`` to the job's event stream
+   (so the timeout is decided when the tick is folded, and a replay of the log decides
    it at the same place); and as soon as a command of the job is on ``commands`` that the
    job's state does not yet know to be acted on (:func:`unacted_command`: just published, or
    published by a daemon that died before its tick), append a tick naming it. Every tick
    names the job's latest command on the bus (``command_seq``), so the timeouts a command
    starts count from when it was acted on, also when it was decided from an old input of a
-   backlog;
+   backlog. No tick is written while the bus cannot be reached, nor after an outage until the
+   loop has folded what was appended meanwhile (:class:`~trainguard.daemon._buswatch.BusWatch`,
+   which probes the bus from a task of its own and tells readiness, lag and outages);
 4. commit the consumed positions after acting.
 
 Restart without a second decision: when a partition is assigned, the loop reads it again from
@@ -59,6 +62,7 @@ import structlog
 from trainguard.agent._keystore import DaemonKeys, KeyStoreError
 from trainguard.agent.bus import Bus, BusError, Consumer, Record, TopicPartition, open_bus
 from trainguard.daemon._audit import config_entry, config_id, decision_entry, refusal_entry
+from trainguard.daemon._buswatch import BusWatch
 from trainguard.daemon._decisions import (
     Anomaly,
     Committed,
@@ -74,6 +78,7 @@ from trainguard.daemon._inputs import Observed
 from trainguard.daemon._intake import Refused, take
 from trainguard.daemon._machine import decide, next_deadline, unacted_command
 from trainguard.daemon._metrics import DaemonMetrics
+from trainguard.daemon._pulse import Pulse
 from trainguard.daemon._security import EventAuth
 from trainguard.daemon._settings import DaemonConfig
 from trainguard.daemon._snapshots import Rebuild, SnapshotKeys, Snapshots
@@ -112,7 +117,7 @@ _ECHO_REASON_CHARS = 2048
 may quote what the sender wrote (a record key, say), which nothing else bounds."""
 
 _METRICS_INTERVAL_S = 2.0
-"""Seconds between two updates of the gauges (consumer lag costs a round trip to the bus)."""
+"""Seconds between two updates of the gauges of jobs and partitions (a pass over every job)."""
 
 # A command supersedes another of the same generation in this order (restore, then resume,
 # then abort), and one of the same generation and type with a higher seq (the abort refusing a
@@ -195,24 +200,41 @@ class DaemonService:
             Snapshots(config.machine, self.metrics) if config.snapshot_interval_s > 0 else None
         )
         self._snapshot_due = time.monotonic() + config.snapshot_interval_s
+        self._watch = BusWatch(
+            self.metrics,
+            self._positions,
+            interval_s=config.probe_interval_s,
+            timeout_s=config.probe_timeout_s,
+        )
+        self._pulse = Pulse(config.pulse_s)
+        self.metrics.follow_readiness(self.not_ready_reason)
 
     def not_ready_reason(self) -> str | None:
-        """Why this instance is not ready, or ``None`` when it is: it owns partitions of
-        ``events`` and has rebuilt their jobs up to the group's committed positions.
+        """Why this instance is not ready, or ``None`` when it is: it reaches the bus, owns
+        partitions of ``events``, has rebuilt their jobs up to the group's committed positions
+        and is behind their end offsets by at most ``max_lag_records`` records.
 
         An instance that owns no partition (starting, or a standby in a group with more
         members than partitions) is not ready. Safe to call from another thread (``/healthz``).
         """
+        unreachable = self._watch.outage_reason()
+        if unreachable is not None:
+            return unreachable
         if not self._partitions:
             return "no partition of events assigned to this instance"
         if not self.ready.is_set():
             return "rebuilding job states up to the committed positions"
-        return None
+        return self._watch.lag_reason(self._c.max_lag_records)
+
+    def _positions(self) -> dict[int, int]:
+        """Owned partition of ``events`` -> next offset to process."""
+        return {p: part.position for p, part in self._partitions.items()}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume, fold and act until ``stop`` is set."""
         async with open_bus(self._c.bus) as bus:
             consumer = await bus.subscribe(["events"], self._c.group)
+            self._watch.start(bus)
             log.info("daemon started", group=self._c.group, bus=self._c.bus.url)
             if self._snapshots is None or self._keys is None:
                 log.info(
@@ -229,9 +251,10 @@ class DaemonService:
                     await self._write_due_ticks(bus)
                     await self._commit(consumer)
                     await self._write_snapshots(bus, consumer)
-                    await self._update_gauges(bus)
+                    self._update_gauges()
                     self._reload_keys()
             finally:
+                await self._watch.close()
                 await self._commit(consumer, force=True)
                 if stop.is_set():  # a clean stop: the next start reads little of the log
                     await self._write_snapshots(bus, consumer, force=True)
@@ -562,15 +585,21 @@ class DaemonService:
     # -- time --------------------------------------------------------------------------------
 
     async def _write_due_ticks(self, bus: Bus) -> None:
-        """Append a ``ClockTick`` to each job whose next deadline has passed, and to each job
+        """Append a ``ClockTick`` to each job whose next deadline has passed, to each job
         whose latest command is on the bus but not yet known acted on in its state (at once:
-        the command's timeouts wait for it). Each tick names the job's latest command on the
-        bus."""
+        the command's timeouts wait for it), and to each job due a pulse (:class:`Pulse`).
+        Each tick names the job's latest command on the bus. None while :class:`BusWatch` holds
+        ticks back (the bus away, or its backlog not folded yet)."""
+        if self._watch.holding():
+            return  # the log of the outage comes first
         if not self.ready.is_set():
             return  # deadlines of a half-rebuilt state mean nothing
         now = self._clock()
+        quiet_clock = time.monotonic()
         min_gap = int(self._c.tick_interval_s * 1e9)
+        self._pulse.keep(self.jobs)
         for job, state in self.jobs.items():
+            pulse = self._pulse.due(job, state, quiet_clock)
             if state.phase in TERMINAL_PHASES:
                 continue
             sent = self._sent_commands.get(job)
@@ -582,11 +611,12 @@ class DaemonService:
                 and self._acted_ticks.get(job, 0) < unacted
             )
             due = next_deadline(state, self._c.machine)
-            if not acting and (
+            if not (acting or pulse) and (
                 due is None or now < due or now - self._last_tick_ns.get(job, 0) < min_gap
             ):
                 continue
             self._last_tick_ns[job] = now
+            self._pulse.ticked(job, state, quiet_clock)
             tick = ClockTick(
                 job_id=job,
                 generation=state.generation,
@@ -614,24 +644,15 @@ class DaemonService:
             self.counters["ticks"] += 1
             self.metrics.tick_written()
 
-    async def _update_gauges(self, bus: Bus) -> None:
-        """Every :data:`_METRICS_INTERVAL_S`: consumer lag of the owned partitions (from the
-        bus's end offsets), jobs per phase, readiness."""
+    def _update_gauges(self) -> None:
+        """Every :data:`_METRICS_INTERVAL_S`: partitions owned, jobs per phase. (Consumer lag
+        and the bus gauges come from the :class:`BusWatch` probes, readiness from
+        :meth:`not_ready_reason` at each scrape: nothing here waits for the bus.)"""
         now = time.monotonic()
         if now < self._metrics_due:
             return
         self._metrics_due = now + _METRICS_INTERVAL_S
-        try:
-            ends = await bus.end_offsets("events")
-        except BusError as exc:
-            log.warning("end offsets unavailable: consumer lag not updated", error=str(exc))
-            return
-        lag = {
-            p: max(0, ends.get(TopicPartition("events", p), 0) - part.position)
-            for p, part in self._partitions.items()
-        }
-        ready = self.not_ready_reason() is None
-        self.metrics.observe_assignment(lag, self.jobs.values(), ready=ready)
+        self.metrics.observe_assignment(len(self._partitions), self.jobs.values())
 
     async def _commit(self, consumer: Consumer, *, force: bool = False) -> None:
         now = time.monotonic()

@@ -28,6 +28,9 @@ from trainguard.daemon._config_check import build, check
 
 __all__ = ["DaemonConfig", "SecurityConfig", "load_daemon_config"]
 
+_BUS_GAP_S = 5.0
+"""Default of the machine's ``bus_gap_s``: a longer gap in a job's inputs is an outage."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SecurityConfig:
@@ -72,6 +75,21 @@ class DaemonConfig:
             a broker under different prefixes never share a group.
         poll_s: longest wait for new events before checking the clock for due ticks, seconds.
         tick_interval_s: least time between two ticks the daemon writes for one job, seconds.
+        pulse_s: a job that is not finished, failed or stopped and has had nothing folded for
+            this long (seconds, on the daemon's monotonic clock) gets a ``ClockTick``, a
+            *pulse*: so, with the bus and the daemon working, a live job's inputs are at most
+            about ``pulse_s + poll_s`` apart in bus time, and a longer gap in them (more than
+            the machine's ``bus_gap_s``, 5 s by default) can only be an outage. Needs
+            ``2 * pulse_s + poll_s < bus_gap_s``: one more pulse of margin over that spacing
+            (a loaded daemon or bus), so that the rule never takes a quiet job for an outage.
+        probe_interval_s: seconds between two probes of the bus (the end offsets of
+            ``events``): how the daemon knows it reaches the bus and how far behind it is.
+        probe_timeout_s: a probe not answered within this many seconds starts a bus outage
+            (``/healthz`` not ready, ``trainguard_bus_connected`` 0, ``bus outage started``
+            logged); no tick is written until the bus answers again and the daemon has folded
+            what was appended meanwhile.
+        max_lag_records: ``/healthz`` is not ready while the owned partitions are behind
+            their end offsets by more records than this, in total (as of the last probe).
         commit_interval_s: longest time between commits of consumed positions, seconds.
             Positions are also committed right after decisions were acted on.
         metrics_host: address ``trainguard daemon`` serves ``/metrics`` and ``/healthz`` on
@@ -87,9 +105,11 @@ class DaemonConfig:
         security: keys and authentication (:class:`SecurityConfig`).
 
     Raises:
-        ValueError: ``metrics_port`` outside -1..65535, ``poll_s`` not > 0,
-            ``tick_interval_s``, ``commit_interval_s`` or ``snapshot_interval_s`` negative, or a
-            duration not finite.
+        ValueError: ``metrics_port`` outside -1..65535, ``poll_s``, ``pulse_s``,
+            ``probe_interval_s`` or ``probe_timeout_s`` not > 0, ``tick_interval_s``,
+            ``commit_interval_s`` or ``snapshot_interval_s`` negative, a duration not finite,
+            ``2 * pulse_s + poll_s`` not below the machine's ``bus_gap_s``, or
+            ``max_lag_records`` below 1.
     """
 
     bus: BusConfig
@@ -97,6 +117,10 @@ class DaemonConfig:
     group_id: str | None = None
     poll_s: float = 0.05
     tick_interval_s: float = 0.25
+    pulse_s: float = 1.0
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    max_lag_records: int = 10_000
     commit_interval_s: float = 1.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
@@ -104,8 +128,20 @@ class DaemonConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
-        if not 0 < self.poll_s < math.inf:
-            raise ValueError(f"poll_s must be a finite number of seconds > 0, not {self.poll_s!r}")
+        for name in ("poll_s", "pulse_s", "probe_interval_s", "probe_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
+        # The outage rule's gap (MachineConfig.bus_gap_s; its default where the machine has none).
+        bus_gap_s = getattr(self.machine, "bus_gap_s", _BUS_GAP_S)
+        if not 2 * self.pulse_s + self.poll_s < bus_gap_s:
+            raise ValueError(
+                f"2 * pulse_s + poll_s must be below bus_gap_s ({bus_gap_s:g} s), not "
+                f"{2 * self.pulse_s + self.poll_s:g} s (pulse_s {self.pulse_s:g}, poll_s "
+                f"{self.poll_s:g}): a quiet job would look like an outage"
+            )
+        if self.max_lag_records < 1:
+            raise ValueError(f"max_lag_records must be >= 1, not {self.max_lag_records}")
         for name in ("tick_interval_s", "commit_interval_s"):
             value = getattr(self, name)
             if not 0 <= value < math.inf:

@@ -148,7 +148,14 @@ class KafkaBus(Bus):
             linger_ms=opts.pop("linger_ms", 0),
             **opts,
         )
-        meta = AIOKafkaConsumer(**self._client_kwargs(), group_id=None, enable_auto_commit=False)
+        # read_committed: its end offsets are the last stable offsets (an open transaction's
+        # records are not counted), the offsets a read_committed reader can reach.
+        meta = AIOKafkaConsumer(
+            **self._client_kwargs(),
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+        )
         try:
             await self._bounded("connecting (producer)", producer.start(), timeout)
             await self._bounded("connecting (metadata)", meta.start(), timeout)
@@ -381,7 +388,10 @@ class KafkaBus(Bus):
         return consumer
 
     async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
-        """Next offset of every partition of ``topic`` (the last stable offset)."""
+        """Next offset of every partition of ``topic`` as a ``read_committed`` reader sees it:
+        the last stable offset, below the first record of a transaction still open (equal to
+        the high watermark when none is). Raises :class:`BusUnavailable` when the cluster does
+        not answer within ``send_timeout_s``."""
         meta = self._started_meta()
         tps = [KafkaTP(self._full(topic), p) for p in range(await self.partitions(topic))]
         ends = await self._bounded(

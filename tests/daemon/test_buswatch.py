@@ -1,0 +1,230 @@
+""":class:`BusWatch` on the embedded bus, its probe made to go unanswered or fail: connected and
+last-contact gauges, outage log lines once each, ticks held until the backlog is folded, lag
+from each probe; and the service's readiness reasons that come from it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import structlog
+
+from tests.buses import BusFactory
+from tests.daemon.service_support import JobEvents, eventually, running
+from tests.daemon.test_service import daemon_config, publish
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusUnavailable, Record, TopicPartition
+from trainguard.daemon import DaemonService
+from trainguard.daemon._buswatch import BusWatch
+from trainguard.daemon._metrics import DaemonMetrics
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+TIMEOUT_S = 1.0
+"""Probe timeout: long enough that a probe of the embedded bus on a loaded machine is answered."""
+
+
+class Cut:
+    """A started bus whose ``end_offsets`` (the probe) can be made to go unanswered, as with a
+    broker stopped by SIGSTOP, or to fail, as with a broker that refuses connections."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.mode = "up"  # "up", "silent" or "failing"
+        self._back = asyncio.Event()
+
+    def cut(self, mode: str) -> None:
+        self.mode = mode
+        self._back.clear()
+
+    def restore(self) -> None:
+        self.mode = "up"
+        self._back.set()
+
+    async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
+        if self.mode == "silent":
+            await self._back.wait()
+        if self.mode == "failing":
+            raise BusUnavailable("Kafka at 127.0.0.1:9: connection refused")
+        return await self.bus.end_offsets(topic)
+
+
+def value(metrics: DaemonMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+@asynccontextmanager
+async def watching(
+    tmp_path: Path, positions: dict[int, int]
+) -> AsyncIterator[tuple[BusWatch, Cut, DaemonMetrics, Bus]]:
+    factory = BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
+    metrics = DaemonMetrics()
+    watch = BusWatch(metrics, lambda: dict(positions), interval_s=0.02, timeout_s=TIMEOUT_S)
+    async with factory.open(topics=DEFAULT_TOPICS) as bus:
+        cut = Cut(bus)
+        watch.start(cast(Bus, cut))
+        try:
+            yield watch, cut, metrics, bus
+        finally:
+            cut.restore()
+            await watch.close()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait (at most 30 s) until ``condition()`` holds."""
+
+    async def check() -> bool:
+        return condition()
+
+    await eventually(check)
+
+
+def events_of(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
+    return [entry for entry in logs if entry["event"] == name]
+
+
+@pytest.mark.parametrize("mode", ["silent", "failing"])
+async def test_an_outage_is_reported_once_and_ticks_wait_for_the_backlog(
+    tmp_path: Path, mode: str
+) -> None:
+    positions = {0: 0, 1: 0}
+    with structlog.testing.capture_logs() as logs:
+        async with watching(tmp_path, positions) as (watch, cut, metrics, bus):
+            for _ in range(3):
+                await bus.publish("events", "a-job", b"{}")
+            [p] = [tp.partition for tp, end in (await bus.end_offsets("events")).items() if end]
+            positions[p] = 3
+
+            async def probed() -> bool:
+                return value(metrics, "trainguard_consumer_lag_records", partition=str(p)) == 0
+
+            await eventually(probed)
+            assert watch.connected
+            assert not watch.holding()
+            assert value(metrics, "trainguard_bus_connected") == 1
+            assert watch.outage_reason() is None
+
+            cut.cut(mode)
+            await until(lambda: not watch.connected)
+            assert value(metrics, "trainguard_bus_connected") == 0
+            assert watch.holding()
+            first = value(metrics, "trainguard_bus_last_contact_seconds")
+            assert first is not None
+
+            async def grown() -> bool:
+                age = value(metrics, "trainguard_bus_last_contact_seconds")
+                return age is not None and age >= first + 0.5
+
+            await eventually(grown)
+            reason = watch.outage_reason()
+            assert reason is not None
+            assert reason.startswith("cannot reach the bus for ")
+            # Many probes went unanswered: still one outage.
+            assert value(metrics, "trainguard_bus_outages_total") == 1
+            # The lag is unknown meanwhile: it keeps its last value.
+            assert value(metrics, "trainguard_consumer_lag_records", partition=str(p)) == 0
+            for _ in range(4):  # appended while the daemon could not see the bus
+                await bus.publish("events", "a-job", b"{}")
+
+            cut.restore()
+            await until(lambda: watch.connected)
+            assert value(metrics, "trainguard_bus_connected") == 1
+            assert value(metrics, "trainguard_consumer_lag_records", partition=str(p)) == 4
+            assert watch.outage_reason() is None
+            assert watch.holding(), "ticks wait until the records of the outage are folded"
+            positions[p] = 7
+            assert not watch.holding()
+            assert not watch.holding()
+    [started] = events_of(logs, "bus outage started")
+    assert started["log_level"] == "error"
+    assert started["error"] == (
+        f"no answer to a probe within {TIMEOUT_S:g} s"
+        if mode == "silent"
+        else "BusUnavailable: Kafka at 127.0.0.1:9: connection refused"
+    )
+    [ended] = events_of(logs, "bus outage ended")
+    assert ended["log_level"] == "warning"
+    assert ended["duration_s"] >= 0.5
+    [caught_up] = events_of(logs, "caught up after outage")
+    assert caught_up["records"] == 4
+
+
+async def test_lag_over_the_limit_is_a_reason_not_to_be_ready(tmp_path: Path) -> None:
+    positions = {0: 0}
+    async with watching(tmp_path, positions) as (watch, _, metrics, bus):
+        for _ in range(5):
+            await bus.publish("events", "a-job", b"{}")
+        [p] = [tp.partition for tp, end in (await bus.end_offsets("events")).items() if end]
+        positions.clear()
+        positions[p] = 1
+
+        async def lagging() -> bool:
+            return value(metrics, "trainguard_consumer_lag_records", partition=str(p)) == 4
+
+        await eventually(lagging)
+        assert watch.lag_reason(3) == "behind by 4 records (max_lag_records 3)"
+        assert watch.lag_reason(4) is None
+
+
+class Stalls(DaemonService):
+    """A daemon that stops folding once ``stall`` is set, until ``go`` is."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stall = False
+        self.go = asyncio.Event()
+
+    async def _process(self, bus: Bus, record: Record) -> None:
+        if self.stall:
+            await self.go.wait()
+        await super()._process(bus, record)
+
+
+async def test_a_daemon_too_far_behind_is_not_ready_until_it_catches_up(
+    bus_factory: BusFactory,
+) -> None:
+    job = JobEvents("lag-job")
+    config = dataclasses.replace(daemon_config(bus_factory), max_lag_records=3)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, job.started(0), job.started(1))
+        service = Stalls(config)
+        async with running(service):
+            await asyncio.wait_for(service.ready.wait(), 60)
+            await until(lambda: service.not_ready_reason() is None)
+            service.stall = True
+            await publish(bus, *(job.beat(0, seq, seq) for seq in range(1, 11)))
+
+            async def behind() -> str | None:
+                reason = service.not_ready_reason()
+                return reason if reason is not None and reason.startswith("behind") else None
+
+            reason = await eventually(behind, 60)
+            assert reason.endswith("records (max_lag_records 3)")
+            assert int(reason.split()[2]) >= 9
+            assert service.metrics.registry.get_sample_value("trainguard_ready") == 0
+            lag = _lag(service.metrics)
+            assert sum(lag.values()) >= 9
+
+            service.go.set()
+            service.stall = False
+
+            async def caught_up() -> bool:
+                return (
+                    service.not_ready_reason() is None and sum(_lag(service.metrics).values()) == 0
+                )
+
+            await eventually(caught_up, 60)
+            assert service.metrics.registry.get_sample_value("trainguard_ready") == 1
+
+
+def _lag(metrics: DaemonMetrics) -> Mapping[str, float]:
+    return {
+        sample.labels["partition"]: sample.value
+        for family in metrics.registry.collect()
+        if family.name == "trainguard_consumer_lag_records"
+        for sample in family.samples
+    }

@@ -1,0 +1,131 @@
+"""The pulse rule (:class:`trainguard.daemon._pulse.Pulse`): a quiet live job gets a tick per
+``pulse_s``, a busy or ended job none; and the service writes them into the log."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.buses import BusFactory
+from tests.daemon.service_support import JobEvents, eventually, read_all, running
+from tests.daemon.test_service import daemon_config, publish
+from trainguard.agent.bus import DEFAULT_TOPICS
+from trainguard.daemon import DaemonService, new_job
+from trainguard.daemon._pulse import Pulse
+from trainguard.daemon._settings import DaemonConfig, load_daemon_config
+from trainguard.daemon._state import JobPhase
+from trainguard.schemas import ClockTick, Lifecycle, decode
+
+PULSE_S = 1.0
+STEP_S = 0.25  # how often the service looks (exact in binary, so the counts below are exact)
+
+
+def finished(job: JobEvents, rank: int) -> Lifecycle:
+    """Rank ``rank`` of ``job`` finished at step 4."""
+    return Lifecycle(**job.head(1), rank=rank, pid=100 + rank, kind="finished", step=4)
+
+
+def looks(pulse: Pulse, clocks: list[int], *, phase: JobPhase = "running") -> list[float]:
+    """Look at one job every :data:`STEP_S` while its state's clock takes the values
+    ``clocks`` in turn, writing a tick whenever one is due; the times of the ticks."""
+    ticks: list[float] = []
+    for i, clock in enumerate(clocks):
+        state = new_job("j")._replace(phase=phase, clock_ns=clock)
+        now = i * STEP_S
+        if pulse.due("j", state, now):
+            pulse.ticked("j", state, now)
+            ticks.append(now)
+    return ticks
+
+
+def test_a_quiet_job_gets_one_tick_per_pulse() -> None:
+    # 10 s of looks at a job whose clock never moves: a tick at 1, 2, ..., 10 s.
+    ticks = looks(Pulse(PULSE_S), [5] * 41)
+    assert ticks == [float(s) for s in range(1, 11)]
+
+
+def test_a_tick_folded_counts_as_activity_and_is_not_followed_by_another_within_a_pulse() -> None:
+    clocks = [5] * 5 + [6] * 36  # the tick written at 1.0 s is folded at 1.25 s
+    ticks = looks(Pulse(PULSE_S), clocks)
+    assert ticks[:2] == [1.0, 2.25]
+    assert all(b - a >= PULSE_S for a, b in itertools.pairwise(ticks))
+
+
+def test_a_busy_job_gets_none() -> None:
+    # Its clock moves at least once a pulse (an input every 0.75 s).
+    clocks = [i // 3 for i in range(41)]
+    assert looks(Pulse(PULSE_S), clocks) == []
+
+
+def test_an_ended_job_gets_none_and_is_forgotten() -> None:
+    pulse = Pulse(PULSE_S)
+    phases: tuple[JobPhase, ...] = ("finished", "failed", "stopped")
+    for phase in phases:
+        assert looks(pulse, [5] * 41, phase=phase) == []
+    assert pulse.due("j", new_job("j")._replace(phase="running"), 100.0) is False
+
+
+def test_jobs_no_longer_held_are_forgotten() -> None:
+    pulse = Pulse(PULSE_S)
+    for job in ("a", "b", "c"):
+        assert not pulse.due(job, new_job(job), 0.0)
+    pulse.keep({"c": None})
+    # "a" is looked at as new again (no tick at once), "c" is still remembered.
+    assert not pulse.due("a", new_job("a"), 5.0)
+    assert pulse.due("c", new_job("c"), 5.0)
+
+
+def test_pulse_s_is_checked_against_the_bus_gap() -> None:
+    config = load_daemon_config(None)
+    with pytest.raises(ValueError, match="pulse_s must be a finite number of seconds > 0"):
+        dataclasses.replace(config, pulse_s=0)
+    with pytest.raises(ValueError, match=r"2 \* pulse_s \+ poll_s must be below bus_gap_s"):
+        dataclasses.replace(config, pulse_s=2.5)
+    with pytest.raises(ValueError, match="probe_interval_s"):
+        dataclasses.replace(config, probe_interval_s=-1.0)
+    with pytest.raises(ValueError, match="probe_timeout_s"):
+        dataclasses.replace(config, probe_timeout_s=math.inf)
+    with pytest.raises(ValueError, match="max_lag_records"):
+        dataclasses.replace(config, max_lag_records=0)
+    assert (config.pulse_s, config.max_lag_records) == (1.0, 10_000)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_the_service_pulses_quiet_live_jobs_and_no_ended_one(tmp_path: Path) -> None:
+    """On the embedded bus: a live job whose ranks went quiet gets a pulse per ``pulse_s`` (the
+    time between its ticks, on the daemon's clock, is never shorter), a finished job none."""
+    factory = BusFactory("sqlite", f"sqlite://{tmp_path}/bus.db", "t.")
+    # No deadline falls within the test: every tick is a pulse.
+    config: DaemonConfig = dataclasses.replace(
+        daemon_config(factory, heartbeat_timeout_s=600.0), pulse_s=0.5
+    )
+    live, done = JobEvents("live-job"), JobEvents("done-job")
+    async with factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, live.started(0), live.started(1), live.beat(0, 1, 3))
+        await publish(bus, done.started(0), done.started(1))
+        await publish(bus, *(finished(done, rank) for rank in (0, 1)))
+        service = DaemonService(config)
+        async with running(service):
+
+            async def pulses() -> list[ClockTick] | None:
+                ticks = [
+                    t
+                    for t in map(decode, await read_all(bus, "events"))
+                    if isinstance(t, ClockTick)
+                ]
+                return ticks if len(ticks) >= 4 else None
+
+            began = time.monotonic()
+            ticks = await eventually(pulses, 60)
+            elapsed = time.monotonic() - began
+            assert service.jobs["done-job"].phase == "finished"
+    assert {t.job_id for t in ticks} == {"live-job"}
+    gaps_s = [(b.ts - a.ts) / 1e9 for a, b in itertools.pairwise(ticks)]
+    assert min(gaps_s) >= 0.5 - 0.01  # the daemon's wall clock at writing; no flood
+    assert len(ticks) <= elapsed / 0.5 + 2
