@@ -104,6 +104,11 @@ async def test_decisions_acted_on_but_not_committed_are_not_sent_twice(
         assert len(await _restores(bus)) == 1
 
 
+# Kafka only: a second daemon on an embedded bus file waits for the first one's lock instead
+# of sharing the partitions (tests/daemon/test_embedded_lock.py).
+@pytest.mark.parametrize(
+    "bus_factory", [pytest.param("kafka", marks=pytest.mark.kafka)], indirect=True
+)
 async def test_a_standby_taking_a_job_over_does_not_resend_the_owners_restore(
     bus_factory: BusFactory,
 ) -> None:

@@ -61,6 +61,7 @@ import structlog
 
 from trainguard.agent._keystore import DaemonKeys, KeyStoreError
 from trainguard.agent.bus import Bus, BusError, Consumer, Record, TopicPartition, open_bus
+from trainguard.agent.bus._sqlite_lock import serving_lock
 from trainguard.daemon._audit import config_entry, config_id, decision_entry, refusal_entry
 from trainguard.daemon._buswatch import BusWatch
 from trainguard.daemon._decisions import (
@@ -230,8 +231,28 @@ class DaemonService:
         """Owned partition of ``events`` -> next offset to process."""
         return {p: part.position for p, part in self._partitions.items()}
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Consume, fold and act until ``stop`` is set."""
+    async def run(self, stop: asyncio.Event, *, standby: bool = False) -> None:
+        """Consume, fold and act until ``stop`` is set.
+
+        On the embedded bus the instance first takes the bus file's daemon lock and holds it
+        until it returns: one daemon per file (:mod:`trainguard.agent.bus._sqlite_lock`).
+
+        Args:
+            stop: set to wind down (positions committed, snapshots written).
+            standby: embedded bus: wait for the lock instead of refusing (returns at once when
+                ``stop`` is set while waiting). Kafka: no effect.
+
+        Raises:
+            DaemonLockHeld: embedded bus, not ``standby``, and another daemon holds the lock;
+                nothing was read or written.
+            BusError: the bus cannot be opened or fails.
+        """
+        async with serving_lock(self._c.bus, standby=standby, stop=stop) as serving:
+            if serving:
+                await self._serve(stop)
+
+    async def _serve(self, stop: asyncio.Event) -> None:
+        """:meth:`run` once this instance may serve the bus."""
         async with open_bus(self._c.bus) as bus:
             consumer = await bus.subscribe(["events"], self._c.group)
             self._watch.start(bus)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -203,12 +204,21 @@ def daemon(
             "default: the config file's, else off.",
         ),
     ] = None,
+    standby: Annotated[
+        bool,
+        typer.Option(
+            help="Embedded bus: wait for the daemon already serving the bus file to exit, then "
+            "take over (without it a second daemon exits 2). Kafka: no effect (the consumer "
+            "group moves a dead instance's jobs)."
+        ),
+    ] = False,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
     """Run the daemon: fold every job's events, detect failures, coordinate restores.
 
     Serves Prometheus metrics on /metrics and readiness on /healthz (docs/operations.md).
-    Stops cleanly on SIGTERM or SIGINT (consumed positions committed).
+    Stops cleanly on SIGTERM or SIGINT (consumed positions committed). One daemon per
+    embedded bus file: a second exits 2 naming the first, unless --standby.
     """
     from trainguard.agent._keystore import KeyStoreError
     from trainguard.daemon._http import HealthServer
@@ -268,7 +278,7 @@ def daemon(
                 )
                 raise typer.Exit(2) from exc
         try:
-            asyncio.run(_until_signalled(service.run))
+            asyncio.run(_until_signalled(functools.partial(service.run, standby=standby)))
         except BusError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from exc
