@@ -21,6 +21,7 @@ PURE_MODULES = [
     "daemon/src/trainguard/daemon/_commit.py",
     "daemon/src/trainguard/daemon/_evidence.py",
     "daemon/src/trainguard/daemon/_recovery.py",
+    "daemon/src/trainguard/daemon/_outage.py",
     "daemon/src/trainguard/daemon/_stop.py",
     "daemon/src/trainguard/daemon/_stall.py",
     "daemon/src/trainguard/daemon/_divergence.py",

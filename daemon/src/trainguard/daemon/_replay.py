@@ -714,7 +714,8 @@ def what_if(
         poll_s: the daemon's longest wait for events between two looks at the clock, seconds
             (``[service] poll_s``), >= 0.
         pulse_s: the daemon's pulse, seconds (``[service] pulse_s``), > 0: it ticks a job that
-            has had no input for this long.
+            has had no input for this long; modelled no longer than a daemon may be configured
+            with under each configuration (``2 * pulse_s + poll_s < bus_gap_s``).
         start: index of the first record whose changes are reported (a window's start).
         end_ns: ticks are synthesised up to this time (ns since the epoch); default: the last
             record's append time (the daemon ran at least that long).
@@ -848,6 +849,9 @@ def _modelled_tick(
     interval_ns, poll_ns, pulse_ns = timing
     if unacted_command(state) is not None:
         return state.clock_ns + poll_ns
+    # A daemon runs only with 2 * pulse_s + poll_s < bus_gap_s: model one that would run under
+    # ``config`` (a variant may shorten bus_gap_s).
+    pulse_ns = max(1, min(pulse_ns, (config.bus_gap_ns - poll_ns) // 2 - 1))
     due = next_deadline(state, config)
     at = None if due is None else max(due, last_tick + interval_ns) + poll_ns
     if state.generation_started_ns is None:
