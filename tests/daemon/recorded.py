@@ -46,6 +46,7 @@ def daemon_config(factory: BusFactory, daemon_id: str) -> DaemonConfig:
         machine=MachineConfig(daemon_id=daemon_id, **MACHINE),  # type: ignore[arg-type]
         group_id=factory.group("daemon"),
         poll_s=0.02,
+        pulse_s=0.2,  # the short test timeouts need a dense stream (2 * pulse_s + poll_s < bus_gap_s)
     )
 
 

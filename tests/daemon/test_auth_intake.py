@@ -90,6 +90,7 @@ def config(setup: Setup, *, require_auth: bool = False, **machine: Any) -> Daemo
         machine=MachineConfig(daemon_id="auth-daemon", **machine),
         group_id=setup.bus.group("daemon"),
         poll_s=0.02,
+        pulse_s=0.2,  # the short test timeouts need a dense stream (2 * pulse_s + poll_s < bus_gap_s)
         snapshot_interval_s=0,
         security=SecurityConfig(require_auth=require_auth),
     )

@@ -44,6 +44,7 @@ def daemon_config(factory: BusFactory, **machine: Any) -> DaemonConfig:
         machine=MachineConfig(daemon_id="test-daemon", **machine),
         group_id=factory.group("daemon"),
         poll_s=0.02,
+        pulse_s=0.2,  # the short test timeouts need a dense stream (2 * pulse_s + poll_s < bus_gap_s)
     )
 
 

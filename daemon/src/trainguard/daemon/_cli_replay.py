@@ -317,6 +317,7 @@ def _what_if(console: Console, log: JobLog, trail: AuditTrail, path: Path, *, js
         variant,
         tick_interval_s=settings.tick_interval_s,
         poll_s=settings.poll_s,
+        pulse_s=settings.pulse_s,
         start=log.start,
         auth=trail,
     )
@@ -351,7 +352,8 @@ def _what_if(console: Console, log: JobLog, trail: AuditTrail, path: Path, *, js
     console.print(
         "both runs fold the recorded events with the daemon's ticks modelled (a tick poll_s "
         f"= {settings.poll_s} s after each deadline, at most one per tick_interval_s = "
-        f"{settings.tick_interval_s} s); the recorded ticks are left out",
+        f"{settings.tick_interval_s} s, and a pulse after pulse_s = {settings.pulse_s} s "
+        "without input); the recorded ticks are left out",
         style="dim",
     )
     print_what_if(console, result, origin_ns=log.events[0].timestamp_ms * 1_000_000)
