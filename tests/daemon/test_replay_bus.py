@@ -69,8 +69,10 @@ async def test_a_job_decided_by_two_daemons_replays_exactly_from_the_bus(
     ]
     decided = [e for e in entries if e["entry"] == "decisions"]
     assert all(e["input"]["type"] and e["config_id"] for e in decided)
-    [timeout] = [r for r in result.rows if r.kind == "tick" and r.decisions]
-    assert timeout.transition == ("running", "restoring"), "a tick in the log decided it"
+    # A tick in the log decided the restore (other ticks may record anomalies, such as the
+    # bus gap while the second daemon's group formed).
+    [timeout] = [r for r in result.rows if r.kind == "tick" and r.phase_after == "restoring"]
+    assert timeout.phase_before == "running"
     assert result.state.phase == "finished"
 
 

@@ -28,10 +28,6 @@ from trainguard.daemon._config_check import build, check
 
 __all__ = ["DaemonConfig", "SecurityConfig", "load_daemon_config"]
 
-_BUS_GAP_S = 5.0
-"""Default of the machine's ``bus_gap_s``: a longer gap in a job's inputs is an outage."""
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SecurityConfig:
     """Keys and authentication (``[security]``; ``docs/security.md``).
@@ -132,8 +128,7 @@ class DaemonConfig:
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
-        # The outage rule's gap (MachineConfig.bus_gap_s; its default where the machine has none).
-        bus_gap_s = getattr(self.machine, "bus_gap_s", _BUS_GAP_S)
+        bus_gap_s = self.machine.bus_gap_s
         if not 2 * self.pulse_s + self.poll_s < bus_gap_s:
             raise ValueError(
                 f"2 * pulse_s + poll_s must be below bus_gap_s ({bus_gap_s:g} s), not "
