@@ -9,7 +9,7 @@ embedded bus's file stayed locked) is retried on the same connection; one that m
 appended the event (a delivery in doubt), or a broken connection, makes the courier reconnect
 with a new producer and send the same bytes again (the daemon drops a copy that landed twice:
 same sender, ``seq`` not above the last). Pauses between attempts double from 0.1 s to 2 s.
-Nothing raises out of :meth:`Courier.run`: the courier keeps trying until it is cancelled.
+Nothing raises out of :meth:`Courier.run`: the courier keeps trying until it is stopped.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class _Parcel:
 
 class Courier:
     """Delivers encoded events to the job's partition of ``events``, in order (module
-    docstring). Start :meth:`run` as a task; :meth:`put` from the same event loop.
+    docstring). Start :meth:`run` as a task, :meth:`put` from the same event loop, and end it
+    with :meth:`stop`.
 
     Args:
         bus_config: how to reach the bus; the courier opens its own connection.
@@ -61,6 +62,7 @@ class Courier:
         self._changed = asyncio.Event()  # something was put
         self._empty = asyncio.Event()
         self._empty.set()
+        self._stopped = False
         self.last_error: str | None = None
 
     @property
@@ -79,12 +81,18 @@ class Courier:
         """Return once every event put so far (and since) has been delivered."""
         await self._empty.wait()
 
+    def stop(self) -> None:
+        """Have :meth:`run` end, leaving what is undelivered; cancel its task too (an event in
+        flight then gets ``_CLOSE_GRACE_S`` to go out)."""
+        self._stopped = True
+
     async def run(self) -> None:
-        """Connect, deliver, and reconnect after failures, until cancelled."""
+        """Connect, deliver, and reconnect after failures, until :meth:`stop`."""
         failures = 0
-        while True:
+        # The flag, not the cancellation alone, ends the loop: aiokafka can turn a
+        # cancellation during a connect into a connection error.
+        while not self._stopped:
             bus = open_bus(self._config)
-            grace: float | None = None
             try:
                 await bus.start()
                 if failures:
@@ -100,10 +108,8 @@ class Courier:
                         error=self.last_error,
                         undelivered=self.undelivered,
                     )
-            except asyncio.CancelledError:
-                grace = _CLOSE_GRACE_S
-                raise
             finally:
+                grace = _CLOSE_GRACE_S if self._stopped else None
                 with contextlib.suppress(BusError, TimeoutError):
                     await asyncio.wait_for(bus.close(), grace)
             await _pause(failures)

@@ -305,6 +305,7 @@ class Supervisor:
         self._closing = asyncio.Event()
         # The supervisor's outbox (module docstring, outages) and its workers' spool folders.
         self._courier = Courier(config.bus, config.job_id)
+        self._courier_task: asyncio.Task[None] | None = None
         self._spool_root = (
             config.state_dir
             / "spool"
@@ -361,7 +362,6 @@ class Supervisor:
 
     async def _run(self, stop: asyncio.Event | None) -> int:
         stop = stop or asyncio.Event()
-        courier = asyncio.ensure_future(self._courier.run())
         try:
             try:
                 status = await self._run_on_bus(stop)
@@ -370,9 +370,11 @@ class Supervisor:
                 raise
             return status if await self._deliver_rest(stop) else EXIT_SIGNALLED
         finally:
-            courier.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await courier
+            if self._courier_task is not None:
+                self._courier.stop()
+                self._courier_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._courier_task
 
     async def _deliver_rest(self, stop: asyncio.Event) -> bool:
         """Wait until the outbox is delivered, logging every ``warn_every_s`` seconds; a
@@ -423,6 +425,8 @@ class Supervisor:
 
     async def _run_on_bus(self, stop: asyncio.Event) -> int:
         async with open_bus(self._c.bus) as bus:
+            # Once the bus answered: a bus that is wrong from the start fails the run at once.
+            self._courier_task = asyncio.ensure_future(self._courier.run())
             await self._forward_leftovers()
             commands = await self._follow_commands(bus)
             listener = asyncio.ensure_future(self._listen(commands))
