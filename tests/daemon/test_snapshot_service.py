@@ -391,8 +391,10 @@ async def _restores(bus: Bus) -> list[Restore]:
             seen = dict.fromkeys(ends, 0)
             while any(seen[tp] < end for tp, end in ends.items()):
                 for record in await consumer.getmany(timeout_s=1.0):
-                    seen[record.tp] = record.offset + 1
-                    values.append(record.value or b"")
+                    if record.offset < ends[record.tp]:
+                        values.append(record.value or b"")
+                for tp in ends:  # past transaction markers, which no record carries
+                    seen[tp] = await consumer.position(tp)
     return [c for c in map(decode, values) if isinstance(c, Restore)]
 
 

@@ -72,8 +72,9 @@ class DaemonConfig:
             a broker under different prefixes never share a group.
         poll_s: longest wait for new events before checking the clock for due ticks, seconds.
         tick_interval_s: least time between two ticks the daemon writes for one job, seconds.
-        commit_interval_s: longest time between commits of consumed positions, seconds.
-            Positions are also committed right after decisions were acted on.
+        commit_interval_s: longest time, seconds, between two commits of a partition's
+            transaction (its consumed position with everything written for its records:
+            decisions become visible to agents then). Also committed every 2000 records.
         metrics_host: address ``trainguard daemon`` serves ``/metrics`` and ``/healthz`` on
             (``0.0.0.0`` or ``::`` for every interface).
         metrics_port: TCP port of that server; 0 picks a free port (logged as ``metrics
@@ -97,7 +98,7 @@ class DaemonConfig:
     group_id: str | None = None
     poll_s: float = 0.05
     tick_interval_s: float = 0.25
-    commit_interval_s: float = 1.0
+    commit_interval_s: float = 0.1
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     snapshot_interval_s: float = 60.0

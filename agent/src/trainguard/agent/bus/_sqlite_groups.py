@@ -22,9 +22,19 @@ import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import cycle
 
-from trainguard.agent.bus._sqlite_db import write_transaction
+from trainguard.agent.bus._sqlite_db import now_ms, write_transaction
+from trainguard.agent.bus._sqlite_log import Row, insert
 
-__all__ = ["commit", "heartbeat", "leave", "owned", "round_robin", "start_positions"]
+__all__ = [
+    "NotOwner",
+    "commit",
+    "heartbeat",
+    "leave",
+    "owned",
+    "round_robin",
+    "start_positions",
+    "write_owned",
+]
 
 
 def round_robin(
@@ -60,13 +70,19 @@ def heartbeat(
     expires_ms: int,
     now_ms: int,
     deadline: float,
-) -> None:
+) -> bool:
     """Join ``group_id`` or renew the lease of ``member_id`` until ``expires_ms``.
 
     ``topics`` are stored topic names. Also deletes the group's members whose lease ended
-    before ``now_ms``. Raises :class:`sqlite3.Error` (busy past ``deadline``, monotonic s).
+    before ``now_ms``. Returns whether the member (re)joined: it had no live lease, so others
+    may have owned its partitions meanwhile. Raises :class:`sqlite3.Error` (busy past
+    ``deadline``, monotonic s).
     """
     with write_transaction(conn, deadline):
+        live = conn.execute(
+            "SELECT 1 FROM group_members WHERE group_id = ? AND member_id = ? AND expires_ms > ?",
+            (group_id, member_id, now_ms),
+        ).fetchone()
         conn.execute(
             "INSERT INTO group_members (group_id, member_id, topics, expires_ms)"
             " VALUES (?, ?, ?, ?) ON CONFLICT (group_id, member_id)"
@@ -76,6 +92,46 @@ def heartbeat(
         conn.execute(
             "DELETE FROM group_members WHERE group_id = ? AND expires_ms <= ?", (group_id, now_ms)
         )
+    return live is None
+
+
+class NotOwner(Exception):
+    """:func:`write_owned` found that the member does not own the partition any more."""
+
+
+def write_owned(
+    conn: sqlite3.Connection,
+    group_id: str,
+    member_id: str,
+    partition: int,
+    rows: Sequence[Row],
+    positions: Mapping[tuple[int, int], int],
+    deadline: float,
+) -> list[int]:
+    """Append ``rows`` and store ``positions`` in one transaction, if ``member_id`` still owns
+    ``partition`` of every topic it subscribes to, judged under the file's write lock at the
+    time the lock is held (a member paused while waiting cannot slip past its lease end).
+
+    Returns the offsets of ``rows``. Raises :class:`NotOwner` (nothing written) when the
+    member's lease ended or the partition is another member's; :class:`sqlite3.Error` (busy
+    past ``deadline``, monotonic seconds).
+    """
+    with write_transaction(conn, deadline):
+        now = now_ms()
+        mine, _ = owned(conn, group_id, member_id, now)
+        topics = {topic_id for topic_id, _ in mine}
+        if not mine or any((t, partition) not in mine for t in topics):
+            raise NotOwner(partition)
+        if any(tp not in mine for tp in positions):
+            raise NotOwner(partition)
+        offsets = insert(conn, rows, now)
+        conn.executemany(
+            "INSERT INTO group_offsets (group_id, topic_id, partition, position)"
+            " VALUES (?, ?, ?, ?) ON CONFLICT (group_id, topic_id, partition)"
+            " DO UPDATE SET position = excluded.position",
+            [(group_id, topic_id, p, position) for (topic_id, p), position in positions.items()],
+        )
+    return offsets
 
 
 def leave(conn: sqlite3.Connection, group_id: str, member_id: str, deadline: float) -> None:
