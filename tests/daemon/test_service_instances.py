@@ -28,8 +28,12 @@ pytestmark = [pytest.mark.anyio]
 OWNER_SCRIPT = Path(__file__).with_name("_owner_process.py")
 SESSION_S = 6.0
 """Kafka's smallest session timeout (group.min.session.timeout.ms): the pause outlasts it."""
-QUIET_JOBS = {"restore_timeout_s": 600.0, "heartbeat_timeout_s": 600.0}
-"""The jobs send nothing after their set-up: only their kills may start incidents."""
+
+
+def machine(daemon_id: str) -> MachineConfig:
+    """The jobs send nothing after their set-up: only their kills may start incidents, and
+    no restore is retried."""
+    return MachineConfig(daemon_id=daemon_id, restore_timeout_s=600.0, heartbeat_timeout_s=600.0)
 
 
 async def publish(bus: Bus, *events: Event) -> None:
@@ -101,7 +105,7 @@ async def test_an_owner_back_from_a_pause_to_the_same_partitions_decides_nothing
     factory = BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
     config = DaemonConfig(
         bus=factory.config(topics=DEFAULT_TOPICS, session_timeout_s=1.0),
-        machine=MachineConfig(daemon_id="test-daemon", **QUIET_JOBS),
+        machine=machine("test-daemon"),
         group_id=factory.group("daemon"),
         poll_s=0.02,
     )
@@ -161,7 +165,7 @@ async def test_a_paused_owner_is_fenced_and_no_decision_is_made_twice(
     )
     config = DaemonConfig(
         bus=bus_config,
-        machine=MachineConfig(daemon_id="standby", **QUIET_JOBS),
+        machine=machine("standby"),
         group_id=group,
         poll_s=0.02,
     )
