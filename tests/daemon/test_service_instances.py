@@ -9,8 +9,11 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -18,7 +21,17 @@ import structlog
 
 from tests.buses import BusFactory
 from tests.daemon.service_support import JobEvents, eventually, read_all
-from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, open_bus
+from trainguard.agent.bus import (
+    DEFAULT_TOPICS,
+    Bus,
+    BusConfig,
+    Consumer,
+    Record,
+    TopicPartition,
+    open_bus,
+)
+from trainguard.agent.bus._partitioner import partition_for
+from trainguard.agent.bus._sqlite import SQLiteBus
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon._settings import DaemonConfig
 from trainguard.schemas import Event, Restore, decode, encode
@@ -140,6 +153,96 @@ async def test_an_owner_back_from_a_pause_to_the_same_partitions_decides_nothing
             stop_a.set()
             await asyncio.wait_for(task_a, 60)
         await assert_once_each(bus, jobs)
+
+
+class _EpochFlip(Consumer):
+    """A group consumer that, when told to, reports a new assignment epoch together with a
+    poll holding one extra record (one the log does not hold: a record fetched under the old
+    assignment)."""
+
+    def __init__(self, inner: Consumer) -> None:
+        self.inner = inner
+        self.forged: Record | None = None
+        self.flips = 0
+        self.polls_since_flip = 0
+
+    async def getmany(self, timeout_s: float = 1.0, max_records: int = 1000) -> list[Record]:
+        records = await self.inner.getmany(timeout_s, max_records)
+        self.polls_since_flip += 1
+        if self.forged is not None:
+            records, self.forged = [*records, self.forged], None
+            self.flips += 1
+            self.polls_since_flip = 0
+        return records
+
+    def assignment_epoch(self) -> int:
+        return self.inner.assignment_epoch() + self.flips + (self.forged is not None)
+
+    def assignment(self) -> frozenset[TopicPartition]:
+        return self.inner.assignment()
+
+    async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
+        await self.inner.commit(offsets)
+
+    async def committed(self, tp: TopicPartition) -> int | None:
+        return await self.inner.committed(tp)
+
+    async def seek(self, tp: TopicPartition, offset: int) -> None:
+        await self.inner.seek(tp, offset)
+
+    async def position(self, tp: TopicPartition) -> int:
+        return await self.inner.position(tp)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_the_loop_drops_a_poll_whose_assignment_epoch_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll that comes with a new assignment epoch is dropped whole: its records may predate
+    the change (another owner may have acted on them); the resync reads the partitions again
+    from their committed positions. Here the poll holds a kill the log does not: folding it
+    would restore the job."""
+    factory = BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
+    config = DaemonConfig(
+        bus=factory.config(topics=DEFAULT_TOPICS),
+        machine=machine("test-daemon"),
+        group_id=factory.group("daemon"),
+        poll_s=0.02,
+    )
+    subscribe = SQLiteBus.subscribe
+    wrapped: list[_EpochFlip] = []
+
+    async def flipping(self: SQLiteBus, *args: Any, **kwargs: Any) -> Consumer:
+        wrapped.append(_EpochFlip(await subscribe(self, *args, **kwargs)))
+        return wrapped[-1]
+
+    monkeypatch.setattr(SQLiteBus, "subscribe", flipping)
+    job = "job-a"
+    async with factory.open(topics=DEFAULT_TOPICS) as bus:
+        await set_up(bus, job)
+        service = DaemonService(config)
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(service.run(stop))
+        try:
+            await eventually(lambda: _phase(service, job, "running"))
+            [consumer] = wrapped
+            kill = JobEvents(job).killed(0)
+            partition = partition_for(job, await bus.partitions("events"))
+            now_ms = time.time_ns() // 1_000_000
+            consumer.forged = Record("events", partition, 10**6, job, encode(kill), now_ms)
+            await eventually(lambda: _polled_after_flip(service, consumer))
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 60)
+        assert service.counters["commands"] == 0
+        assert service.jobs[job].phase == "running"
+        assert await restores(bus) == []
+
+
+async def _polled_after_flip(service: DaemonService, consumer: _EpochFlip) -> bool:
+    return consumer.flips == 1 and consumer.polls_since_flip >= 3 and service.ready.is_set()
 
 
 @pytest.mark.slow
