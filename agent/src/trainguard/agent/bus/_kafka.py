@@ -648,6 +648,7 @@ class _KafkaPartitionWriter(PartitionWriter):
             # The sender task hit ProducerFenced (or another fatal error) on its own: every
             # transition from here would trip an assert.
             self._state = "fenced"
+            self._retrieve_end()
         if self._state == "fenced":
             raise Fenced(f"writer of partition {self._partition} was fenced by a newer owner")
         if self._state == "closed":
@@ -660,6 +661,7 @@ class _KafkaPartitionWriter(PartitionWriter):
             getattr(exc, "__cause__", None), ProducerFenced
         ):
             self._state = "fenced"
+            self._retrieve_end()
             return Fenced(
                 f"partition {self._partition}: {what} refused, a newer owner fenced this writer"
             )
@@ -667,11 +669,20 @@ class _KafkaPartitionWriter(PartitionWriter):
             # Unusable for another reason (say, authorisation): as good as fenced for the
             # caller, who must not open a writer again before a new assignment.
             self._state = "fenced"
+            self._retrieve_end()
             return Fenced(f"partition {self._partition}: {what} failed fatally: {exc!r}")
         self._state = "abortable"
         err = BusError(f"partition {self._partition}: {what} failed: {exc!r}")
         err.retriable = True
         return err
+
+    def _retrieve_end(self) -> None:
+        """Mark the fatal error aiokafka stored in its transaction-end future as seen: nobody
+        awaits it once the writer is fenced, and asyncio would log it as never retrieved."""
+        txn = self._producer._txn_manager
+        waiter = None if txn is None else txn.wait_for_transaction_end()
+        if waiter is not None and waiter.done() and not waiter.cancelled():
+            waiter.exception()
 
     async def _settle(self) -> None:
         """Await a commit or abort in flight (bounded); the writer is then ready again."""
