@@ -86,8 +86,8 @@ async def test_an_exit_leads_to_one_restore_also_across_a_restart(bus_factory: B
 class _NeverCommits(DaemonService):
     """A daemon whose transactions never commit (as one that dies before its commit)."""
 
-    async def _commit_partition(self, part: Any) -> bool:
-        return False
+    def _start_commit(self, part: Any) -> None:
+        return None
 
 
 async def test_decisions_acted_on_but_not_committed_are_never_seen_and_decided_once(
@@ -119,10 +119,9 @@ async def test_a_standby_taking_a_job_over_decides_the_owners_uncommitted_restor
     class CommitsCanFail(DaemonService):
         fail_commits = False
 
-        async def _commit_partition(self, part: Any) -> bool:
-            if self.fail_commits:
-                return False
-            return await super()._commit_partition(part)
+        def _start_commit(self, part: Any) -> None:
+            if not self.fail_commits:
+                super()._start_commit(part)
 
     config = daemon_config(bus_factory)
     async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:

@@ -14,6 +14,7 @@ copy of a few dictionaries per commit.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -87,6 +88,9 @@ class Owned:
         last_commit: ``time.monotonic()`` of the last commit (or of the assignment).
         fenced_at: ``time.monotonic()`` when the writer was fenced, else ``None``.
         at_commit: the bookkeeping at the last commit.
+        committing: the commit in flight, if any, and the position it commits. Nothing is
+            folded into, sent for or advanced on the partition until it is settled, so the
+            bookkeeping at its end is the one at its start.
     """
 
     partition: int
@@ -101,11 +105,14 @@ class Owned:
     last_commit: float = field(default_factory=time.monotonic)
     fenced_at: float | None = None
     at_commit: Checkpoint | None = None
+    committing: tuple[asyncio.Future[None], int] | None = None
 
     def commit_due(self, now: float, max_records: int, interval_s: float) -> bool:
         """Whether to commit now: something to commit, and ``max_records`` folded or
         ``interval_s`` passed since the last commit."""
-        if self.writer is None or not (self.wrote or self.position > self.committed):
+        if self.writer is None or self.committing is not None:
+            return False
+        if not (self.wrote or self.position > self.committed):
             return False
         return self.folded >= max_records or now - self.last_commit >= interval_s
 
@@ -123,9 +130,10 @@ class Owned:
             audited=frozenset(books.audited & jobs),
         )
 
-    def committed_now(self, books: Books) -> None:
-        """Record a successful commit of :attr:`position` and everything sent."""
-        self.committed = self.position
+    def committed_now(self, books: Books, position: int) -> None:
+        """Record a successful commit of ``position`` and everything sent."""
+        self.position = max(self.position, position)
+        self.committed = position
         self.folded = 0
         self.wrote = False
         self.last_commit = time.monotonic()

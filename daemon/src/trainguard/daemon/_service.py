@@ -260,6 +260,7 @@ class DaemonService:
                         await self._resync(bus, consumer)
                     else:
                         self._dropping.clear()
+                        await self._settle_done()
                         for record in records:
                             await self._process(record)
                         await self._advance(consumer)
@@ -297,6 +298,10 @@ class DaemonService:
         self._dropping.clear()
         if self._partitions:
             log.info("partitions revoked", partitions=sorted(self._partitions))
+        # Commits in flight: whatever their outcome, the new writers settle it on the bus, and
+        # the jobs are rebuilt from the committed positions read after that.
+        flying = [part.committing[0] for part in self._partitions.values() if part.committing]
+        await asyncio.gather(*flying, return_exceptions=True)
         await self._close_writers()
         for part in self._partitions.values():
             self._drop_jobs(part)
@@ -435,7 +440,7 @@ class DaemonService:
         see their records consumed. Every offset below the consumer's position was returned
         by a poll, hence folded (or was a marker)."""
         for p, part in self._partitions.items():
-            if part.writer is None or p in self._dropping:
+            if part.writer is None or p in self._dropping or part.committing is not None:
                 continue
             try:
                 position = await consumer.position(TopicPartition("events", p))
@@ -474,6 +479,8 @@ class DaemonService:
                 failed and it was rolled back: whatever was being done for it stops.
         """
         part = self._partitions.get(partition)
+        if part is not None and part.committing is not None:
+            await self._settle(part)
         if part is None or part.writer is None or partition in self._dropping:
             raise _Dropped
         try:
@@ -505,6 +512,8 @@ class DaemonService:
 
     async def _process(self, record: Record) -> None:
         part = self._partitions.get(record.partition)
+        if part is not None and part.committing is not None:
+            await self._settle(part)
         if part is None or part.writer is None or record.partition in self._dropping:
             return  # fenced, or rolled back during this poll: read again from the seek
         if record.offset < part.position:
@@ -726,8 +735,10 @@ class DaemonService:
         ]
 
         async def one(part: Owned) -> None:
+            await self._settle(part)
             p, writer = part.partition, part.writer
-            assert writer is not None
+            if writer is None or p in self._dropping:
+                return
             states = {job: self.jobs[job] for job in part.jobs}
             try:
                 written = await snapshots.write(writer, p, part.position, states, keys)
@@ -738,7 +749,8 @@ class DaemonService:
                 await self._failed(part, exc)
                 return
             part.wrote = part.wrote or written > 0
-            if await self._commit_partition(part) and written:
+            self._start_commit(part)
+            if await self._settle(part) and written:
                 log.info("snapshots written", partition=p, offset=part.position, jobs=written)
 
         await asyncio.gather(*(one(part) for part in parts))
@@ -792,7 +804,8 @@ class DaemonService:
             return  # deadlines of a half-rebuilt state mean nothing
         now = self._clock()
         min_gap = int(self._c.tick_interval_s * 1e9)
-        for job, state in self.jobs.items():
+        # A copy: a failed write rolls its partition's jobs back (or drops them) meanwhile.
+        for job, state in list(self.jobs.items()):
             if state.phase in TERMINAL_PHASES:
                 continue
             sent = self._sent_commands.get(job)
@@ -859,42 +872,66 @@ class DaemonService:
         self.metrics.observe_assignment(lag, self.jobs.values(), ready=ready)
 
     async def _commit(self, *, force: bool = False) -> None:
-        """Commit the transaction of each partition that is due (:meth:`Owned.commit_due`:
-        :data:`COMMIT_RECORDS` folded or ``commit_interval_s`` passed; every one with
-        ``force``), partitions concurrently."""
+        """Start committing the transaction of each partition that is due
+        (:meth:`Owned.commit_due`: :data:`COMMIT_RECORDS` folded or ``commit_interval_s``
+        passed), partitions concurrently, without waiting: the loop polls and folds the other
+        partitions meanwhile (a commit is several round trips to the bus). With ``force``
+        (the loop's end), commit every partition and wait for the outcomes."""
         now = time.monotonic()
         interval = 0.0 if force else self._c.commit_interval_s
-        due = [
-            part
-            for part in self._partitions.values()
-            if part.commit_due(now, COMMIT_RECORDS, interval)
-        ]
-        if due:
-            await asyncio.gather(*(self._commit_partition(part) for part in due))
+        if force:
+            await self._settle_all()
+        for part in self._partitions.values():
+            if part.commit_due(now, COMMIT_RECORDS, interval):
+                self._start_commit(part)
+        if force:
+            await self._settle_all()
 
-    async def _commit_partition(self, part: Owned) -> bool:
-        """Commit ``part``'s transaction: everything sent for it and its position (once past
-        the committed one). Returns whether it committed; a failure rolls the partition back
-        or drops it (fenced)."""
+    def _start_commit(self, part: Owned) -> None:
+        """Start committing everything sent for ``part`` and its position (once past the
+        committed one); :meth:`_settle` takes the outcome in."""
         writer = part.writer
-        if writer is None:
-            return False
+        if writer is None or part.committing is not None:
+            return
         offsets = (
             {TopicPartition("events", part.partition): part.position}
             if part.position > part.committed and part.position >= part.replay_until
             else {}
         )
+        if not offsets and not part.wrote:
+            return  # nothing to commit
+        part.committing = (asyncio.ensure_future(writer.commit(offsets)), part.position)
+
+    async def _settle(self, part: Owned) -> bool:
+        """Wait for ``part``'s commit in flight, if any, and take its outcome in: the new
+        rollback point, or the partition rolled back (failure) or dropped (fenced). Returns
+        whether a commit succeeded."""
+        if part.committing is None:
+            return False
+        commit, position = part.committing
+        part.committing = None
         try:
-            await writer.commit(offsets)
+            await commit
         except Fenced as exc:
             await self._fenced(part, exc)
             return False
         except BusError as exc:
             await self._failed(part, exc)
             return False
-        if part.position >= part.replay_until:
-            part.committed_now(self._books)
+        if position >= part.replay_until:
+            part.committed_now(self._books, position)
         return True
+
+    async def _settle_done(self) -> None:
+        """Take in the outcome of every commit that finished (right after a poll, before its
+        records are folded: a partition rolled back now drops its records of that poll)."""
+        for part in list(self._partitions.values()):
+            if part.committing is not None and part.committing[0].done():
+                await self._settle(part)
+
+    async def _settle_all(self) -> None:
+        for part in list(self._partitions.values()):
+            await self._settle(part)
 
 
 def _late_report(state: JobState, item: Observed) -> bool:
