@@ -76,6 +76,7 @@ from trainguard.agent.bus import (
     Bus,
     BusError,
     Consumer,
+    DeliveryFailed,
     Fenced,
     PartitionWriter,
     Record,
@@ -300,8 +301,15 @@ class DaemonService:
             log.info("partitions revoked", partitions=sorted(self._partitions))
         # Commits in flight: whatever their outcome, the new writers settle it on the bus, and
         # the jobs are rebuilt from the committed positions read after that.
-        flying = [part.committing[0] for part in self._partitions.values() if part.committing]
-        await asyncio.gather(*flying, return_exceptions=True)
+        flying = {p: part.committing[0] for p, part in self._partitions.items() if part.committing}
+        outcomes = await asyncio.gather(*flying.values(), return_exceptions=True)
+        for p, outcome in zip(flying, outcomes, strict=True):
+            if isinstance(outcome, Fenced):
+                log.error(
+                    "partition lost: a newer owner fenced this instance; its jobs are dropped",
+                    partition=p,
+                    error=str(outcome),
+                )
         await self._close_writers()
         for part in self._partitions.values():
             self._drop_jobs(part)
@@ -485,6 +493,11 @@ class DaemonService:
             raise _Dropped
         try:
             await part.writer.send(topic, key, value)
+        except DeliveryFailed as exc:
+            # Over max_message_bytes, refused before it joined the transaction, which goes on:
+            # rolling back would only meet the same record again.
+            log.error("record not written", topic=topic, key=key[:256], error=str(exc))
+            return
         except Fenced as exc:
             await self._fenced(part, exc)
             raise _Dropped from exc

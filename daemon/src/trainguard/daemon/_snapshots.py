@@ -67,7 +67,7 @@ from typing import Protocol
 import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from trainguard.agent.bus import Bus, BusError, PartitionWriter
+from trainguard.agent.bus import Bus, BusError, DeliveryFailed, PartitionWriter
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._metrics import DaemonMetrics
 from trainguard.daemon._snapshot import (
@@ -320,6 +320,9 @@ class Snapshots:
         A round whose transaction aborts leaves each job's previous snapshot as its latest:
         older, still its state at its own position (point 1 above), so a rebuild stays exact.
 
+        A snapshot over the bus's ``max_message_bytes`` is left out (logged); the job's
+        previous one, if any, stays its latest.
+
         Raises:
             Fenced: ``out`` was fenced.
             BusError: a record could not be sent (abort the transaction).
@@ -348,7 +351,11 @@ class Snapshots:
             except StateFormatError as exc:  # a bug: the codec's tests cover reachable states
                 log.error("snapshot not written: state not encodable", job_id=job, error=str(exc))
                 continue
-            await out.send(TOPIC, job, value)
+            try:
+                await out.send(TOPIC, job, value)
+            except DeliveryFailed as exc:  # too large: the transaction goes on without it
+                log.warning("snapshot not written", job_id=job, partition=partition, error=str(exc))
+                continue
             self._written[job] = _Written(state, kids)
             written += 1
         self._metrics.snapshots_written(written)

@@ -720,8 +720,8 @@ class _KafkaPartitionWriter(PartitionWriter):
         """See :meth:`PartitionWriter.send`."""
         self._check()
         if value is not None and len(value) > self._bus._config.max_message_bytes:
-            raise BusError(
-                f"record of {len(value)} bytes exceeds max_message_bytes="
+            raise DeliveryFailed(
+                f"{topic}: record of {len(value)} bytes exceeds max_message_bytes="
                 f"{self._bus._config.max_message_bytes}"
             )
         partition = partition_for(key, await self._bus.partitions(topic))

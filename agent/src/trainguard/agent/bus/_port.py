@@ -206,9 +206,11 @@ class PartitionWriter(abc.ABC):
         transaction, opening one if none is; returns without waiting for the bus.
 
         Raises:
+            DeliveryFailed: the value is over ``max_message_bytes``: nothing was added, the
+                transaction goes on.
             Fenced: the writer was fenced; it is unusable.
-            BusError: an unknown topic, a value over ``max_message_bytes``, the writer closed,
-                or (retriable) the bus refused the record: :meth:`abort`, then go on.
+            BusError: an unknown topic, the writer closed, or (retriable) the bus refused the
+                record: :meth:`abort`, then go on.
         """
 
     @abc.abstractmethod

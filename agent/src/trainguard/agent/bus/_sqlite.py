@@ -268,10 +268,18 @@ class SQLiteBus(Bus):
         for consumer in self._consumers:
             membership = consumer.membership
             if membership is not None and membership.group_id == group_id:
+                deadline = time.monotonic() + self._config.connect_timeout_s
+                try:
+                    epoch = await self._writer.run(
+                        groups.open_writer, group_id, partition, deadline
+                    )
+                except sqlite3.Error as exc:
+                    raise translate(exc, "opening a partition writer") from exc
                 return SQLitePartitionWriter(
                     consumer,
                     membership,
                     partition,
+                    epoch,
                     writer=self._writer,
                     topic=self._topics.get,
                     resolve=self._resolve,

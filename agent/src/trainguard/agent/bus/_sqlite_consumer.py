@@ -11,8 +11,10 @@ from the same bus without delay.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -27,7 +29,7 @@ from trainguard.agent.bus._sqlite_db import (
     translate,
 )
 
-__all__ = ["ConsumerContext", "Membership", "SQLiteConsumer"]
+__all__ = ["ConsumerContext", "Membership", "SQLiteConsumer", "new_member_id"]
 
 _POLL_MIN_S = 0.002
 
@@ -78,6 +80,11 @@ class Membership:
     member_id: str
     topics: tuple[str, ...]
     from_beginning: bool
+
+
+def new_member_id(member_id: str) -> str:
+    """A fresh member id like ``member_id`` (``<client>-<pid>-<12 hex>``): a new random tail."""
+    return f"{member_id.rpartition('-')[0]}-{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +155,7 @@ class SQLiteConsumer(Consumer):
         self._refresh_at_ms: int | None = None
         self._epoch = 0
         self._assignment_epoch = 0
+        self._joined = False
         self._first = 0
         self._heartbeat_due = 0.0
         self._closed = False
@@ -167,8 +175,8 @@ class SQLiteConsumer(Consumer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         delay = _POLL_MIN_S
-        membership = self._membership
         while True:
+            membership = self._membership  # a rejoin replaces it
             if membership is not None and loop.time() >= self._heartbeat_due:
                 await self._heartbeat(membership)
             records = await self._poll(max_records)
@@ -300,7 +308,7 @@ class SQLiteConsumer(Consumer):
     async def _heartbeat(self, membership: Membership) -> None:
         now = now_ms()
         try:
-            rejoined = await self._ctx.writer.run(
+            renewed = await self._ctx.writer.run(
                 groups.heartbeat,
                 membership.group_id,
                 membership.member_id,
@@ -308,14 +316,30 @@ class SQLiteConsumer(Consumer):
                 now + int(self._ctx.session_timeout_s * 1000),
                 now,
                 time.monotonic() + self._ctx.write_timeout_s,
+                join=not self._joined,
             )
+            if not renewed:
+                # Back after its lease ended (paused, say): whatever it held may have been
+                # another member's meanwhile, even if the same partitions come back to it. It
+                # joins again under a new member id, so that a partition writer of the old
+                # membership can commit nothing (Kafka, likewise, gives a new member id).
+                membership = self._membership = dataclasses.replace(
+                    membership, member_id=new_member_id(membership.member_id)
+                )
+                self._positions = {}
+                self._assignment_epoch += 1
+                await self._ctx.writer.run(
+                    groups.heartbeat,
+                    membership.group_id,
+                    membership.member_id,
+                    membership.topics,
+                    now + int(self._ctx.session_timeout_s * 1000),
+                    now,
+                    time.monotonic() + self._ctx.write_timeout_s,
+                )
         except sqlite3.Error as exc:
             raise translate(exc, "consumer group heartbeat") from exc
-        if rejoined and self._positions:
-            # Back after its lease ended (paused, say): whatever it held may have been another
-            # member's meanwhile, even if the same partitions come back to it.
-            self._positions = {}
-            self._assignment_epoch += 1
+        self._joined = True
         self._heartbeat_due = asyncio.get_running_loop().time() + self._ctx.session_timeout_s / 3
         # Renewing is also when expired members are noticed: recompute the assignment.
         self._dirty = True

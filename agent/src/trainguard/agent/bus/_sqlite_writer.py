@@ -1,11 +1,14 @@
 """The embedded bus's partition writer: a group member's writes for one partition, buffered
 in memory and written with the member's consumed positions in one SQLite transaction.
 
-The transaction checks, under the file's write lock, that the member still owns the partition
-(:func:`._sqlite_groups.write_owned`); the writer also refuses once its consumer's assignment
-epoch moved (a rejoin: the partition may have been another member's meanwhile, even if it is
-this member's again). Either way it is fenced and nothing it buffered is ever written, so two
-daemons on one file never both act on one record.
+Opening a writer bumps the partition's writer epoch in the file
+(:func:`._sqlite_groups.open_writer`), as a Kafka producer's ``init_transactions`` does. The
+commit's transaction checks, under the file's write lock, that no newer writer was opened and
+that the member still owns the partition (:func:`._sqlite_groups.write_owned`); the writer
+also refuses once its consumer's assignment epoch moved (a rejoin). Either way it is fenced
+and nothing it buffered is ever written, so two daemons on one file never both act on one
+record: a member that stopped polling while another owned its partition for a while (and left
+again) is fenced by that other's writer even though the partition is its own again.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from trainguard.agent.bus import _sqlite_groups as groups
-from trainguard.agent.bus._errors import BusClosed, BusError, Fenced
+from trainguard.agent.bus._errors import BusClosed, BusError, DeliveryFailed, Fenced
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._port import PartitionWriter, TopicPartition
 from trainguard.agent.bus._sqlite_consumer import Membership, SQLiteConsumer
@@ -32,6 +35,8 @@ class SQLitePartitionWriter(PartitionWriter):
         consumer: the bus's member of the group; the writer is bound to its current
             assignment epoch.
         membership: that consumer's membership.
+        writer_epoch: this writer's epoch (:func:`._sqlite_groups.open_writer`); a writer
+            opened later for the partition fences this one.
         partition: the owned partition of the group's topics.
         writer: the bus's writer connection thread.
         topic: logical topic name -> its metadata (raises :class:`BusError` if unknown).
@@ -46,6 +51,7 @@ class SQLitePartitionWriter(PartitionWriter):
         consumer: SQLiteConsumer,
         membership: Membership,
         partition: int,
+        writer_epoch: int,
         *,
         writer: ConnectionThread,
         topic: Callable[[str], TopicMeta | None],
@@ -58,6 +64,7 @@ class SQLitePartitionWriter(PartitionWriter):
         self._membership = membership
         self._epoch = consumer.assignment_epoch()
         self._partition = partition
+        self._writer_epoch = writer_epoch
         self._writer = writer
         self._topic = topic
         self._resolve = resolve
@@ -85,7 +92,7 @@ class SQLitePartitionWriter(PartitionWriter):
         if meta is None:
             raise BusError(f"unknown topic {topic!r}")
         if value is not None and len(value) > self._max:
-            raise BusError(
+            raise DeliveryFailed(
                 f"{topic}: value of {len(value)} bytes exceeds max_message_bytes={self._max}"
             )
         self._rows.append((meta.topic_id, partition_for(key, meta.partitions), key, value))
@@ -104,6 +111,7 @@ class SQLitePartitionWriter(PartitionWriter):
                 self._membership.group_id,
                 self._membership.member_id,
                 self._partition,
+                self._writer_epoch,
                 rows,
                 positions,
                 time.monotonic() + self._timeout_s,
@@ -111,8 +119,8 @@ class SQLitePartitionWriter(PartitionWriter):
         except groups.NotOwner as exc:
             self._state = "fenced"
             raise Fenced(
-                f"partition {self._partition} is another member's now (or this member's "
-                "lease ended): nothing written"
+                f"partition {self._partition}: a newer writer was opened, it is another "
+                "member's now, or this member's lease ended: nothing written"
             ) from exc
         except sqlite3.Error as exc:
             # Nothing was written (the transaction rolled back); the caller aborts and goes on.
