@@ -20,6 +20,7 @@ from trainguard.agent.bus import (
     Consumer,
     Delivery,
     DeliveryFailed,
+    Fenced,
     Record,
     TopicPartition,
     topic_prefixes,
@@ -395,3 +396,121 @@ async def test_topic_names_list_every_prefix(bus_factory: BusFactory) -> None:
             assert time.monotonic() < deadline, sorted(wanted - names)
             await asyncio.sleep(0.1)
     assert {bus_factory.prefix, other} <= set(topic_prefixes(names))
+
+
+# -- several owners: assignment epochs and partition writers ---------------------------------
+
+
+async def assigned_everything(consumer: Consumer) -> None:
+    """Poll ``consumer`` until the group assigned it every partition of ``events``."""
+    deadline = time.monotonic() + WAIT_S
+    while consumer.assignment() != frozenset(EVENTS):
+        assert time.monotonic() < deadline, consumer.assignment()
+        assert await consumer.getmany(timeout_s=0.1) == []
+
+
+async def values_of(bus_factory: BusFactory, topic: str) -> list[bytes | None]:
+    """Every record value of ``topic`` a reader sees, up to the end offsets (by position:
+    transaction markers carry no record)."""
+    async with bus_factory.open() as bus:
+        ends = {tp: end for tp, end in (await bus.end_offsets(topic)).items() if end > 0}
+        if not ends:
+            return []
+        values: list[bytes | None] = []
+        async with await bus.assign(dict.fromkeys(ends, 0)) as reader:
+            deadline = time.monotonic() + WAIT_S
+            while any([await reader.position(tp) < end for tp, end in ends.items()]):
+                assert time.monotonic() < deadline
+                values += [r.value for r in await reader.getmany(timeout_s=0.2)]
+        return values
+
+
+async def committed_becomes(consumer: Consumer, tp: TopicPartition, position: int) -> None:
+    """Wait until the group's committed position of ``tp`` reads ``position``: Kafka writes a
+    transaction's markers after the commit returns, and serves the position before until
+    then (a new owner reads it only after opening its writer, which waits for them)."""
+    deadline = time.monotonic() + WAIT_S
+    while (got := await consumer.committed(tp)) != position:
+        assert time.monotonic() < deadline, got
+        await asyncio.sleep(0.05)
+
+
+async def test_assignment_epoch_moves_with_every_rebalance(bus_factory: BusFactory) -> None:
+    group = bus_factory.group("epochs")
+    async with bus_factory.open() as bus_a, bus_factory.open() as bus_b:
+        a = await bus_a.subscribe(["events"], group)
+        await assigned_everything(a)
+        first = a.assignment_epoch()
+        assert first > 0
+        b = await bus_b.subscribe(["events"], group)
+        deadline = time.monotonic() + WAIT_S
+        while not (a.assignment() and b.assignment() and a.assignment() != frozenset(EVENTS)):
+            assert time.monotonic() < deadline
+            await a.getmany(timeout_s=0.1)
+            await b.getmany(timeout_s=0.1)
+        shared = a.assignment_epoch()
+        assert shared > first
+        await b.close()
+        await assigned_everything(a)
+        assert a.assignment_epoch() > shared
+        async with await bus_a.assign({EVENTS[0]: 0}) as plain:
+            assert plain.assignment_epoch() == 0
+        await a.close()
+
+
+async def test_a_partition_writer_shows_its_records_and_position_together_or_not_at_all(
+    bus_factory: BusFactory,
+) -> None:
+    group = bus_factory.group("txn")
+    await publish_all(bus_factory, [(f"job-{i}", b"in") for i in range(9)])
+    async with bus_factory.open() as bus:
+        consumer = await bus.subscribe(["events"], group)
+        await assigned_everything(consumer)
+        tp = EVENTS[1]
+        writer = await bus.partition_writer(group, tp.partition)
+        await writer.send("commands", "job-a", b"dropped")
+        await writer.abort()
+        await writer.send("commands", "job-a", b"kept-1")
+        await writer.send("commands", "job-b", b"kept-2")
+        assert await values_of(bus_factory, "commands") == []  # not committed yet
+        assert await consumer.committed(tp) is None
+        await writer.commit({tp: 2})
+        assert sorted(v or b"" for v in await values_of(bus_factory, "commands")) == [
+            b"kept-1",
+            b"kept-2",
+        ]
+        await committed_becomes(consumer, tp, 2)
+        await writer.commit({tp: 3})  # offsets alone
+        await committed_becomes(consumer, tp, 3)
+        await writer.close()
+        with pytest.raises(BusError):
+            await writer.send("commands", "job-a", b"closed")
+        await consumer.close()
+
+
+async def test_a_new_owner_fences_the_writer_of_the_old_one(bus_factory: BusFactory) -> None:
+    """The old owner (its consumer gone from the group, as a paused member evicted) can
+    neither commit what it had sent nor send more: the new owner's writer fenced it."""
+    group = bus_factory.group("fence")
+    tp = EVENTS[2]
+    async with bus_factory.open() as bus_a, bus_factory.open() as bus_b:
+        a = await bus_a.subscribe(["events"], group)
+        await assigned_everything(a)
+        old = await bus_a.partition_writer(group, tp.partition)
+        await old.send("commands", "job-z", b"zombie")
+        await a.close()
+        b = await bus_b.subscribe(["events"], group)
+        await assigned_everything(b)
+        new = await bus_b.partition_writer(group, tp.partition)
+        await new.send("commands", "job-z", b"owner")
+        await new.commit({tp: 5})
+        with pytest.raises(Fenced):
+            await old.commit({tp: 7})
+        with pytest.raises(Fenced):
+            await old.send("commands", "job-z", b"zombie-2")
+        await old.abort()  # a no-op once fenced
+        await old.close()
+        assert await values_of(bus_factory, "commands") == [b"owner"]
+        await committed_becomes(b, tp, 5)
+        await new.close()
+        await b.close()

@@ -18,6 +18,7 @@ from trainguard.agent.bus import (
     BusUnavailable,
     Consumer,
     DeliveryFailed,
+    Fenced,
     Record,
     TopicPartition,
     TopicSpec,
@@ -83,6 +84,64 @@ async def test_member_that_stops_polling_loses_its_partitions(tmp_path: Path) ->
         assert await a.getmany(timeout_s=0.05) == []
         assert a.assignment()
         await poll_until(b, lambda _: b.assignment() == EVENTS - a.assignment())
+
+
+async def test_a_member_back_from_a_pause_gets_a_new_epoch_and_its_writer_is_fenced(
+    tmp_path: Path,
+) -> None:
+    """A member that stopped polling past its lease (a paused daemon) and comes back to the
+    very same partitions (no other member now): its assignment epoch moves although its
+    assignment is the same, and its writer of before is fenced, nothing of it written."""
+    path = tmp_path / "bus.db"
+    async with make_bus(path, session_timeout_s=0.3) as bus_a, make_bus(path) as bus_b:
+        a = await bus_a.subscribe(["events"], "g")
+        assert a.assignment() == EVENTS
+        before = a.assignment_epoch()
+        stale = await bus_a.partition_writer("g", 0)
+        await stale.send("commands", "job-1", b"stale")
+        b = await bus_b.subscribe(["events"], "g")
+        await poll_until(b, lambda _: b.assignment() == EVENTS)  # A's lease ran out
+        owner = await bus_b.partition_writer("g", 0)
+        await owner.send("commands", "job-1", b"owner")
+        await owner.commit({TopicPartition("events", 0): 1})
+        await b.close()
+        # The stale commit is queued behind A's first heartbeat since: that heartbeat must not
+        # revive the old membership under which the writer was made.
+        commit = asyncio.ensure_future(stale.commit({TopicPartition("events", 0): 2}))
+        assert await a.getmany(timeout_s=0.05) == []
+        with pytest.raises(Fenced):
+            await commit
+        assert a.assignment() == EVENTS
+        assert a.assignment_epoch() > before
+        with pytest.raises(Fenced):
+            await stale.send("commands", "job-1", b"stale-2")
+        latest = await bus_a.latest_per_key("commands")
+        assert {k: r.value for k, r in latest.items()} == {"job-1": b"owner"}
+        assert await a.committed(TopicPartition("events", 0)) == 1
+
+
+async def test_a_writer_is_fenced_by_a_member_that_owned_its_partition_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """A holds its lease but does not poll; B joins, takes partition 0 over, commits, and
+    leaves: partition 0 is A's again, and A never saw a change. A's writer of before must
+    still be refused, as a Kafka producer is once another opened its transactional id."""
+    path = tmp_path / "bus.db"
+    async with make_bus(path) as bus_a, make_bus(path) as bus_b:
+        a = await bus_a.subscribe(["events"], "g")
+        stale = await bus_a.partition_writer("g", 0)
+        await stale.send("commands", "job-1", b"stale")
+        b = await bus_b.subscribe(["events"], "g")
+        assert TopicPartition("events", 0) in b.assignment()
+        owner = await bus_b.partition_writer("g", 0)
+        await owner.send("commands", "job-1", b"owner")
+        await owner.commit({TopicPartition("events", 0): 1})
+        await b.close()
+        with pytest.raises(Fenced):
+            await stale.commit({TopicPartition("events", 0): 2})
+        latest = await bus_a.latest_per_key("commands")
+        assert {k: r.value for k, r in latest.items()} == {"job-1": b"owner"}
+        assert await a.committed(TopicPartition("events", 0)) == 1
 
 
 async def test_closed_member_hands_over_at_once(tmp_path: Path) -> None:

@@ -95,8 +95,13 @@ async def _commands(bus: Bus) -> list[Any]:
         return out
     async with await bus.assign(dict.fromkeys(pending, 0)) as consumer:
         records: list[Record] = []
-        while len(records) < sum(pending.values()):
-            records.extend(await consumer.getmany(timeout_s=1.0))
+        seen = dict.fromkeys(pending, 0)
+        while any(seen[tp] < end for tp, end in pending.items()):
+            records.extend(
+                r for r in await consumer.getmany(timeout_s=1.0) if r.offset < pending[r.tp]
+            )
+            for tp in pending:  # past transaction markers, which no record carries
+                seen[tp] = await consumer.position(tp)
     return [decode(r.value) for r in records if r.value is not None]
 
 

@@ -84,25 +84,30 @@ async def test_an_exit_leads_to_one_restore_also_across_a_restart(bus_factory: B
         assert len(await _restores(bus)) == 1
 
 
-async def test_decisions_acted_on_but_not_committed_are_not_sent_twice(
+class _NeverCommits(DaemonService):
+    """A daemon whose transactions never commit (as one that dies before its commit)."""
+
+    def _start_commit(self, part: Any) -> None:
+        return None
+
+
+async def test_decisions_acted_on_but_not_committed_are_never_seen_and_decided_once(
     bus_factory: BusFactory,
 ) -> None:
-    """A daemon that dies after publishing a restore but before committing its position: the
-    next one folds the same input live again and recognises the restore as already sent."""
-
-    class CrashesBeforeCommit(DaemonService):
-        async def _commit(self, consumer: Any, *, force: bool = False) -> None:
-            return None
-
+    """A daemon that sends a restore but dies before committing its position: the restore and
+    its audit entry are never visible, and the next daemon decides and sends it exactly once."""
     config = daemon_config(bus_factory)
     async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
         await publish(bus, started(0), started(1), shard(0, 1, 5), shard(1, 1, 5), killed(0))
-        async with running(CrashesBeforeCommit(config)):
-            await eventually(lambda: _restores(bus))
+        async with running(_NeverCommits(config)) as first:
+            await eventually(lambda: _sent(first))
+        assert await _restores(bus) == []
+        assert await read_all(bus, "audit") == []
         async with running(DaemonService(config)) as second:
-            await eventually(lambda: _folded(second))
-            assert second.counters["commands"] == 0
+            await eventually(lambda: _restores(bus))
+            assert second.counters["commands"] == 1
         assert len(await _restores(bus)) == 1
+        assert len(_decided_restores(await read_all(bus, "audit"))) == 1
 
 
 # Kafka only: a second daemon on an embedded bus file waits for the first one's lock instead
@@ -110,20 +115,19 @@ async def test_decisions_acted_on_but_not_committed_are_not_sent_twice(
 @pytest.mark.parametrize(
     "bus_factory", [pytest.param("kafka", marks=pytest.mark.kafka)], indirect=True
 )
-async def test_a_standby_taking_a_job_over_does_not_resend_the_owners_restore(
+async def test_a_standby_taking_a_job_over_decides_the_owners_uncommitted_restore_once(
     bus_factory: BusFactory,
 ) -> None:
-    """Failover between two instances of one group: the standby started before the owner
-    published a restore, so it did not see the restore at its own start; the owner's position
-    does not cover the decision (its commits fail) when it leaves. The standby folds the input
-    live again and must recognise the restore as sent (invariant 2)."""
+    """Failover between two instances of one group: the owner sends a restore but its
+    commits fail, and it leaves. The standby folds the input live again; the owner's restore
+    was never visible, the standby's is, once."""
 
     class CommitsCanFail(DaemonService):
         fail_commits = False
 
-        async def _commit(self, consumer: Any, *, force: bool = False) -> None:
+        def _start_commit(self, part: Any) -> None:
             if not self.fail_commits:
-                await super()._commit(consumer, force=force)
+                super()._start_commit(part)
 
     config = daemon_config(bus_factory)
     async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
@@ -141,7 +145,8 @@ async def test_a_standby_taking_a_job_over_does_not_resend_the_owners_restore(
             owner = 0 if partition in daemons[0]._partitions else 1
             daemons[owner].fail_commits = True
             await publish(bus, started(0), started(1), shard(0, 1, 5), shard(1, 1, 5), killed(0))
-            await eventually(lambda: _restores(bus))
+            await eventually(lambda: _sent(daemons[owner]))
+            assert await _restores(bus) == []
             stops[owner].set()
             await asyncio.wait_for(tasks[owner], 60)
             await eventually(lambda: _phase(daemons[1 - owner], "restoring"), 60)
@@ -354,8 +359,10 @@ async def _records(bus: Bus, topic: str) -> list[Record]:
         seen: dict[TopicPartition, int] = dict.fromkeys(ends, 0)
         while any(seen[tp] < end for tp, end in ends.items()):
             for record in await consumer.getmany(timeout_s=1.0):
-                seen[record.tp] = record.offset + 1
-                records.append(record)
+                if record.offset < ends[record.tp]:
+                    records.append(record)
+            for tp in ends:  # past transaction markers, which no record carries
+                seen[tp] = await consumer.position(tp)
     return records
 
 
@@ -373,6 +380,25 @@ async def _ticks(bus: Bus) -> list[tuple[int, ClockTick]]:
         if isinstance(message, ClockTick):
             ticks.append((record.timestamp_ms * 1_000_000, message))
     return ticks
+
+
+async def _sent(service: DaemonService) -> bool:
+    """The daemon has sent a command (into its open transaction)."""
+    return service.counters["commands"] >= 1
+
+
+def _decided_restores(audit: list[bytes]) -> list[tuple[str, int]]:
+    """``(job, generation)`` of every restore issued in the ``decisions`` entries of ``audit``."""
+    issued = []
+    for value in audit:
+        entry = orjson.loads(value)
+        if entry.get("entry") != "decisions":
+            continue
+        for decision in entry["decisions"]:
+            command = decision.get("command")
+            if decision["decision"] == "issue" and command["schema"].startswith("restore/"):
+                issued.append((entry["job_id"], command["generation"]))
+    return issued
 
 
 async def _folded(service: DaemonService, n: int = 1) -> bool:

@@ -18,7 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.buses import BusFactory
-from tests.daemon.service_support import eventually, running
+from tests.daemon.service_support import eventually, read_all, running
 from tests.daemon.snapshot_keys import make_keys
 from trainguard.agent._keystore import DaemonKeys
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, TopicPartition
@@ -123,7 +123,9 @@ async def publish(bus: Bus, events: list[Event]) -> None:
 
 
 async def total_records(bus: Bus) -> int:
-    return sum((await bus.end_offsets("events")).values())
+    """Records on ``events`` (not offsets: on Kafka the daemon's transaction markers take
+    offsets too)."""
+    return len(await read_all(bus, "events"))
 
 
 async def latest_headers(bus: Bus) -> dict[str, SnapshotHeader]:
@@ -391,8 +393,10 @@ async def _restores(bus: Bus) -> list[Restore]:
             seen = dict.fromkeys(ends, 0)
             while any(seen[tp] < end for tp, end in ends.items()):
                 for record in await consumer.getmany(timeout_s=1.0):
-                    seen[record.tp] = record.offset + 1
-                    values.append(record.value or b"")
+                    if record.offset < ends[record.tp]:
+                        values.append(record.value or b"")
+                for tp in ends:  # past transaction markers, which no record carries
+                    seen[tp] = await consumer.position(tp)
     return [c for c in map(decode, values) if isinstance(c, Restore)]
 
 

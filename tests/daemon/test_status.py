@@ -30,6 +30,7 @@ from trainguard.agent._keystore import KeyStore
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService
 from trainguard.daemon._keys_admin import KeyAdmin
+from trainguard.daemon._machine import unacted_command
 from trainguard.daemon._state import JobState
 from trainguard.daemon._status import read_status
 from trainguard.schemas import Event, add_mac, encode
@@ -66,7 +67,13 @@ async def test_status_folds_to_the_states_the_daemon_holds(sqlite_bus: BusFactor
     async with running(service):
 
         async def both() -> bool:
-            return {JOB, OTHER} <= service.jobs.keys() and service.jobs[JOB].generation == 1
+            # The restore's tick is in the log once the daemon's transaction committed: wait
+            # until the daemon folded it too.
+            return (
+                {JOB, OTHER} <= service.jobs.keys()
+                and service.jobs[JOB].generation == 1
+                and unacted_command(service.jobs[JOB]) is None
+            )
 
         await eventually(both)
     jobs = await read_status(config.bus, config.machine)

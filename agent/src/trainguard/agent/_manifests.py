@@ -93,7 +93,10 @@ async def read_manifests(
                 for rec in await consumer.getmany(timeout_s=_POLL_S, max_records=10_000):
                     if rec.offset < pending[rec.tp]:
                         records.append(rec)
-                    seen[rec.tp] = max(seen[rec.tp], rec.offset + 1)
+                # The consumer's position, not the last record's offset + 1: the daemon
+                # writes in transactions, whose markers end a partition without a record.
+                for tp in pending:
+                    seen[tp] = max(seen[tp], await consumer.position(tp))
     records.sort(key=lambda r: (r.partition, r.offset))
     manifests: list[Manifest] = []
     invalid = 0

@@ -967,7 +967,6 @@ async def _finished_ranks(bus: Bus, job_id: str, generation: int) -> set[int]:
         seen = 0  # the next offset to see; a log trimmed by retention begins later
         while seen < end:
             for rec in await consumer.getmany(timeout_s=_ANSWER_POLL_S, max_records=10_000):
-                seen = max(seen, rec.offset + 1)
                 # Most records are heartbeats: skip them before decoding.
                 if (
                     rec.key != job_id
@@ -981,6 +980,9 @@ async def _finished_ranks(bus: Bus, job_id: str, generation: int) -> set[int]:
                         event.rank is not None
                     ):
                         finished.add(event.rank)
+            # The consumer's position, past the markers of the daemon's transactions (its
+            # ticks), which no record carries.
+            seen = await consumer.position(tp)
     return finished
 
 

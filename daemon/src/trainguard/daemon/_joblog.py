@@ -372,7 +372,9 @@ async def _read_partition(
         while position < end:
             batch = await consumer.getmany(timeout_s=1.0, max_records=10_000)
             if not batch:
-                if time.monotonic() - idle_since > _IDLE_TIMEOUT_S:
+                # Past transaction markers, which no record carries (the daemon's writes).
+                position = await consumer.position(tp)
+                if position < end and time.monotonic() - idle_since > _IDLE_TIMEOUT_S:
                     raise TimeoutError(
                         f"reading {topic} partition {tp.partition} stalled at offset {position} "
                         f"of {end}"
@@ -382,7 +384,7 @@ async def _read_partition(
             for record in batch:
                 if record.offset >= end or (stop is not None and stop(record)):
                     return out
-                position = record.offset + 1
                 if record.key == job_id:
                     out.append(record)
+            position = await consumer.position(tp)
     return out

@@ -477,7 +477,8 @@ async def _read_topic(bus: Bus, topic: str) -> list[Record]:
             for rec in await consumer.getmany(timeout_s=0.5, max_records=10_000):
                 if rec.offset < pending[rec.tp]:
                     out.append(rec)
-                seen[rec.tp] = max(seen[rec.tp], rec.offset + 1)
+            for tp in pending:  # past transaction markers, which no record carries
+                seen[tp] = max(seen[tp], await consumer.position(tp))
     out.sort(key=lambda r: (r.partition, r.offset))
     return out
 

@@ -25,13 +25,29 @@ One loop per daemon process:
    backlog. No tick is written while the bus cannot be reached, nor after an outage until the
    loop has folded what was appended meanwhile (:class:`~trainguard.daemon._buswatch.BusWatch`,
    which probes the bus from a task of its own and tells readiness, lag and outages);
-4. commit the consumed positions after acting.
+4. commit, per partition, everything written for the partition's records together with its
+   consumed position, in one transaction (:mod:`trainguard.daemon._owned`): every 2000 records
+   or ``commit_interval_s``, whichever comes first, and when the loop ends.
+
+Several instances, one owner per partition, exactly-once decisions: every write for a record
+of partition ``p`` (commands, manifests, audit and dead-letter entries, ticks, snapshots) goes
+through ``p``'s :class:`~trainguard.agent.bus.PartitionWriter` (on Kafka a transactional
+producer with a transactional id per partition), so a decision becomes visible exactly when
+the position past its input is committed. After every poll the loop compares the consumer's
+assignment epoch; when it moved, it drops that poll's records and resyncs: closes every writer,
+opens one per assigned partition (which fences the previous owner and settles its open
+transaction), *then* reads the committed positions and rebuilds the jobs from there. A
+transaction that fails is aborted and the partition rolled back to its last commit; a writer
+that is fenced (a newer owner: this instance was paused or cut off) drops its partition's jobs
+at once, logs it, and waits for the group to reassign; if no rebalance comes within a session
+timeout, the loop rejoins the group.
 
 Restart without a second decision: when a partition is assigned, the loop reads it again from
-offset 0 and folds the records before the group's committed position *silently* (rebuilding
-state, acting on nothing), then acts on the rest. A crash between acting and committing makes
-the loop derive the same decisions again; commands already on the bus are recognised (same or
-newer generation in the job's latest command) and not sent twice.
+offset 0 (or its snapshots) and folds the records before the group's committed position
+*silently* (rebuilding state, acting on nothing), then acts on the rest. Outputs of records
+past the committed position were never committed (aborted by the new writer's opening), so
+deriving them again sends nothing twice; a command already on the bus is still recognised
+(same or newer generation in the job's latest command) and not sent again.
 
 Authentication (with keys, :mod:`trainguard.daemon._security`): every command and committed
 manifest is signed, every tick MACed with its job's event key, and intake refuses events whose
@@ -53,14 +69,23 @@ import hashlib
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import orjson
 import structlog
 
 from trainguard.agent._keystore import DaemonKeys, KeyStoreError
-from trainguard.agent.bus import Bus, BusError, Consumer, Record, TopicPartition, open_bus
+from trainguard.agent.bus import (
+    Bus,
+    BusError,
+    Consumer,
+    DeliveryFailed,
+    Fenced,
+    PartitionWriter,
+    Record,
+    TopicPartition,
+    open_bus,
+)
 from trainguard.agent.bus._sqlite_lock import serving_lock
 from trainguard.daemon._audit import config_entry, config_id, decision_entry, refusal_entry
 from trainguard.daemon._buswatch import BusWatch
@@ -79,6 +104,7 @@ from trainguard.daemon._inputs import Observed
 from trainguard.daemon._intake import Refused, take
 from trainguard.daemon._machine import decide, next_deadline, unacted_command
 from trainguard.daemon._metrics import DaemonMetrics
+from trainguard.daemon._owned import Books, Owned
 from trainguard.daemon._pulse import Pulse
 from trainguard.daemon._security import EventAuth
 from trainguard.daemon._settings import DaemonConfig
@@ -120,6 +146,11 @@ may quote what the sender wrote (a record key, say), which nothing else bounds."
 _METRICS_INTERVAL_S = 2.0
 """Seconds between two updates of the gauges of jobs and partitions (a pass over every job)."""
 
+COMMIT_RECORDS = 2000
+"""A partition's transaction is committed once it covers this many folded records (or
+``commit_interval_s`` passed): a commit costs several round trips to the bus, so committing
+less often keeps the fold's throughput with transactions near its throughput without."""
+
 # A command supersedes another of the same generation in this order (restore, then resume,
 # then abort), and one of the same generation and type with a higher seq (the abort refusing a
 # continue after the abort that stopped the job), which is how a re-derived command (same
@@ -131,16 +162,8 @@ def _command_rank(command: Command) -> tuple[int, int, int]:
     return command.generation, _COMMAND_ORDER[type(command)], command.seq
 
 
-@dataclass
-class _Partition:
-    """What the loop knows of one assigned partition of ``events``."""
-
-    replay_until: int  # records before this offset are folded silently (already acted on)
-    position: int = 0  # next offset to process
-    committed: int = 0  # last position committed
-    jobs: set[str] = field(default_factory=set)
-    # job -> position its snapshot covers: its records below are in its state already
-    covered: dict[str, int] = field(default_factory=dict)
+class _Dropped(Exception):
+    """The partition being written for was just rolled back or lost: stop working on it."""
 
 
 class DaemonService:
@@ -176,17 +199,23 @@ class DaemonService:
     ) -> None:
         self._c = config
         self._clock = clock
-        self.jobs: dict[str, JobState] = {}
-        self._partitions: dict[int, _Partition] = {}
-        self._job_partition: dict[str, int] = {}
-        self._sent_commands: dict[str, Command] = {}
+        # The dictionaries below are the books' (one object each, never rebound): rolling a
+        # partition back (_owned.Owned.rollback) updates them in place.
+        self._books = Books()
+        self.jobs: dict[str, JobState] = self._books.jobs
+        self._partitions: dict[int, Owned] = {}
+        self._job_partition: dict[str, int] = self._books.job_partition
+        self._sent_commands: dict[str, Command] = self._books.sent_commands
         self._last_tick_ns: dict[str, int] = {}
-        self._acted_ticks: dict[str, int] = {}  # job -> command seq its last tick named
+        # job -> command seq its last tick named
+        self._acted_ticks: dict[str, int] = self._books.acted_ticks
         self._tick_seq = itertools.count(1)
         self._config_id = config_id(config.machine)
-        self._audited_jobs: set[str] = set()  # jobs whose config entry this process wrote
-        self._acted_since_commit = False
-        self._last_commit = 0.0
+        # jobs whose config entry this process wrote
+        self._audited_jobs: set[str] = self._books.audited
+        self._consumer: Consumer | None = None
+        self._resync_needed = False  # a writer could not be opened, or a commit is in doubt
+        self._dropping: set[int] = set()  # partitions rolled back during the current poll
         self.ready = asyncio.Event()
         """Set once every assigned partition has been rebuilt up to its committed position."""
         self.counters: dict[str, int] = {"folded": 0, "rejected": 0, "commands": 0, "ticks": 0}
@@ -255,6 +284,7 @@ class DaemonService:
         """:meth:`run` once this instance may serve the bus."""
         async with open_bus(self._c.bus) as bus:
             consumer = await bus.subscribe(["events"], self._c.group)
+            self._consumer = consumer
             self._watch.start(bus)
             log.info("daemon started", group=self._c.group, bus=self._c.bus.url)
             if self._snapshots is None or self._keys is None:
@@ -262,58 +292,113 @@ class DaemonService:
                     "snapshots off: every start folds the events log from offset 0",
                     reason="no keys" if self._keys is None else "snapshot_interval_s = 0",
                 )
+            synced: int | None = None
             try:
                 while not stop.is_set():
                     records = await consumer.getmany(timeout_s=self._c.poll_s, max_records=2000)
-                    fresh = await self._sync_assignment(bus, consumer)
-                    for record in records:
-                        if record.partition not in fresh:
-                            await self._process(bus, record)
+                    epoch = consumer.assignment_epoch()
+                    if epoch != synced or self._resync_needed:
+                        # The poll's records may predate the change: they are read again
+                        # from the positions the resync seeks to.
+                        synced = epoch
+                        await self._resync(bus, consumer)
+                    else:
+                        self._dropping.clear()
+                        await self._settle_done()
+                        for record in records:
+                            await self._process(record)
+                        await self._advance(consumer)
+                    if self._rejoin_due():
+                        consumer = await self._rejoin(bus, consumer)
+                        synced = None
                     await self._write_due_ticks(bus)
-                    await self._commit(consumer)
-                    await self._write_snapshots(bus, consumer)
+                    await self._commit()
+                    await self._write_snapshots()
                     self._update_gauges()
                     self._reload_keys()
             finally:
                 await self._watch.close()
-                await self._commit(consumer, force=True)
+                await self._commit(force=True)
                 if stop.is_set():  # a clean stop: the next start reads little of the log
-                    await self._write_snapshots(bus, consumer, force=True)
+                    await self._write_snapshots(force=True)
+                await self._close_writers()
                 await consumer.close()
                 log.info("daemon stopped", folded=self.counters["folded"])
 
     # -- partitions --------------------------------------------------------------------------
 
-    async def _sync_assignment(self, bus: Bus, consumer: Consumer) -> set[int]:
-        """Start rebuilding newly assigned partitions and forget revoked ones.
+    async def _resync(self, bus: Bus, consumer: Consumer) -> None:
+        """Take on the consumer's current assignment from scratch (its epoch moved).
 
-        Returns the newly assigned partitions: records already fetched for them are dropped,
-        because they are read again from offset 0. The jobs' latest commands are read again
-        from the bus first: the previous owner of a partition may have sent commands after
-        this instance started (and died, or failed to commit, before its position covered
-        them), and re-deriving one of them must not send it twice.
+        Eager rebalancing revokes every partition before assigning, so every writer is closed
+        and every job forgotten first. Then, for each assigned partition concurrently: open its
+        writer (fencing the previous owner and settling its open transaction), and only then
+        read the group's committed position, which is stable from that moment. The jobs are
+        rebuilt from their snapshots and the log below that position, silently. The jobs'
+        latest commands are read again from the bus, for the ticks that name them and so that
+        a command already there is never sent twice.
         """
-        assigned = {tp.partition for tp in consumer.assignment() if tp.topic == "events"}
-        for p in self._partitions.keys() - assigned:
-            revoked = self._partitions.pop(p).jobs
-            for job in revoked:
-                self.jobs.pop(job, None)
-                self._job_partition.pop(job, None)
-            if self._snapshots is not None:
-                self._snapshots.forget(revoked)
-            log.info("partition revoked", partition=p)
-        fresh = assigned - self._partitions.keys()
-        if fresh:
-            # Not ready from here on: /healthz reads readiness from another thread while the
-            # fresh partitions are being added.
-            self.ready.clear()
-            await self._load_sent_commands(bus)
-        committed = {p: await consumer.committed(TopicPartition("events", p)) or 0 for p in fresh}
+        self.ready.clear()
+        self._resync_needed = False
+        self._dropping.clear()
+        if self._partitions:
+            log.info("partitions revoked", partitions=sorted(self._partitions))
+        # Commits in flight: whatever their outcome, the new writers settle it on the bus, and
+        # the jobs are rebuilt from the committed positions read after that.
+        flying = {p: part.committing[0] for p, part in self._partitions.items() if part.committing}
+        outcomes = await asyncio.gather(*flying.values(), return_exceptions=True)
+        for p, outcome in zip(flying, outcomes, strict=True):
+            if isinstance(outcome, Fenced):
+                log.error(
+                    "partition lost: a newer owner fenced this instance; its jobs are dropped",
+                    partition=p,
+                    error=str(outcome),
+                )
+        await self._close_writers()
+        for part in self._partitions.values():
+            self._drop_jobs(part)
+        self._partitions = {}
+        assigned = sorted(tp.partition for tp in consumer.assignment() if tp.topic == "events")
+        if not assigned:
+            return
+
+        async def take_on(p: int) -> tuple[PartitionWriter, int]:
+            writer = await bus.partition_writer(self._c.group, p)
+            try:
+                committed = await consumer.committed(TopicPartition("events", p))
+            except BaseException:
+                await writer.close()
+                raise
+            return writer, committed or 0
+
+        results = await asyncio.gather(*(take_on(p) for p in assigned), return_exceptions=True)
+        failed = [
+            (p, r) for p, r in zip(assigned, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if failed:
+            for r in results:
+                if isinstance(r, tuple):
+                    await r[0].close()
+            for p, exc in failed:
+                if not isinstance(exc, Exception):
+                    raise exc
+                log.error("partition not taken on: retrying", partition=p, error=str(exc))
+            self._resync_needed = True
+            return
+        taken = {p: r for p, r in zip(assigned, results, strict=True) if isinstance(r, tuple)}
+        committed = {p: c for p, (_, c) in taken.items()}
         rebuilds: dict[int, Rebuild] = {}
-        if self._snapshots is not None and self._keys is not None and fresh:
-            rebuilds = await self._snapshots.load(bus, committed, self._keys)
-        for p in fresh:
-            part = _Partition(replay_until=committed[p], committed=committed[p])
+        try:
+            await self._load_sent_commands(bus)
+            if self._snapshots is not None and self._keys is not None:
+                rebuilds = await self._snapshots.load(bus, committed, self._keys)
+        except BusError as exc:
+            log.error("partitions not taken on: retrying", error=str(exc))
+            await asyncio.gather(*(writer.close() for writer, _ in taken.values()))
+            self._resync_needed = True
+            return
+        for p, (writer, position) in taken.items():
+            part = Owned(p, writer, replay_until=position, committed=position)
             rebuild = rebuilds.get(p)
             if rebuild is not None:
                 part.position = rebuild.start
@@ -321,6 +406,8 @@ class DaemonService:
                 part.jobs = set(rebuild.states)
                 self.jobs.update(rebuild.states)
                 self._job_partition.update(dict.fromkeys(rebuild.states, p))
+            if part.position >= part.replay_until:
+                part.checkpoint(self._books)  # nothing to replay: the rollback point
             await consumer.seek(TopicPartition("events", p), part.position)
             self._partitions[p] = part
             log.info(
@@ -329,15 +416,145 @@ class DaemonService:
                 replay_until=part.replay_until,
                 start=part.position,
             )
-        if not self.ready.is_set() and self._caught_up():
-            self.ready.set()
-            log.info("daemon ready", partitions=sorted(self._partitions), jobs=len(self.jobs))
-        return fresh
+        self._mark_ready()
+
+    def _mark_ready(self) -> None:
+        """Set :attr:`ready` once every owned partition is rebuilt up to its committed
+        position."""
+        if self.ready.is_set() or not self._caught_up():
+            return
+        self.ready.set()
+        log.info("daemon ready", partitions=sorted(self._partitions), jobs=len(self.jobs))
+
+    def _drop_jobs(self, part: Owned) -> None:
+        self._books.forget(part.jobs)
+        if self._snapshots is not None:
+            self._snapshots.forget(part.jobs)
+        part.jobs = set()
+
+    async def _close_writers(self) -> None:
+        writers = [part.writer for part in self._partitions.values() if part.writer is not None]
+        for part in self._partitions.values():
+            part.writer = None
+        await asyncio.gather(*(writer.close() for writer in writers))
+
+    async def _fenced(self, part: Owned, exc: Fenced) -> None:
+        """``part``'s writer was fenced: a newer owner has the partition (this instance was
+        paused or cut off past the session timeout). Its jobs are dropped at once and its
+        records skipped until the group assigns partitions again."""
+        log.error(
+            "partition lost: a newer owner fenced this instance; its jobs are dropped",
+            partition=part.partition,
+            jobs=len(part.jobs),
+            error=str(exc),
+        )
+        writer, part.writer = part.writer, None
+        part.fenced_at = time.monotonic()
+        self._drop_jobs(part)
+        self._dropping.add(part.partition)
+        if writer is not None:
+            await writer.close()
+
+    async def _failed(self, part: Owned, exc: BusError) -> None:
+        """A write or commit of ``part`` failed: abort its transaction and roll the partition
+        back to its last commit, reading again from there. An abort that fails too leaves the
+        outcome in doubt: every partition is taken on again (a new writer settles it)."""
+        self._dropping.add(part.partition)
+        writer = part.writer
+        assert writer is not None
+        try:
+            await writer.abort()
+        except Fenced as fenced:
+            await self._fenced(part, fenced)
+            return
+        except BusError as doubt:
+            log.error(
+                "transaction in doubt: taking every partition on again",
+                partition=part.partition,
+                error=str(doubt),
+            )
+            self._resync_needed = True
+            return
+        part.rollback(self._books)
+        log.warning(
+            "transaction aborted: partition rolled back to its last commit",
+            partition=part.partition,
+            position=part.position,
+            error=str(exc),
+        )
+        assert self._consumer is not None
+        await self._consumer.seek(TopicPartition("events", part.partition), part.position)
+
+    async def _advance(self, consumer: Consumer) -> None:
+        """Move each partition's position past offsets that carry no record (transaction
+        markers, the daemon's own among them), so that the committed position of a caught-up
+        partition is its end offset: lag reads 0, and agents watching the group's position
+        see their records consumed. Every offset below the consumer's position was returned
+        by a poll, hence folded (or was a marker)."""
+        for p, part in self._partitions.items():
+            if part.writer is None or p in self._dropping or part.committing is not None:
+                continue
+            try:
+                position = await consumer.position(TopicPartition("events", p))
+            except BusError:
+                continue  # just rebalanced away: the next poll's epoch says so
+            part.position = max(part.position, position)
+            if part.at_commit is None and part.position >= part.replay_until:
+                part.checkpoint(self._books)  # the rebuild is done: the rollback point
+        self._mark_ready()
+
+    def _rejoin_due(self) -> bool:
+        """A writer was fenced and no rebalance followed within a session timeout (fenced by
+        the coordinator's transaction timeout rather than by a new owner)."""
+        timeout = self._c.bus.session_timeout_s
+        now = time.monotonic()
+        return any(
+            part.fenced_at is not None and now - part.fenced_at > timeout
+            for part in self._partitions.values()
+        )
+
+    async def _rejoin(self, bus: Bus, consumer: Consumer) -> Consumer:
+        log.warning(
+            "no rebalance followed a fenced writer within the session timeout: rejoining",
+            group=self._c.group,
+        )
+        await consumer.close()
+        self._consumer = await bus.subscribe(["events"], self._c.group)
+        self._resync_needed = True
+        return self._consumer
+
+    async def _out(self, partition: int, topic: str, key: str, value: bytes | None) -> None:
+        """Send one record in ``partition``'s transaction.
+
+        Raises:
+            _Dropped: the partition is not (any more) this instance's, or its transaction
+                failed and it was rolled back: whatever was being done for it stops.
+        """
+        part = self._partitions.get(partition)
+        if part is not None and part.committing is not None:
+            await self._settle(part)
+        if part is None or part.writer is None or partition in self._dropping:
+            raise _Dropped
+        try:
+            await part.writer.send(topic, key, value)
+        except DeliveryFailed as exc:
+            # Over max_message_bytes, refused before it joined the transaction, which goes on:
+            # rolling back would only meet the same record again.
+            log.error("record not written", topic=topic, key=key[:256], error=str(exc))
+            return
+        except Fenced as exc:
+            await self._fenced(part, exc)
+            raise _Dropped from exc
+        except BusError as exc:
+            await self._failed(part, exc)
+            raise _Dropped from exc
+        part.wrote = True
 
     def _caught_up(self) -> bool:
         return all(p.position >= p.replay_until for p in self._partitions.values())
 
     async def _load_sent_commands(self, bus: Bus) -> None:
+        self._books.loaded_commands.clear()
         for job, record in (await bus.latest_per_key("commands")).items():
             if record.value is None:
                 continue
@@ -346,24 +563,43 @@ class DaemonService:
             except SchemaError:
                 continue
             self._sent_commands[job] = command  # type: ignore[assignment]
+            self._books.loaded_commands[job] = command  # type: ignore[assignment]
 
     # -- folding -----------------------------------------------------------------------------
 
-    async def _process(self, bus: Bus, record: Record) -> None:
-        part = self._partitions[record.partition]
+    async def _process(self, record: Record) -> None:
+        part = self._partitions.get(record.partition)
+        if part is not None and part.committing is not None:
+            await self._settle(part)
+        if part is None or part.writer is None or record.partition in self._dropping:
+            return  # fenced, or rolled back during this poll: read again from the seek
         if record.offset < part.position:
             return  # redelivered after a seek
+        silent = record.offset < part.replay_until
+        if not silent and part.at_commit is None:
+            part.checkpoint(self._books)  # the rebuild is done: the rollback point
         part.position = record.offset + 1
+        part.folded += 1
+        try:
+            await self._fold(part, record, silent)
+        except _Dropped:
+            return
+
+    async def _fold(self, part: Owned, record: Record, silent: bool) -> None:
+        """Fold ``record`` into its job and act on the decisions (unless ``silent``).
+
+        Raises:
+            _Dropped: the partition was rolled back or lost while acting.
+        """
         if record.key is not None and record.offset < part.covered.get(record.key, 0):
             return  # folded into the job's snapshot already
-        silent = record.offset < part.replay_until
         taken = take(record, self._rebuild_auth if silent else self._auth)
         if isinstance(taken, Refused):
             if not silent:
                 self.metrics.refused(taken)
                 if taken.auth is not None:
-                    await self._audit_refusal(bus, record, taken)
-                await self._dead_letter(bus, record, taken.reason)
+                    await self._audit_refusal(record, taken)
+                await self._dead_letter(record, taken.reason)
             return
         item, job = taken.input, taken.job_id
         state = self.jobs.get(job)
@@ -395,7 +631,6 @@ class DaemonService:
             else:
                 self.metrics.rejected("ended_job")
                 await self._dead_letter(
-                    bus,
                     record,
                     f"job {job!r} has {state.phase} (generation {state.generation}): input for "
                     "it is ignored; a new run needs a new job id"
@@ -411,34 +646,32 @@ class DaemonService:
         self.metrics.folded(item)
         if not silent and decisions:
             self.metrics.decided(state, new_state, decisions)
-            await self._act(bus, record, job, decisions, taken.input_id)
-        if silent and part.position >= part.replay_until and self._caught_up():
-            self.ready.set()
-            log.info("daemon ready", partitions=sorted(self._partitions), jobs=len(self.jobs))
+            await self._act(record, job, decisions, taken.input_id)
+        if silent and part.position >= part.replay_until:
+            self._mark_ready()
 
     # -- acting ------------------------------------------------------------------------------
 
     async def _act(
         self,
-        bus: Bus,
         record: Record,
         job: str,
         decisions: tuple[Decision, ...],
         identity: dict[str, JSONValue],
     ) -> None:
-        self._acted_since_commit = True
+        p = record.partition
         for decision in decisions:
             match decision:
                 case Issue(command=command):
-                    await self._issue(bus, job, command)
+                    await self._issue(p, job, command)
                 case Committed(manifest=manifest):
-                    await bus.publish("manifests", job, encode(self._sign(manifest)))
+                    await self._out(p, "manifests", job, encode(self._sign(manifest)))
                     log.info(
                         "committed", job_id=job, snapshot=manifest.snapshot_id, step=manifest.step
                     )
                 case Rejected(reason=reason):
                     self.counters["rejected"] += 1
-                    await self._dead_letter(bus, record, reason)
+                    await self._dead_letter(record, reason)
                 case JobFailed(reason=reason):
                     log.error("job failed", job_id=job, reason=reason)
                 case Anomaly(kind="checkpoint_mismatch", reason=reason):
@@ -453,7 +686,7 @@ class DaemonService:
                     log.info(decision.KIND, job_id=job, **_log_fields(decision))
         if job not in self._audited_jobs:
             # The configuration the job's decisions are made under, before the first of them.
-            await bus.publish("audit", job, orjson.dumps(config_entry(job, self._c.machine)))
+            await self._out(p, "audit", job, orjson.dumps(config_entry(job, self._c.machine)))
             self._audited_jobs.add(job)
         audit = decision_entry(
             job,
@@ -464,16 +697,16 @@ class DaemonService:
             config=self._config_id,
             decisions=decisions,
         )
-        # Durable before the position is committed: a crash must not lose the record of a
-        # decision that was acted on.
-        await bus.publish("audit", job, orjson.dumps(audit))
+        # In the transaction of the position past its input: a decision acted on is never
+        # without its record, nor recorded without having been acted on.
+        await self._out(p, "audit", job, orjson.dumps(audit))
 
-    async def _issue(self, bus: Bus, job: str, command: Command) -> None:
+    async def _issue(self, partition: int, job: str, command: Command) -> None:
         sent = self._sent_commands.get(job)
         if sent is not None and _command_rank(sent) >= _command_rank(command):
             log.info("command already sent", job_id=job, generation=command.generation)
             return
-        await bus.publish("commands", job, encode(self._sign(command)))
+        await self._out(partition, "commands", job, encode(self._sign(command)))
         self._sent_commands[job] = command
         self.counters["commands"] += 1
         self.metrics.issued(command, self.jobs[job].incident)
@@ -484,11 +717,10 @@ class DaemonService:
             **({"reason": command.reason} if isinstance(command, Restore | Abort) else {}),
         )
 
-    async def _audit_refusal(self, bus: Bus, record: Record, refused: Refused) -> None:
-        """Record on ``audit`` that ``record`` was refused as not authentic, durably before
-        its position is committed: a replay (which holds no keys) refuses it from there."""
+    async def _audit_refusal(self, record: Record, refused: Refused) -> None:
+        """Record on ``audit`` that ``record`` was refused as not authentic, in the
+        transaction of its position: a replay (which holds no keys) refuses it from there."""
         assert refused.auth is not None  # an authentication refusal
-        self._acted_since_commit = True
         entry = refusal_entry(
             record.key or "",
             partition=record.partition,
@@ -498,9 +730,9 @@ class DaemonService:
             code=refused.auth,
             reason=refused.reason,
         )
-        await bus.publish("audit", record.key or "", orjson.dumps(entry))
+        await self._out(record.partition, "audit", record.key or "", orjson.dumps(entry))
 
-    async def _dead_letter(self, bus: Bus, record: Record, reason: str) -> None:
+    async def _dead_letter(self, record: Record, reason: str) -> None:
         """Park ``record`` on ``dead-letter`` with ``reason``.
 
         Everything the sender controls is bounded, so that an oversized input cannot make its
@@ -536,34 +768,49 @@ class DaemonService:
             partition=record.partition,
             offset=record.offset,
         )
-        delivery = await bus.send("dead-letter", short_key, orjson.dumps(entry))
-        delivery.add_done_callback(_log_failed_delivery)
+        await self._out(record.partition, "dead-letter", short_key, orjson.dumps(entry))
 
     # -- snapshots ---------------------------------------------------------------------------
 
-    async def _write_snapshots(self, bus: Bus, consumer: Consumer, *, force: bool = False) -> None:
-        """Every ``snapshot_interval_s`` (or now, with ``force``): commit, then write a round of
-        snapshots for each partition whose state is at its committed position and caught up
-        (everything below it acted on); a partition whose commit failed waits for the next
-        round."""
+    async def _write_snapshots(self, *, force: bool = False) -> None:
+        """Every ``snapshot_interval_s`` (or now, with ``force``): for each partition caught
+        up with its committed position, write a round of snapshots at its position in its open
+        transaction and commit that position with them, so that a round is visible exactly
+        when the position it names is the committed one. A partition whose commit fails
+        waits for the next round."""
         keys = self._keys
         if self._snapshots is None or keys is None:
             return
         if not (force or time.monotonic() >= self._snapshot_due):
             return
         self._snapshot_due = time.monotonic() + self._c.snapshot_interval_s
-        await self._commit(consumer, force=True)
-        for p, part in self._partitions.items():
-            if part.position != part.committed or part.position < part.replay_until:
-                continue
+        snapshots = self._snapshots
+        parts = [
+            part
+            for part in self._partitions.values()
+            if part.writer is not None and part.position >= part.replay_until
+        ]
+
+        async def one(part: Owned) -> None:
+            await self._settle(part)
+            p, writer = part.partition, part.writer
+            if writer is None or p in self._dropping:
+                return
             states = {job: self.jobs[job] for job in part.jobs}
             try:
-                written = await self._snapshots.write(bus, p, part.position, states, keys)
+                written = await snapshots.write(writer, p, part.position, states, keys)
+            except Fenced as exc:
+                await self._fenced(part, exc)
+                return
             except BusError as exc:
-                log.warning("snapshots not written", partition=p, error=str(exc))
-                continue
-            if written:
+                await self._failed(part, exc)
+                return
+            part.wrote = part.wrote or written > 0
+            self._start_commit(part)
+            if await self._settle(part) and written:
                 log.info("snapshots written", partition=p, offset=part.position, jobs=written)
+
+        await asyncio.gather(*(one(part) for part in parts))
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -619,7 +866,8 @@ class DaemonService:
         quiet_clock = time.monotonic()
         min_gap = int(self._c.tick_interval_s * 1e9)
         self._pulse.keep(self.jobs)
-        for job, state in self.jobs.items():
+        # A copy: a failed write rolls its partition's jobs back (or drops them) meanwhile.
+        for job, state in list(self.jobs.items()):
             pulse = self._pulse.due(job, state, quiet_clock)
             if state.phase in TERMINAL_PHASES:
                 continue
@@ -660,7 +908,10 @@ class DaemonService:
                 continue
             if event_key is not None:
                 tick = add_mac(tick, *event_key)
-            await bus.send("events", job, encode(tick))
+            try:
+                await self._out(self._job_partition[job], "events", job, encode(tick))
+            except _Dropped:
+                continue
             self._acted_ticks[job] = on_bus
             self.counters["ticks"] += 1
             self.metrics.tick_written()
@@ -675,30 +926,67 @@ class DaemonService:
         self._metrics_due = now + _METRICS_INTERVAL_S
         self.metrics.observe_assignment(len(self._partitions), self.jobs.values())
 
-    async def _commit(self, consumer: Consumer, *, force: bool = False) -> None:
+    async def _commit(self, *, force: bool = False) -> None:
+        """Start committing the transaction of each partition that is due
+        (:meth:`Owned.commit_due`: :data:`COMMIT_RECORDS` folded or ``commit_interval_s``
+        passed), partitions concurrently, without waiting: the loop polls and folds the other
+        partitions meanwhile (a commit is several round trips to the bus). With ``force``
+        (the loop's end), commit every partition and wait for the outcomes."""
         now = time.monotonic()
-        if not (
-            force
-            or self._acted_since_commit
-            or now - self._last_commit >= self._c.commit_interval_s
-        ):
+        interval = 0.0 if force else self._c.commit_interval_s
+        if force:
+            await self._settle_all()
+        for part in self._partitions.values():
+            if part.commit_due(now, COMMIT_RECORDS, interval):
+                self._start_commit(part)
+        if force:
+            await self._settle_all()
+
+    def _start_commit(self, part: Owned) -> None:
+        """Start committing everything sent for ``part`` and its position (once past the
+        committed one); :meth:`_settle` takes the outcome in."""
+        writer = part.writer
+        if writer is None or part.committing is not None:
             return
-        positions = {
-            TopicPartition("events", p): part.position
-            for p, part in self._partitions.items()
+        offsets = (
+            {TopicPartition("events", part.partition): part.position}
             if part.position > part.committed and part.position >= part.replay_until
-        }
-        self._last_commit = now
-        self._acted_since_commit = False
-        if not positions:
-            return
+            else {}
+        )
+        if not offsets and not part.wrote:
+            return  # nothing to commit
+        part.committing = (asyncio.ensure_future(writer.commit(offsets)), part.position)
+
+    async def _settle(self, part: Owned) -> bool:
+        """Wait for ``part``'s commit in flight, if any, and take its outcome in: the new
+        rollback point, or the partition rolled back (failure) or dropped (fenced). Returns
+        whether a commit succeeded."""
+        if part.committing is None:
+            return False
+        commit, position = part.committing
+        part.committing = None
         try:
-            await consumer.commit(positions)
+            await commit
+        except Fenced as exc:
+            await self._fenced(part, exc)
+            return False
         except BusError as exc:
-            log.warning("commit failed", error=str(exc))
-            return
-        for tp, position in positions.items():
-            self._partitions[tp.partition].committed = position
+            await self._failed(part, exc)
+            return False
+        if position >= part.replay_until:
+            part.committed_now(self._books, position)
+        return True
+
+    async def _settle_done(self) -> None:
+        """Take in the outcome of every commit that finished (right after a poll, before its
+        records are folded: a partition rolled back now drops its records of that poll)."""
+        for part in list(self._partitions.values()):
+            if part.committing is not None and part.committing[0].done():
+                await self._settle(part)
+
+    async def _settle_all(self) -> None:
+        for part in list(self._partitions.values()):
+            await self._settle(part)
 
 
 def _late_report(state: JobState, item: Observed) -> bool:
@@ -716,11 +1004,6 @@ def _cut(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text) - limit} more characters cut)"
-
-
-def _log_failed_delivery(delivery: asyncio.Future[Any]) -> None:
-    if not delivery.cancelled() and (exc := delivery.exception()) is not None:
-        log.error("dead-letter entry lost", error=str(exc))
 
 
 def _log_fields(decision: Decision) -> dict[str, object]:

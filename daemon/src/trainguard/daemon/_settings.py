@@ -86,8 +86,9 @@ class DaemonConfig:
             what was appended meanwhile.
         max_lag_records: ``/healthz`` is not ready while the owned partitions are behind
             their end offsets by more records than this, in total (as of the last probe).
-        commit_interval_s: longest time between commits of consumed positions, seconds.
-            Positions are also committed right after decisions were acted on.
+        commit_interval_s: longest time, seconds, between two commits of a partition's
+            transaction (its consumed position with everything written for its records:
+            decisions become visible to agents then). Also committed every 2000 records.
         metrics_host: address ``trainguard daemon`` serves ``/metrics`` and ``/healthz`` on
             (``0.0.0.0`` or ``::`` for every interface).
         metrics_port: TCP port of that server; 0 picks a free port (logged as ``metrics
@@ -117,7 +118,7 @@ class DaemonConfig:
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 2.0
     max_lag_records: int = 10_000
-    commit_interval_s: float = 1.0
+    commit_interval_s: float = 0.1
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     snapshot_interval_s: float = 60.0

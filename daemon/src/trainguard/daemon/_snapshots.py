@@ -5,9 +5,10 @@ The envelope (sign + encrypt) is :mod:`trainguard.daemon._snapshot`; this module
 writes the compacted ``snapshots`` topic (key: job id; co-partitioned with ``events``).
 
 **Writing.** Every ``snapshot_interval_s`` and on a clean shutdown, for each owned partition
-of ``events`` whose position ``P`` is committed and caught up with the group's committed
-position (so everything below ``P`` has been acted on), the service hands every job it holds
-in the partition to :meth:`Snapshots.write`: one *round* at ``P``. Each snapshot's header
+of ``events`` whose position ``P`` is caught up with the group's committed position, the
+service hands every job it holds in the partition to :meth:`Snapshots.write`: one *round* at
+``P``, sent in the partition's transaction that commits ``P`` (so everything below ``P`` has
+been acted on exactly when the round is visible). Each snapshot's header
 names ``P`` and the round's jobs (count and digest, :class:`~trainguard.daemon._snapshot.Round`).
 A job whose state is the very object last written for it, under the current key ids, is not
 written again: its latest snapshot, at an older position, still holds its current state (a
@@ -57,7 +58,6 @@ read).
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -67,7 +67,7 @@ from typing import Protocol
 import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from trainguard.agent.bus import Bus, BusError, Delivery
+from trainguard.agent.bus import Bus, BusError, DeliveryFailed, PartitionWriter
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._metrics import DaemonMetrics
 from trainguard.daemon._snapshot import (
@@ -305,26 +305,33 @@ class Snapshots:
 
     async def write(
         self,
-        bus: Bus,
+        out: PartitionWriter,
         partition: int,
         position: int,
         states: Mapping[str, JobState],
         keys: SnapshotKeys,
     ) -> int:
-        """Write one round: the snapshots of ``states`` (every job held in ``partition``, each
-        folded up to ``position``, a committed position), sealed with ``keys``' current signing
-        and data keys; a job whose state and key ids are
-        those of its last written snapshot is left out. Failures are logged (the next round
-        writes the job again). Returns the number of snapshots written.
+        """Write one round into ``partition``'s open transaction (``out``): the snapshots of
+        ``states`` (every job held in ``partition``, each folded up to ``position``, the
+        position the caller commits with them), sealed with ``keys``' current signing and
+        data keys; a job whose state and key ids are those of its last written snapshot is
+        left out. Returns the number of snapshots sent.
+
+        A round whose transaction aborts leaves each job's previous snapshot as its latest:
+        older, still its state at its own position (point 1 above), so a rebuild stays exact.
+
+        A snapshot over the bus's ``max_message_bytes`` is left out (logged); the job's
+        previous one, if any, stays its latest.
 
         Raises:
-            BusError: a record could not be queued (the bus is closed).
+            Fenced: ``out`` was fenced.
+            BusError: a record could not be sent (abort the transaction).
         """
         if not states:
             return 0
         kids = (keys.signing_kid, keys.data_kid)
         round = Round.of(partition, position, states)
-        sent: list[tuple[str, JobState, asyncio.Future[Delivery]]] = []
+        written = 0
         for job, state in sorted(states.items()):
             last = self._written.get(job)
             if last is not None and last.state is state and last.kids == kids:
@@ -344,12 +351,9 @@ class Snapshots:
             except StateFormatError as exc:  # a bug: the codec's tests cover reachable states
                 log.error("snapshot not written: state not encodable", job_id=job, error=str(exc))
                 continue
-            sent.append((job, state, await bus.send(TOPIC, job, value)))
-        written = 0
-        for job, state, delivery in sent:
             try:
-                await delivery
-            except BusError as exc:
+                await out.send(TOPIC, job, value)
+            except DeliveryFailed as exc:  # too large: the transaction goes on without it
                 log.warning("snapshot not written", job_id=job, partition=partition, error=str(exc))
                 continue
             self._written[job] = _Written(state, kids)

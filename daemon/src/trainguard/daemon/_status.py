@@ -174,7 +174,10 @@ async def read_topic(
             for record in records:
                 if record.offset < ends[record.tp]:
                     yield record
-                seen[record.tp] = max(seen[record.tp], record.offset + 1)
+            # The consumer's position, not the last record's offset: a partition written in
+            # transactions ends with markers that no record carries.
+            for tp in ends:
+                seen[tp] = max(seen[tp], await consumer.position(tp))
 
 
 def job_summary(status: JobStatus, now_ns: int) -> dict[str, JSONValue]:

@@ -25,8 +25,17 @@ from trainguard.agent.bus._errors import (
     BusUnavailable,
     BusURLError,
     DeliveryFailed,
+    Fenced,
 )
-from trainguard.agent.bus._port import Bus, Consumer, Delivery, Record, TopicPartition, TopicSpec
+from trainguard.agent.bus._port import (
+    Bus,
+    Consumer,
+    Delivery,
+    PartitionWriter,
+    Record,
+    TopicPartition,
+    TopicSpec,
+)
 
 __all__ = [
     "DEFAULT_BUS_URL",
@@ -41,7 +50,9 @@ __all__ = [
     "Consumer",
     "Delivery",
     "DeliveryFailed",
+    "Fenced",
     "KafkaSecurity",
+    "PartitionWriter",
     "Record",
     "TopicPartition",
     "TopicSpec",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BusClosed", "BusError", "BusURLError", "BusUnavailable", "DeliveryFailed"]
+__all__ = ["BusClosed", "BusError", "BusURLError", "BusUnavailable", "DeliveryFailed", "Fenced"]
 
 
 class BusError(Exception):
@@ -48,3 +48,13 @@ class DeliveryFailed(BusError):
 
 class BusClosed(BusError):
     """The bus or consumer was used after ``close()``."""
+
+
+class Fenced(BusError):
+    """A :class:`~trainguard.agent.bus.PartitionWriter` lost its partition to a newer owner
+    (Kafka: another producer initialised the same transactional id, or the coordinator aborted
+    a transaction that outlived ``transaction.timeout.ms``; embedded bus: the member's lease
+    ended or it rejoined its group). Nothing it sent after its last successful commit is ever
+    visible. Not retriable: the writer is dead; a new one may be opened only once the consumer
+    group assigns the partition again (opening one earlier would fence the new owner).
+    """

@@ -18,6 +18,18 @@ issues cited inline):
 * A failed first connection names its cause (refused, TLS handshake, SASL credentials):
   aiokafka's bootstrap only logs it and raises "Unable to bootstrap", so the adapter connects
   once more by hand to find it (:meth:`KafkaBus._connect_failure`).
+* Group consumers get a ``ConsumerRebalanceListener`` that only bumps an assignment epoch and
+  records the assignment. aiokafka keeps ``assignment()`` unchanged through a rejoin (a member
+  evicted while paused gets the same partitions back and never sees a difference), and keeps
+  returning records from ``getmany`` while a listener callback is still awaited, so the
+  callbacks do no work of their own: the caller compares the epoch after each poll.
+* :meth:`KafkaBus.partition_writer` is one transactional producer per owned partition
+  (``transactional_id = f"{prefix}daemon-{p}"``, the pre-KIP-447 pattern: aiokafka's
+  transaction RPCs are v0), whose ``init_transactions`` fences the previous owner.
+  :class:`_KafkaPartitionWriter` wraps aiokafka's transaction state machine, which checks its
+  transitions with ``assert`` (an ``AssertionError``, or silent corruption under ``python
+  -O``): no begin while a commit or abort is pending, and nothing at all after
+  ``ProducerFenced``.
 * Topics are created on start-up with ``message.timestamp.type=LogAppendTime``: a record's
   timestamp is the broker's append time, which is what the daemon's state machine uses as its
   clock (sender clocks may be skewed).
@@ -30,7 +42,7 @@ import contextlib
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka import TopicPartition as KafkaTP
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.conn import create_conn
@@ -38,14 +50,23 @@ from aiokafka.errors import (
     GroupCoordinatorNotAvailableError,
     KafkaConnectionError,
     KafkaError,
+    ProducerFenced,
     SaslAuthenticationFailed,
 )
 from aiokafka.helpers import create_ssl_context
 
 from trainguard.agent.bus._config import BusConfig
-from trainguard.agent.bus._errors import BusClosed, BusError, BusUnavailable, DeliveryFailed
+from trainguard.agent.bus._errors import BusClosed, BusError, BusUnavailable, DeliveryFailed, Fenced
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.agent.bus._port import Bus, Consumer, Delivery, Record, TopicPartition, TopicSpec
+from trainguard.agent.bus._port import (
+    Bus,
+    Consumer,
+    Delivery,
+    PartitionWriter,
+    Record,
+    TopicPartition,
+    TopicSpec,
+)
 
 __all__ = ["KafkaBus"]
 
@@ -55,6 +76,10 @@ _T = TypeVar("_T")
 _TOPIC_ALREADY_EXISTS = 36
 # Room for record and batch headers on top of the largest value we accept.
 _FRAMING_BYTES = 64 * 1024
+# Kafka's transaction.timeout.ms for partition writers: a transaction open longer (its owner
+# paused, say) is aborted by the coordinator. Also how long a stalled owner's open transaction
+# can hold back read_committed readers of the topics it wrote to when no new owner fences it.
+_TRANSACTION_TIMEOUT_MS = 30_000
 
 
 class KafkaBus(Bus):
@@ -148,8 +173,8 @@ class KafkaBus(Bus):
             linger_ms=opts.pop("linger_ms", 0),
             **opts,
         )
-        # read_committed: its end offsets are the last stable offsets (an open transaction's
-        # records are not counted), the offsets a read_committed reader can reach.
+        # read_committed: end_offsets() is then the last stable offset, not the high
+        # watermark, which an open transaction of a daemon would hold readers behind.
         meta = AIOKafkaConsumer(
             **self._client_kwargs(),
             group_id=None,
@@ -349,12 +374,13 @@ class KafkaBus(Bus):
         """Join consumer group ``group_id`` (Kafka group protocol, eager rebalancing)."""
         self._started_producer()
         inner = AIOKafkaConsumer(
-            *(self._full(t) for t in topics),
             **self._consumer_kwargs(),
             group_id=group_id,
             auto_offset_reset="earliest" if from_beginning else "latest",
         )
-        return await self._started_consumer(inner, group_id)
+        listener = _Rebalances()
+        inner.subscribe([self._full(t) for t in topics], listener=listener)
+        return await self._started_consumer(inner, group_id, listener)
 
     async def assign(self, positions: Mapping[TopicPartition, int | None]) -> Consumer:
         """Read partitions from explicit offsets, without a group (``None`` = end)."""
@@ -376,16 +402,45 @@ class KafkaBus(Bus):
         return self._config.send_timeout_s
 
     async def _started_consumer(
-        self, inner: AIOKafkaConsumer, group_id: str | None
+        self, inner: AIOKafkaConsumer, group_id: str | None, listener: _Rebalances | None = None
     ) -> _KafkaConsumer:
         try:
             await self._bounded("starting consumer", inner.start(), self._config.connect_timeout_s)
         except BusError:
             await _close_quietly(inner.stop(), self._timeout)
             raise
-        consumer = _KafkaConsumer(self, inner, group_id)
+        consumer = _KafkaConsumer(self, inner, group_id, listener)
         self._consumers.add(consumer)
         return consumer
+
+    async def partition_writer(self, group_id: str, partition: int) -> PartitionWriter:
+        """See :meth:`Bus.partition_writer`: a started transactional producer with
+        ``transactional_id = f"{prefix}daemon-{partition}"``; starting it runs
+        ``InitProducerId``, which bumps the id's epoch (fencing the previous producer) and
+        settles its open transaction. Raises :class:`BusUnavailable` after
+        ``connect_timeout_s``."""
+        self._started_producer()
+        opts = dict(self._config.kafka_options)
+        opts.pop("acks", None)  # a transactional producer always uses acks=all
+        opts.pop("enable_idempotence", None)
+        producer = AIOKafkaProducer(
+            **self._client_kwargs(),
+            transactional_id=f"{self._config.prefix}daemon-{partition}",
+            transaction_timeout_ms=_TRANSACTION_TIMEOUT_MS,
+            max_request_size=self._config.max_message_bytes + _FRAMING_BYTES,
+            linger_ms=opts.pop("linger_ms", 0),
+            **opts,
+        )
+        try:
+            await self._bounded(
+                f"initialising the transactions of partition {partition}",
+                producer.start(),
+                self._config.connect_timeout_s,
+            )
+        except BusError:
+            await _close_quietly(producer.stop(), self._timeout)
+            raise
+        return _KafkaPartitionWriter(self, producer, group_id, partition)
 
     async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
         """Next offset of every partition of ``topic`` as a ``read_committed`` reader sees it:
@@ -460,13 +515,38 @@ class KafkaBus(Bus):
         self._consumers.discard(consumer)
 
 
+class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Counts a group member's rebalances and keeps its latest assignment; does nothing else
+    (see the module docstring for why). Eager rebalancing revokes every partition first, so
+    between the two callbacks the member owns nothing."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.assigned: frozenset[KafkaTP] = frozenset()
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self.epoch += 1
+        self.assigned = frozenset()
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self.epoch += 1
+        self.assigned = frozenset(assigned)
+
+
 class _KafkaConsumer(Consumer):
     """A started aiokafka consumer behind the port's :class:`Consumer` interface."""
 
-    def __init__(self, bus: KafkaBus, inner: AIOKafkaConsumer, group_id: str | None) -> None:
+    def __init__(
+        self,
+        bus: KafkaBus,
+        inner: AIOKafkaConsumer,
+        group_id: str | None,
+        listener: _Rebalances | None = None,
+    ) -> None:
         self._bus = bus
         self._inner = inner
         self._group_id = group_id
+        self._listener = listener
         self._closed = False
 
     async def getmany(self, timeout_s: float = 1.0, max_records: int = 1000) -> list[Record]:
@@ -528,6 +608,17 @@ class _KafkaConsumer(Consumer):
             raise BusClosed("consumer is closed")
         self._inner.seek(KafkaTP(self._bus._full(tp.topic), tp.partition), offset)
 
+    async def position(self, tp: TopicPartition) -> int:
+        """See :meth:`Consumer.position` (aiokafka's fetch position, which skips control
+        records)."""
+        if self._closed:
+            raise BusClosed("consumer is closed")
+        ktp = KafkaTP(self._bus._full(tp.topic), tp.partition)
+        try:
+            return int(await asyncio.wait_for(self._inner.position(ktp), self._bus._timeout))
+        except (KafkaError, TimeoutError, AssertionError) as exc:
+            raise BusError(f"position of {tp} unknown: {exc!r}") from exc
+
     async def reached(self, ends: Mapping[TopicPartition, int]) -> bool:
         """Whether this consumer's position is at or past ``ends`` for every partition."""
         for tp, end in ends.items():
@@ -538,11 +629,15 @@ class _KafkaConsumer(Consumer):
         return True
 
     def assignment(self) -> frozenset[TopicPartition]:
-        """Partitions currently assigned (changes after a group rebalance)."""
+        """Partitions currently assigned: for a group member, those of the group's latest
+        assignment as the rebalance listener saw it (empty during a rebalance)."""
         logical = self._bus._logical
-        return frozenset(
-            TopicPartition(logical(k.topic), k.partition) for k in self._inner.assignment()
-        )
+        tps = self._inner.assignment() if self._listener is None else self._listener.assigned
+        return frozenset(TopicPartition(logical(k.topic), k.partition) for k in tps)
+
+    def assignment_epoch(self) -> int:
+        """See :meth:`Consumer.assignment_epoch`: the rebalance listener's callback count."""
+        return 0 if self._listener is None else self._listener.epoch
 
     async def close(self) -> None:
         """Leave the group and disconnect, bounded by the bus's send timeout."""
@@ -551,6 +646,177 @@ class _KafkaConsumer(Consumer):
         self._closed = True
         self._bus._forget(self)
         await _close_quietly(self._inner.stop(), self._bus._timeout)
+
+
+class _KafkaPartitionWriter(PartitionWriter):
+    """A transactional producer for one owned partition (see :meth:`KafkaBus.partition_writer`).
+
+    Keeps its own state so that aiokafka's asserted transitions are never tripped:
+    ``ready`` (no transaction), ``open`` (begun, records or offsets added), ``ending`` (a
+    commit or abort in flight, held as a shielded task: a caller's timeout never cancels it,
+    and the next call awaits the same task), ``abortable`` (the transaction failed: only
+    :meth:`abort` is allowed), ``fenced`` and ``closed``.
+    """
+
+    def __init__(
+        self, bus: KafkaBus, producer: AIOKafkaProducer, group_id: str, partition: int
+    ) -> None:
+        self._bus = bus
+        self._producer = producer
+        self._group_id = group_id
+        self._partition = partition
+        self._state = "ready"
+        self._ending: asyncio.Task[None] | None = None
+        self._committing = False  # whether _ending is a commit (else an abort)
+
+    def _check(self) -> None:
+        txn = self._producer._txn_manager
+        if self._state != "closed" and txn is not None and txn.is_fatal_error():
+            # The sender task hit ProducerFenced (or another fatal error) on its own: every
+            # transition from here would trip an assert.
+            self._state = "fenced"
+            self._retrieve_end()
+        if self._state == "fenced":
+            raise Fenced(f"writer of partition {self._partition} was fenced by a newer owner")
+        if self._state == "closed":
+            raise BusClosed(f"writer of partition {self._partition} is closed")
+
+    def _failed(self, what: str, exc: BaseException) -> BusError:
+        """The error for a failed call; marks the writer fenced or abortable."""
+        txn = self._producer._txn_manager
+        if isinstance(exc, ProducerFenced) or isinstance(
+            getattr(exc, "__cause__", None), ProducerFenced
+        ):
+            self._state = "fenced"
+            self._retrieve_end()
+            return Fenced(
+                f"partition {self._partition}: {what} refused, a newer owner fenced this writer"
+            )
+        if txn is not None and txn.is_fatal_error():
+            # Unusable for another reason (say, authorisation): as good as fenced for the
+            # caller, who must not open a writer again before a new assignment.
+            self._state = "fenced"
+            self._retrieve_end()
+            return Fenced(f"partition {self._partition}: {what} failed fatally: {exc!r}")
+        self._state = "abortable"
+        err = BusError(f"partition {self._partition}: {what} failed: {exc!r}")
+        err.retriable = True
+        return err
+
+    def _retrieve_end(self) -> None:
+        """Mark the fatal error aiokafka stored in its transaction-end future as seen: nobody
+        awaits it once the writer is fenced, and asyncio would log it as never retrieved."""
+        txn = self._producer._txn_manager
+        waiter = None if txn is None else txn.wait_for_transaction_end()
+        if waiter is not None and waiter.done() and not waiter.cancelled():
+            waiter.exception()
+
+    async def _settle(self) -> None:
+        """Await a commit or abort in flight (bounded); the writer is then ready again."""
+        if self._ending is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ending), self._bus._timeout)
+        except TimeoutError as exc:
+            err = BusError(
+                f"partition {self._partition}: transaction end not confirmed within "
+                f"{self._bus._timeout:g} s (in doubt)"
+            )
+            err.retriable = True
+            raise err from exc
+        except (KafkaError, AssertionError) as exc:
+            self._ending = None
+            raise self._failed("ending the transaction", exc) from exc
+        self._ending = None
+        self._state = "ready"
+
+    async def _begin(self) -> None:
+        await self._settle()
+        if self._state == "ready":
+            try:
+                await self._producer.begin_transaction()
+            except (KafkaError, AssertionError) as exc:
+                raise self._failed("begin", exc) from exc
+            self._state = "open"
+        elif self._state == "abortable":
+            err = BusError(f"partition {self._partition}: the transaction failed: abort() first")
+            err.retriable = True
+            raise err
+
+    async def send(self, topic: str, key: str, value: bytes | None) -> None:
+        """See :meth:`PartitionWriter.send`."""
+        self._check()
+        if value is not None and len(value) > self._bus._config.max_message_bytes:
+            raise DeliveryFailed(
+                f"{topic}: record of {len(value)} bytes exceeds max_message_bytes="
+                f"{self._bus._config.max_message_bytes}"
+            )
+        partition = partition_for(key, await self._bus.partitions(topic))
+        await self._begin()
+        try:
+            sent = await self._producer.send(
+                self._bus._full(topic), value, key=key.encode(), partition=partition
+            )
+        except (KafkaError, AssertionError) as exc:
+            raise self._failed(f"send to {topic!r}", exc) from exc
+        # A failed delivery fails the transaction, which commit() reports; retrieve the
+        # exception here so that asyncio does not log it as never retrieved.
+        sent.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
+
+    async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """See :meth:`PartitionWriter.commit`: ``send_offsets_to_transaction`` then
+        ``commit_transaction`` (a transaction is opened for offsets alone if none is)."""
+        self._check()
+        if self._ending is None:
+            await self._begin()
+            kafka_offsets = {
+                KafkaTP(self._bus._full(tp.topic), tp.partition): off for tp, off in offsets.items()
+            }
+            self._ending = asyncio.ensure_future(self._end_commit(kafka_offsets))
+            self._committing = True
+            self._state = "ending"
+        await self._settle()
+
+    async def _end_commit(self, offsets: dict[KafkaTP, int]) -> None:
+        if offsets:
+            await self._producer.send_offsets_to_transaction(offsets, self._group_id)
+        await self._producer.commit_transaction()
+
+    async def abort(self) -> None:
+        """See :meth:`PartitionWriter.abort`."""
+        self._check_quiet()
+        if self._state in ("fenced", "closed", "ready"):
+            return
+        if self._state == "ending" and self._committing:
+            err = BusError(
+                f"partition {self._partition}: a commit is in doubt and cannot be aborted: "
+                "close the writer and open a new one"
+            )
+            err.retriable = True
+            raise err
+        if self._state in ("open", "abortable"):
+            try:
+                self._ending = asyncio.ensure_future(self._producer.abort_transaction())
+            except (KafkaError, AssertionError) as exc:
+                raise self._failed("abort", exc) from exc
+            self._committing = False
+            self._state = "ending"
+        await self._settle()
+
+    def _check_quiet(self) -> None:
+        try:
+            self._check()
+        except BusError:
+            return
+
+    async def close(self) -> None:
+        """See :meth:`PartitionWriter.close`: stops the producer (bounded)."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        if self._ending is not None:
+            self._ending.cancel()
+        await _close_quietly(self._producer.stop(), self._bus._timeout)
 
 
 async def _close_quietly(aw: Awaitable[Any], timeout_s: float) -> None:

@@ -15,6 +15,10 @@ Semantics shared by both adapters (tested by ``tests/bus/test_contract.py``):
 * A committed position is the offset of the *next* record to read (Kafka's convention).
 * A consumer group member that restarts resumes at the committed positions; records after
   them are delivered again (at-least-once), none before them is lost.
+* A :class:`PartitionWriter` makes a group member's writes and its consumed position of one
+  partition visible together or not at all (exactly-once processing), and is fenced
+  (:class:`~trainguard.agent.bus.Fenced`) once the partition has a newer owner. Readers see
+  only committed writes (Kafka consumers read with ``isolation_level="read_committed"``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ __all__ = [
     "Bus",
     "Consumer",
     "Delivery",
+    "PartitionWriter",
     "Record",
     "TopicPartition",
     "TopicSpec",
@@ -140,8 +145,33 @@ class Consumer(abc.ABC):
         """Make the next :meth:`getmany` for ``tp`` start at ``offset``."""
 
     @abc.abstractmethod
+    async def position(self, tp: TopicPartition) -> int:
+        """The offset of the next record :meth:`getmany` may return for assigned ``tp``.
+
+        Past every offset that no record carries (Kafka's transaction markers, records
+        removed by compaction), so a reader that wants everything up to an end offset from
+        :meth:`Bus.end_offsets` compares this, not the last record's offset + 1: the offsets
+        just before the end of a partition written in transactions are markers. Raises
+        :class:`~trainguard.agent.bus.BusError` for a partition not assigned.
+        """
+
+    @abc.abstractmethod
     def assignment(self) -> frozenset[TopicPartition]:
-        """The partitions this consumer currently reads."""
+        """The partitions this consumer currently reads (for a group member: those of the
+        group's latest assignment to it, empty while a rebalance is under way)."""
+
+    @abc.abstractmethod
+    def assignment_epoch(self) -> int:
+        """A counter that grows whenever this member's partitions may have changed hands.
+
+        Bumped by every revocation and every assignment the group makes (Kafka: each
+        ``ConsumerRebalanceListener`` callback; embedded bus: a change of the member's share,
+        or a rejoin after its lease ended), even when the member gets the very partitions back
+        that it had: another member may have owned and written them meanwhile. A caller that
+        keeps state per partition compares it after each :meth:`getmany` and, when it moved,
+        drops that poll's records and rebuilds from the committed positions. Always 0 for a
+        consumer made by :meth:`Bus.assign`.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -157,6 +187,59 @@ class Consumer(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+class PartitionWriter(abc.ABC):
+    """Writes of one consumer-group member for one partition it owns, made visible together
+    with the member's consumed position of that partition (get one from
+    :meth:`Bus.partition_writer`).
+
+    Records sent are invisible to every reader (Kafka: to ``read_committed`` readers) until
+    :meth:`commit`, which makes them and the given positions durable atomically; after
+    :meth:`abort`, or when the writer is fenced or the process dies, they never appear. Not
+    safe for concurrent use by several tasks.
+    """
+
+    @abc.abstractmethod
+    async def send(self, topic: str, key: str, value: bytes | None) -> None:
+        """Add one record (to ``key``'s partition of logical ``topic``) to the open
+        transaction, opening one if none is; returns without waiting for the bus.
+
+        Raises:
+            DeliveryFailed: the value is over ``max_message_bytes``: nothing was added, the
+                transaction goes on.
+            Fenced: the writer was fenced; it is unusable.
+            BusError: an unknown topic, the writer closed, or (retriable) the bus refused the
+                record: :meth:`abort`, then go on.
+        """
+
+    @abc.abstractmethod
+    async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Make every record sent since the last commit or abort visible, together with
+        ``offsets`` (the group's committed positions: offset of the next record to read), or
+        nothing of them. Bounded by the bus's send timeout.
+
+        Raises:
+            Fenced: the partition has a newer owner; nothing of this transaction is visible,
+                and the writer is unusable.
+            BusError: anything else (retriable): nothing of this transaction became visible if
+                :meth:`abort` then succeeds; if :meth:`abort` raises too, the outcome is in
+                doubt and the caller must close the writer and open a new one (whose opening
+                settles it) before reading the committed positions again.
+        """
+
+    @abc.abstractmethod
+    async def abort(self) -> None:
+        """Drop every record sent since the last commit; a no-op on a fenced writer.
+
+        Raises:
+            BusError: the abort could not be completed (see :meth:`commit`).
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the writer; an open transaction is aborted (by the bus, at the latest when
+        a new writer for the partition opens). Never raises. Idempotent."""
 
 
 class Bus(abc.ABC):
@@ -216,6 +299,24 @@ class Bus(abc.ABC):
         """Read the given partitions without a group, each from an explicit offset.
 
         ``None`` means the partition's end (only records appended later are read).
+        """
+
+    @abc.abstractmethod
+    async def partition_writer(self, group_id: str, partition: int) -> PartitionWriter:
+        """Open the transactional writer of this bus's member of ``group_id`` for
+        ``partition`` of the topic the group consumes, fencing every earlier writer of it.
+
+        Call it only for a partition the group assigned to this member (after the assignment
+        epoch moved), and read the group's committed position of the partition only after it
+        returned: opening settles the previous owner's open transaction (aborted, or completed
+        if it was committing), so the position read then is stable. Kafka: one transactional
+        producer with ``transactional_id = f"{prefix}daemon-{partition}"``; embedded bus: the
+        records are buffered and written in the commit's SQLite transaction, which checks that
+        the member still owns the partition.
+
+        Raises:
+            BusUnavailable: the bus did not answer within the connect timeout.
+            BusError: (embedded bus) this bus has no member of ``group_id``.
         """
 
     @abc.abstractmethod

@@ -37,7 +37,14 @@ from trainguard.agent.bus import _sqlite_log as log
 from trainguard.agent.bus._config import BusConfig, topic_prefixes
 from trainguard.agent.bus._errors import BusClosed, BusError, DeliveryFailed
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.agent.bus._port import Bus, Consumer, Delivery, Record, TopicPartition
+from trainguard.agent.bus._port import (
+    Bus,
+    Consumer,
+    Delivery,
+    PartitionWriter,
+    Record,
+    TopicPartition,
+)
 from trainguard.agent.bus._sqlite_consumer import ConsumerContext, Membership, SQLiteConsumer
 from trainguard.agent.bus._sqlite_db import (
     ConnectionThread,
@@ -47,6 +54,7 @@ from trainguard.agent.bus._sqlite_db import (
     topic_names,
     translate,
 )
+from trainguard.agent.bus._sqlite_writer import SQLitePartitionWriter
 
 __all__ = ["MAX_BATCH", "SQLiteBus"]
 
@@ -252,6 +260,38 @@ class SQLiteBus(Bus):
         consumer = SQLiteConsumer(self._consumer_context(), None, start)
         self._consumers.add(consumer)
         return consumer
+
+    async def partition_writer(self, group_id: str, partition: int) -> PartitionWriter:
+        """See :meth:`Bus.partition_writer` and :mod:`._sqlite_writer`. Raises
+        :class:`BusError` when no consumer of this bus is a member of ``group_id``."""
+        self._check_open()
+        for consumer in self._consumers:
+            membership = consumer.membership
+            if membership is not None and membership.group_id == group_id:
+                deadline = time.monotonic() + self._config.connect_timeout_s
+                try:
+                    epoch = await self._writer.run(
+                        groups.open_writer, group_id, partition, deadline
+                    )
+                except sqlite3.Error as exc:
+                    raise translate(exc, "opening a partition writer") from exc
+                return SQLitePartitionWriter(
+                    consumer,
+                    membership,
+                    partition,
+                    epoch,
+                    writer=self._writer,
+                    topic=self._topics.get,
+                    resolve=self._resolve,
+                    appended=self._wake_consumers,
+                    max_message_bytes=self._config.max_message_bytes,
+                    timeout_s=self._config.send_timeout_s,
+                )
+        raise BusError(f"partition_writer(): this bus has no member of group {group_id!r}")
+
+    def _wake_consumers(self) -> None:
+        appended, self._appended = self._appended, asyncio.Event()
+        appended.set()
 
     async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
         """See :meth:`Bus.end_offsets`. Raises :class:`BusError` for an unknown topic."""

@@ -11,8 +11,10 @@ from the same bus without delay.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -27,7 +29,7 @@ from trainguard.agent.bus._sqlite_db import (
     translate,
 )
 
-__all__ = ["ConsumerContext", "Membership", "SQLiteConsumer"]
+__all__ = ["ConsumerContext", "Membership", "SQLiteConsumer", "new_member_id"]
 
 _POLL_MIN_S = 0.002
 
@@ -78,6 +80,11 @@ class Membership:
     member_id: str
     topics: tuple[str, ...]
     from_beginning: bool
+
+
+def new_member_id(member_id: str) -> str:
+    """A fresh member id like ``member_id`` (``<client>-<pid>-<12 hex>``): a new random tail."""
+    return f"{member_id.rpartition('-')[0]}-{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +154,8 @@ class SQLiteConsumer(Consumer):
         self._dirty = True
         self._refresh_at_ms: int | None = None
         self._epoch = 0
+        self._assignment_epoch = 0
+        self._joined = False
         self._first = 0
         self._heartbeat_due = 0.0
         self._closed = False
@@ -166,8 +175,8 @@ class SQLiteConsumer(Consumer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         delay = _POLL_MIN_S
-        membership = self._membership
         while True:
+            membership = self._membership  # a rejoin replaces it
             if membership is not None and loop.time() >= self._heartbeat_due:
                 await self._heartbeat(membership)
             records = await self._poll(max_records)
@@ -238,10 +247,39 @@ class SQLiteConsumer(Consumer):
         self._epoch += 1
         self._dirty = True
 
+    async def position(self, tp: TopicPartition) -> int:
+        """See :meth:`Consumer.position`. Raises :class:`BusError` if ``tp`` is not
+        assigned."""
+        self._check_open()
+        key = self._ctx.resolve(tp)
+        if key not in self._positions:
+            raise BusError(f"position(): {tp} is not assigned to this consumer")
+        return self._positions[key]
+
     def assignment(self) -> frozenset[TopicPartition]:
         """See :meth:`Consumer.assignment`; for a group member, as of its last poll."""
         self._check_open()
         return frozenset(TopicPartition(self._ctx.names[t], p) for t, p in self._positions)
+
+    def assignment_epoch(self) -> int:
+        """See :meth:`Consumer.assignment_epoch`: bumped when a poll finds the member's share
+        changed and when a heartbeat finds that its lease had ended (a rejoin)."""
+        return self._assignment_epoch
+
+    @property
+    def membership(self) -> Membership | None:
+        """The group membership, or ``None`` for a consumer made by ``assign``."""
+        return self._membership
+
+    def owns(self, partition: int, epoch: int) -> bool:
+        """Whether this open member still holds ``partition`` (of its subscribed topics) in
+        the assignment of ``epoch``, as far as this process knows (the file decides at
+        commit time: :func:`._sqlite_groups.write_owned`)."""
+        return (
+            not self._closed
+            and epoch == self._assignment_epoch
+            and any(p == partition for _, p in self._positions)
+        )
 
     async def close(self) -> None:
         """See :meth:`Consumer.close`. Idempotent."""
@@ -270,7 +308,7 @@ class SQLiteConsumer(Consumer):
     async def _heartbeat(self, membership: Membership) -> None:
         now = now_ms()
         try:
-            await self._ctx.writer.run(
+            renewed = await self._ctx.writer.run(
                 groups.heartbeat,
                 membership.group_id,
                 membership.member_id,
@@ -278,9 +316,30 @@ class SQLiteConsumer(Consumer):
                 now + int(self._ctx.session_timeout_s * 1000),
                 now,
                 time.monotonic() + self._ctx.write_timeout_s,
+                join=not self._joined,
             )
+            if not renewed:
+                # Back after its lease ended (paused, say): whatever it held may have been
+                # another member's meanwhile, even if the same partitions come back to it. It
+                # joins again under a new member id, so that a partition writer of the old
+                # membership can commit nothing (Kafka, likewise, gives a new member id).
+                membership = self._membership = dataclasses.replace(
+                    membership, member_id=new_member_id(membership.member_id)
+                )
+                self._positions = {}
+                self._assignment_epoch += 1
+                await self._ctx.writer.run(
+                    groups.heartbeat,
+                    membership.group_id,
+                    membership.member_id,
+                    membership.topics,
+                    now + int(self._ctx.session_timeout_s * 1000),
+                    now,
+                    time.monotonic() + self._ctx.write_timeout_s,
+                )
         except sqlite3.Error as exc:
             raise translate(exc, "consumer group heartbeat") from exc
+        self._joined = True
         self._heartbeat_due = asyncio.get_running_loop().time() + self._ctx.session_timeout_s / 3
         # Renewing is also when expired members are noticed: recompute the assignment.
         self._dirty = True
@@ -309,6 +368,8 @@ class SQLiteConsumer(Consumer):
             # Unchanged file, or a seek() raced this poll: its records are stale.
             return []
         self._first += 1
+        if polled.positions.keys() != self._positions.keys():
+            self._assignment_epoch += 1
         self._seen_version = polled.version
         self._dirty = polled.more
         self._refresh_at_ms = polled.first_expiry_ms

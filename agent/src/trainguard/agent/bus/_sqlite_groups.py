@@ -22,9 +22,20 @@ import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import cycle
 
-from trainguard.agent.bus._sqlite_db import write_transaction
+from trainguard.agent.bus._sqlite_db import now_ms, write_transaction
+from trainguard.agent.bus._sqlite_log import Row, insert
 
-__all__ = ["commit", "heartbeat", "leave", "owned", "round_robin", "start_positions"]
+__all__ = [
+    "NotOwner",
+    "commit",
+    "heartbeat",
+    "leave",
+    "open_writer",
+    "owned",
+    "round_robin",
+    "start_positions",
+    "write_owned",
+]
 
 
 def round_robin(
@@ -60,22 +71,103 @@ def heartbeat(
     expires_ms: int,
     now_ms: int,
     deadline: float,
-) -> None:
-    """Join ``group_id`` or renew the lease of ``member_id`` until ``expires_ms``.
+    *,
+    join: bool = True,
+) -> bool:
+    """Join ``group_id`` (with ``join``) or renew the lease of ``member_id`` until
+    ``expires_ms``.
 
     ``topics`` are stored topic names. Also deletes the group's members whose lease ended
-    before ``now_ms``. Raises :class:`sqlite3.Error` (busy past ``deadline``, monotonic s).
+    before ``now_ms``. Without ``join``, a member whose lease has ended is not renewed: it
+    must join again under a new member id, so that nothing done under the old one (a
+    partition writer's commit, :func:`write_owned`) can pass for the new membership. Returns
+    whether the member holds a lease now. Raises :class:`sqlite3.Error` (busy past
+    ``deadline``, monotonic s).
     """
     with write_transaction(conn, deadline):
+        live = conn.execute(
+            "SELECT 1 FROM group_members WHERE group_id = ? AND member_id = ? AND expires_ms > ?",
+            (group_id, member_id, now_ms),
+        ).fetchone()
+        conn.execute(
+            "DELETE FROM group_members WHERE group_id = ? AND expires_ms <= ?", (group_id, now_ms)
+        )
+        if live is None and not join:
+            return False
         conn.execute(
             "INSERT INTO group_members (group_id, member_id, topics, expires_ms)"
             " VALUES (?, ?, ?, ?) ON CONFLICT (group_id, member_id)"
             " DO UPDATE SET topics = excluded.topics, expires_ms = excluded.expires_ms",
             (group_id, member_id, json.dumps(sorted(topics)), expires_ms),
         )
+    return True
+
+
+class NotOwner(Exception):
+    """:func:`write_owned` found that the member does not own the partition any more, or that
+    a newer writer of it was opened."""
+
+
+def _writer_key(group_id: str, partition: int) -> str:
+    # In the meta table (schema version 1 has it): no new table, no schema version bump.
+    return f"writer_epoch {partition} {group_id}"
+
+
+def open_writer(conn: sqlite3.Connection, group_id: str, partition: int, deadline: float) -> int:
+    """Bump and return the writer epoch of ``partition`` of ``group_id``: every writer opened
+    earlier is fenced (:func:`write_owned` refuses it), as a Kafka producer is by a new one
+    with its transactional id. Raises :class:`sqlite3.Error` (busy past ``deadline``)."""
+    key = _writer_key(group_id, partition)
+    with write_transaction(conn, deadline):
         conn.execute(
-            "DELETE FROM group_members WHERE group_id = ? AND expires_ms <= ?", (group_id, now_ms)
+            "INSERT INTO meta (name, value) VALUES (?, 1)"
+            " ON CONFLICT (name) DO UPDATE SET value = value + 1",
+            (key,),
         )
+        return int(conn.execute("SELECT value FROM meta WHERE name = ?", (key,)).fetchone()[0])
+
+
+def write_owned(
+    conn: sqlite3.Connection,
+    group_id: str,
+    member_id: str,
+    partition: int,
+    writer_epoch: int,
+    rows: Sequence[Row],
+    positions: Mapping[tuple[int, int], int],
+    deadline: float,
+) -> list[int]:
+    """Append ``rows`` and store ``positions`` in one transaction, if no writer of
+    ``partition`` was opened after the one of ``writer_epoch`` (:func:`open_writer`) and
+    ``member_id`` still owns ``partition`` of every topic it subscribes to, both judged under
+    the file's write lock at the time it is held (a member paused while waiting cannot slip
+    past its lease end, nor past another member that owned the partition meanwhile).
+
+    Returns the offsets of ``rows``. Raises :class:`NotOwner` (nothing written) when a newer
+    writer was opened, the member's lease ended or the partition is another member's;
+    :class:`sqlite3.Error` (busy past ``deadline``, monotonic seconds).
+    """
+    with write_transaction(conn, deadline):
+        current = conn.execute(
+            "SELECT value FROM meta WHERE name = ?", (_writer_key(group_id, partition),)
+        ).fetchone()
+        if current is None or int(current[0]) != writer_epoch:
+            raise NotOwner(partition)
+        now = now_ms()
+        mine, _ = owned(conn, group_id, member_id, now)
+        topics = {topic_id for topic_id, _ in mine}
+        if not mine or any((t, partition) not in mine for t in topics):
+            raise NotOwner(partition)
+        if any(tp not in mine for tp in positions):
+            raise NotOwner(partition)
+        offsets = insert(conn, rows, now)
+        conn.executemany(
+            "INSERT INTO group_offsets (group_id, topic_id, partition, position)"
+            " VALUES (?, ?, ?, ?) ON CONFLICT (group_id, topic_id, partition)"
+            " DO UPDATE SET position = excluded.position",
+            [(group_id, topic_id, p, position) for (topic_id, p), position in positions.items()],
+        )
+    return offsets
 
 
 def leave(conn: sqlite3.Connection, group_id: str, member_id: str, deadline: float) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "append_stamped",
     "compact",
     "end_offsets",
+    "insert",
     "latest_per_key",
     "read",
 ]
@@ -44,8 +45,14 @@ def append(conn: sqlite3.Connection, rows: Sequence[Row], deadline: float) -> tu
     """
     with write_transaction(conn, deadline):
         ts = now_ms()
-        offsets = _insert(conn, [(t, p, key, value, ts) for t, p, key, value in rows])
+        offsets = insert(conn, rows, ts)
     return offsets, ts
+
+
+def insert(conn: sqlite3.Connection, rows: Sequence[Row], ts_ms: int) -> list[int]:
+    """Insert ``rows`` appended at ``ts_ms`` (inside the caller's write transaction); their
+    offsets, allocated as by :func:`append`."""
+    return _insert(conn, [(t, p, key, value, ts_ms) for t, p, key, value in rows])
 
 
 def append_stamped(
