@@ -178,10 +178,10 @@ class Stalls(DaemonService):
         self.stall = False
         self.go = asyncio.Event()
 
-    async def _process(self, bus: Bus, record: Record) -> None:
+    async def _process(self, record: Record) -> None:
         if self.stall:
             await self.go.wait()
-        await super()._process(bus, record)
+        await super()._process(record)
 
 
 async def test_a_daemon_too_far_behind_is_not_ready_until_it_catches_up(

@@ -28,6 +28,7 @@ from trainguard.daemon._config_check import build, check
 
 __all__ = ["DaemonConfig", "SecurityConfig", "load_daemon_config"]
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SecurityConfig:
     """Keys and authentication (``[security]``; ``docs/security.md``).
