@@ -44,9 +44,11 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
+from trainguard.agent.bus import BusUnavailable
 from trainguard.daemon._rehearsal import (
     charlm_command,
     charlm_env,
@@ -69,6 +71,7 @@ DEADLINE_S = 180.0
 """Longest wait for any condition: it only bounds a hang."""
 SLACK_S = 2.0
 """Target: failover p50 at most the session timeout plus this."""
+_T = TypeVar("_T")
 
 
 def wait_until(what: str, condition: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
@@ -131,6 +134,20 @@ def total(metrics: dict[str, float], name: str) -> float | None:
     """Sum of every series of ``name`` (any labels), ``None`` if there is none."""
     values = [v for k, v in metrics.items() if k == name or k.startswith(name + "{")]
     return sum(values) if values else None
+
+
+def retrying(read: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """``asyncio.run(read())``, again while the bus is unavailable: a broker just back from
+    SIGSTOP can answer a new client's first metadata request without brokers
+    (``NodeNotReadyError``)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            return asyncio.run(read())
+        except BusUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 class Bench:
@@ -201,7 +218,8 @@ class Bench:
         wait_until(f"both ranks of generation {self.generation} or later run", started)
         # A later one: a restore this benchmark did not cause (after a broker outage).
         self.generation = running[0]
-        pid = asyncio.run(self._committer(time.time_ns() // 1_000_000))
+        since_ms = time.time_ns() // 1_000_000
+        pid = retrying(lambda: self._committer(since_ms))
         for proc in self.daemons:
             if proc.pid == pid:
                 return proc
@@ -235,7 +253,7 @@ class Bench:
 
     def restore_time(self, generation: int) -> float:
         """Append time (s since the epoch) of the restore of ``generation``."""
-        return asyncio.run(self._restore_time(generation))
+        return retrying(lambda: self._restore_time(generation))
 
     async def _restore_time(self, generation: int) -> float:
         deadline = time.monotonic() + DEADLINE_S
@@ -414,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {note}")
     if args.markdown:
         print("| " + " | ".join(header) + " |")
-        print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
+        print("|---|---:|---:|---:|---:|---|---|")
         for r in rows:
             print("| " + " | ".join(r) + " |")
     else:
