@@ -140,25 +140,40 @@ class ChaosBroker:
             self.start()
 
 
-def worker_pid(job: str, rank: int, generation: int) -> int | None:
-    """The pid of ``job``'s worker of ``rank`` in ``generation`` on this machine (found by the
-    ``TRAINGUARD_JOB``, ``RANK`` and ``TRAINGUARD_GENERATION`` variables its supervisor gave
-    it), or ``None``: the bus may be unreachable, so its ``started`` report cannot say."""
-    wanted = {
-        b"TRAINGUARD_JOB=" + job.encode(),
-        b"RANK=" + str(rank).encode(),
-        b"TRAINGUARD_GENERATION=" + str(generation).encode(),
-    }
+def workers(job: str) -> dict[tuple[int, int], int]:
+    """``(rank, generation) -> pid`` of ``job``'s workers running on this machine, found by the
+    ``TRAINGUARD_JOB``, ``RANK`` and ``TRAINGUARD_GENERATION`` variables their supervisor gave
+    them: the bus may be unreachable, so their ``started`` reports cannot say."""
+    found: dict[tuple[int, int], int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            environ = set((entry / "environ").read_bytes().split(b"\0"))
+            raw = (entry / "environ").read_bytes()
         except OSError:
             continue  # ended meanwhile, or not ours
-        if wanted <= environ:
-            return int(entry.name)
-    return None
+        environ = dict(
+            v.split("=", 1) for v in raw.decode(errors="replace").split("\0") if "=" in v
+        )
+        if environ.get("TRAINGUARD_JOB") == job and "RANK" in environ:
+            try:
+                key = (int(environ["RANK"]), int(environ["TRAINGUARD_GENERATION"]))
+            except (KeyError, ValueError):
+                continue
+            found[key] = int(entry.name)
+    return found
+
+
+def worker_pid(job: str, rank: int, generation: int) -> int | None:
+    """The pid of ``job``'s worker of ``rank`` in ``generation`` (:func:`workers`), or ``None``."""
+    return workers(job).get((rank, generation))
+
+
+def running_generation(job: str, world_size: int) -> int | None:
+    """The newest generation of ``job`` whose workers of every rank run here, or ``None``."""
+    running = workers(job)
+    complete = [g for _, g in running if all((r, g) in running for r in range(world_size))]
+    return max(complete, default=None)
 
 
 def kill_worker(job: str, rank: int, generation: int) -> int:
@@ -171,6 +186,26 @@ def kill_worker(job: str, rank: int, generation: int) -> int:
     assert pid is not None, f"no worker of {job} rank {rank} generation {generation} runs"
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+def kill_running_rank(job: str, rank: int, world_size: int) -> int:
+    """SIGKILL ``job``'s worker of ``rank`` in the newest generation whose ranks all run (a
+    restore may replace the workers at any moment: then the next generation's); return that
+    generation.
+
+    Raises:
+        AssertionError: no such generation ran within :data:`DEADLINE_S`.
+    """
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        generation = running_generation(job, world_size)
+        pid = None if generation is None else workers(job).get((rank, generation))
+        if generation is not None and pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile: look again
+                os.kill(pid, signal.SIGKILL)
+                return generation
+        time.sleep(0.1)
+    raise AssertionError(f"no generation of {job} ran all its ranks for {DEADLINE_S:g} s")
 
 
 def checkpoints_on_disk(out: Path, job: str, generation: int, world_size: int) -> list[int]:
