@@ -188,6 +188,14 @@ def test_three_instances_decide_every_incident_exactly_once(
                 f"{run.job}'s ranks run",
                 lambda: running_generation(run.job, WORLD_SIZE) is not None,  # noqa: B023
             )
+            # It trains again (acknowledged its restore, resumed, committed): a kill before
+            # would be another attempt of the last incident, which has a bounded number.
+            running = running_generation(run.job, WORLD_SIZE) or 0
+            wait_on_bus(
+                run,
+                f"{run.job} commits in generation {running}",
+                lambda m: isinstance(m, Manifest) and m.generation >= running,  # noqa: B023
+            )
             # The instance that owns the job: its successor must decide the incident, and
             # a paused one must find itself fenced when it wakes up.
             owner = owner_pid(run, time.time_ns() // 1_000_000)
