@@ -88,13 +88,17 @@ def test_with_both_public_keys_commands_of_the_rotated_key_are_taken() -> None:
     assert verdict(only_old, signed(daemon.resume(JOB, 1, 0), new)) == "unknown_kid"
 
 
-def test_without_keys_the_gate_takes_commands_as_before() -> None:
+def test_without_keys_the_gate_takes_every_command_once() -> None:
     gate = CommandGate(JOB, 1, None)
     restore = daemon.restore(JOB, 2, None)
     assert verdict(gate, encode(restore)) == "taken"
-    assert verdict(gate, encode(restore)) == "taken"  # idempotent re-read
-    assert verdict(gate, signed(restore, ROGUE)) == "taken"  # nothing to check it against
+    assert verdict(gate, encode(restore)) == "duplicate"  # the same bytes again
+    assert verdict(gate, signed(restore, ROGUE)) == "duplicate"  # same content, signed
+    other = dataclasses.replace(restore, reason="another meaning")
+    assert verdict(gate, encode(other)) == "taken"  # nothing to check it against
+    assert verdict(gate, encode(daemon.resume(JOB, 2, 10))) == "taken"
     assert verdict(gate, encode(daemon.restore(JOB, 0, None))) == "stale_generation"
+    assert gate.ignored == {"duplicate": 2, "stale_generation": 1}
 
 
 # -- the agent --------------------------------------------------------------------------------
@@ -237,6 +241,38 @@ async def test_a_supervisor_with_keys_restarts_only_on_the_daemons_signed_restor
     assert [e.generation for e in events if e.kind == "started"] == [0, 1]
     for event in events:
         assert verify_mac(encode(event), {key.kid: key.secret}) == key.kid
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_supervisor_without_keys_acts_once_on_a_command_sent_twice(
+    tmp_path: Path,
+) -> None:
+    """Issue 13: the same restore re-sent as the same bytes restarts the workers once and is
+    counted as a ``duplicate``; a new command of the generation is still taken."""
+    bus = BusConfig(url=f"sqlite://{tmp_path / 'bus.db'}", topics=DEFAULT_TOPICS)
+    config = SupervisorConfig(
+        job_id=JOB,
+        bus=bus,
+        command=[sys.executable, "-c", SLEEPER],
+        nproc_per_node=1,
+        grace_s=1.0,
+        host="node-a",
+    )
+    supervisor = Supervisor(config)
+    async with open_bus(bus) as client:
+        task = asyncio.ensure_future(supervisor.run())
+        await started(client, generation=0)
+        restore = encode(daemon.restore(JOB, 1, None))
+        await client.publish("commands", JOB, restore)
+        await started(client, generation=1)
+        await client.publish("commands", JOB, restore)  # re-sent: the same bytes
+        await until(lambda: supervisor.ignored["duplicate"] == 1)
+        await client.publish("commands", JOB, encode(daemon.abort(JOB, 1, "done")))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+        events = await lifecycle_events(client)
+    assert [e.generation for e in events if e.kind == "started"] == [0, 1]
+    assert dict(supervisor.ignored) == {"duplicate": 1}
 
 
 async def lifecycle_events(client: Any) -> list[Lifecycle]:

@@ -89,6 +89,7 @@ class JobRun:
             failure message so that a failure can be reproduced.
         machine: ``[machine]`` settings of the daemons (``MachineConfig`` fields), e.g.
             ``{"restore_mode": "in_process"}``.
+        job: the job's id (several runs with different ids can share one bus and daemon).
 
     Call :meth:`close` at the end (the ``job_run`` fixture does): it stops every process the
     run started, workers included, also after a failed assertion.
@@ -102,8 +103,10 @@ class JobRun:
         reference: Path,
         context: str = "",
         machine: Mapping[str, str | int | float | bool] | None = None,
+        job: str = JOB,
     ) -> None:
         self.bus = bus
+        self.job = job
         self.workdir = workdir
         self.shape = shape
         self.reference = reference
@@ -123,7 +126,10 @@ class JobRun:
 
     def describe(self) -> str:
         """The run's context, bus and log folder, for failure messages."""
-        return f"[{self.context}; bus {self.bus.kind} {self.bus.prefix}; logs in {self.workdir}]"
+        return (
+            f"[{self.context}; job {self.job}; bus {self.bus.kind} {self.bus.prefix}; "
+            f"logs in {self.workdir}]"
+        )
 
     # -- processes -----------------------------------------------------------------------------
 
@@ -181,7 +187,7 @@ class JobRun:
         A supervisor started before is replaced as :attr:`supervisor` (it must have ended)."""
         s = self.shape
         self.supervisor = supervise(
-            JOB,
+            self.job,
             charlm_command(
                 self.out,
                 steps=s.steps,
@@ -233,7 +239,7 @@ class JobRun:
         if not running:
             return
         with contextlib.suppress(Exception):  # teardown of a run whose bus may be unreadable
-            record = asyncio.run(read_job_record(self.bus.url, self.bus.prefix, JOB))
+            record = asyncio.run(read_job_record(self.bus.url, self.bus.prefix, self.job))
             for stamped in record.events:
                 msg = stamped.message
                 if isinstance(msg, Lifecycle) and msg.rank is None and msg.kind == "started":
@@ -255,7 +261,7 @@ class JobRun:
 
     async def _wait_for(self, what: str, match: Callable[[Any], bool], timeout_s: float) -> Stamped:
         deadline = time.monotonic() + timeout_s
-        follow = follow_job(self.bus.url, self.bus.prefix, JOB)
+        follow = follow_job(self.bus.url, self.bus.prefix, self.job)
         async with contextlib.aclosing(follow):
             async for batch in follow:
                 for stamped in batch:
@@ -273,18 +279,19 @@ class JobRun:
         Raises:
             AssertionError: replaying the job does not reproduce its recorded decisions.
         """
-        record = asyncio.run(read_job_record(self.bus.url, self.bus.prefix, JOB))
+        record = asyncio.run(read_job_record(self.bus.url, self.bus.prefix, self.job))
         self.assert_replays()
         return record
 
-    def assert_replays(self, job: str = JOB) -> None:
-        """Replay ``job`` (the scenario's job by default; another job on the run's bus) from
+    def assert_replays(self, job: str | None = None) -> None:
+        """Replay ``job`` (the run's job by default; another job on the run's bus) from
         the bus as ``trainguard replay`` does and check that the replayed decisions equal the
         audit trail's exactly (architecture invariant 1).
 
         Raises:
             AssertionError: they differ; names the first difference.
         """
+        job = self.job if job is None else job
         log = asyncio.run(read_bus(self.bus.url, self.bus.prefix, job))
         result = replay(
             job, log.events, log.trail(), MachineConfig(daemon_id="replay"), timeline=False

@@ -14,10 +14,11 @@ A record of the ``commands`` topic keyed by the job passes, in this order:
    (``replayed``). The daemon numbers a job's commands 1, 2, 3, ... across generations, so a
    command it sends is always newer.
 
-Without keys, steps 2 and 5 are skipped: every decodable command of the job at or above this
-process's generation is taken, as before authentication existed (insecure: anyone who can
-write to the bus can order a restore). Pure: no I/O, no clock; the gate counts what it ignores,
-and :func:`log_ignored` says it in the caller's log.
+Without keys, step 2 and the ``replayed`` checks of step 5 are skipped: every decodable
+command of the job at or above this process's generation is taken (insecure: anyone who can
+write to the bus can order a restore), except a ``duplicate``: a command re-sent or re-read
+with the same content is acted on once, with or without keys. Pure: no I/O, no clock; the gate
+counts what it ignores, and :func:`log_ignored` says it in the caller's log.
 """
 
 from __future__ import annotations
@@ -134,13 +135,15 @@ class CommandGate:
                 generation,
                 seq,
             )
-        if self._keys is None:
-            return command
         content = dataclasses.replace(command, auth=None)
         seen = self._seen.get((generation, seq))
+        if seen == content:
+            return Ignored("duplicate", "taken already", generation, seq)
+        if self._keys is None:
+            # Nothing tells the daemon's command from a forgery: only a re-read is recognised.
+            self._seen[(generation, seq)] = content
+            return command
         if seen is not None:
-            if seen == content:
-                return Ignored("duplicate", "taken already", generation, seq)
             return Ignored("replayed", "another command had this seq", generation, seq)
         last = self._last_seq.get(generation)
         if last is not None and seq <= last:

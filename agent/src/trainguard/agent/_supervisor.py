@@ -676,8 +676,12 @@ class Supervisor:
                 None if record is None or record.value is None else self._gate.admit(record.value)
             )
             if isinstance(verdict, Ignored):
-                return  # taken by the listener already, or no command to judge by
-            if verdict is not None and (verdict.generation, verdict.seq) > self._baseline:
+                # A duplicate of the command known at the start is no answer; anything else
+                # was taken by the listener already, or is no command to judge by.
+                known = (verdict.generation or 0, verdict.seq or 0) <= self._baseline
+                if verdict.reason != "duplicate" or not known:
+                    return
+            elif verdict is not None and (verdict.generation, verdict.seq) > self._baseline:
                 if isinstance(verdict, Restore | Abort):  # a resume: the restore came before
                     await self._orders.put(verdict)
                 return
