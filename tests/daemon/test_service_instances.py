@@ -6,12 +6,13 @@ committed) and on ``audit``: one restore per (job, generation)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +108,24 @@ class Pausable(DaemonService):
         await super()._write_due_ticks(bus)
 
 
+@contextlib.asynccontextmanager
+async def _no_daemon_lock(*args: object, **kwargs: object) -> AsyncIterator[bool]:
+    yield True
+
+
 async def test_an_owner_back_from_a_pause_to_the_same_partitions_decides_nothing_twice(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Embedded bus, in one process: owner A is held past its lease right after it decided a
     restore (not committed); B takes over, decides that restore and a second job's, and
     leaves. A comes back to the very same partitions (its assignment never looks different):
     its commit is refused, it notices the new assignment epoch, drops the poll and rebuilds,
-    so it decides nothing again (the old loop restored the second job a second time)."""
+    so it decides nothing again (the old loop restored the second job a second time).
+
+    The daemon lock (one daemon per bus file) would keep B out: it is lifted here to check the
+    layer beneath it, which holds where the lock does not (a file system without working
+    ``flock``)."""
+    monkeypatch.setattr("trainguard.daemon._service.serving_lock", _no_daemon_lock)
     factory = BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
     config = DaemonConfig(
         bus=factory.config(topics=DEFAULT_TOPICS, session_timeout_s=1.0),
