@@ -153,7 +153,11 @@ async def test_a_paused_broker_is_an_outage_seen_and_reported_until_the_backlog_
                 lag = await _lag(server)
                 assert lag >= 30
                 assert body == f"not ready: behind by {lag} records (max_lag_records 10)\n"
-                assert service.counters["ticks"] == ticks, "no tick before the backlog is folded"
+                # No tick count here: the first probe answered after SIGCONT may come before
+                # this client's queued records are appended, and then the daemon is caught up
+                # with what it saw and may pulse; that tick is harmless (the gap rule stops
+                # time at whichever input comes first after the gap). Holding ticks until a
+                # seen backlog is folded is checked in test_buswatch.py.
 
                 service.go.set()
                 service.stall = False
