@@ -129,19 +129,22 @@ async def test_a_writer_is_fenced_by_a_member_that_owned_its_partition_meanwhile
     path = tmp_path / "bus.db"
     async with make_bus(path) as bus_a, make_bus(path) as bus_b:
         a = await bus_a.subscribe(["events"], "g")
-        stale = await bus_a.partition_writer("g", 0)
-        await stale.send("commands", "job-1", b"stale")
+        # A owns every partition now; which of them B gets depends on the members' random ids.
+        stale = {p: await bus_a.partition_writer("g", p) for p in range(3)}
+        for writer in stale.values():
+            await writer.send("commands", "job-1", b"stale")
         b = await bus_b.subscribe(["events"], "g")
-        assert TopicPartition("events", 0) in b.assignment()
-        owner = await bus_b.partition_writer("g", 0)
+        p = min(tp.partition for tp in b.assignment())
+        tp = TopicPartition("events", p)
+        owner = await bus_b.partition_writer("g", p)
         await owner.send("commands", "job-1", b"owner")
-        await owner.commit({TopicPartition("events", 0): 1})
+        await owner.commit({tp: 1})
         await b.close()
         with pytest.raises(Fenced):
-            await stale.commit({TopicPartition("events", 0): 2})
+            await stale[p].commit({tp: 2})
         latest = await bus_a.latest_per_key("commands")
         assert {k: r.value for k, r in latest.items()} == {"job-1": b"owner"}
-        assert await a.committed(TopicPartition("events", 0)) == 1
+        assert await a.committed(tp) == 1
 
 
 async def test_closed_member_hands_over_at_once(tmp_path: Path) -> None:
