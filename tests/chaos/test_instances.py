@@ -3,9 +3,10 @@ while instances crash or pause and ranks die.
 
 Three ``trainguard daemon`` processes in one consumer group (session timeout 6 s, Kafka's
 lower bound) and three 2-rank charlm jobs on a Kafka broker of this module's own. In each
-round, at random moments, the instance that owns a job chosen at random is SIGKILLed (and a
-new one started) or SIGSTOPped for longer than the session timeout (then SIGCONTed), and a
-rank of that job is SIGKILLed, in random order; the round ends when the job's restore is on
+round, at random moments, the instance that owns the round's job (the jobs take turns, in a
+random order, so each is hit) is SIGKILLed (and a new one started) or SIGSTOPped for longer
+than the session timeout (then SIGCONTed), and a rank of that job is SIGKILLed, in random
+order; the round ends when the job's restore is on
 the bus and the paused instance runs again. Afterwards every job is stopped with
 ``trainguard stop``, which some instance must answer. Then: no lost job (every kill restored,
 every stop answered), per (job, command type, generation) exactly one command on the
@@ -180,8 +181,9 @@ def test_three_instances_decide_every_incident_exactly_once(
             run.start_job(extra=["--step-sleep", str(STEP_SLEEP_S)])
         for run in runs:  # every job trains, and some instance commits its snapshots
             run.wait_for("a first commit", lambda m: isinstance(m, Manifest))
+        turns = rng.sample(runs, len(runs))
         for round_ in range(ROUNDS):
-            run = rng.choice(runs)
+            run = turns[round_ % len(turns)]
             pause = rng.random() < 0.5
             rank = rng.randrange(WORLD_SIZE)
             wait_until(
