@@ -26,7 +26,11 @@ from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, load_kafka_security
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._config_check import build, check
 
-__all__ = ["DaemonConfig", "SecurityConfig", "load_daemon_config"]
+__all__ = ["MAX_COMMIT_INTERVAL_S", "DaemonConfig", "SecurityConfig", "load_daemon_config"]
+
+MAX_COMMIT_INTERVAL_S = 10.0
+"""Longest ``[service] commit_interval_s``: a third of the daemon's Kafka transaction timeout
+(30 s), leaving room for a slow poll and fold before the broker would abort the transaction."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,7 +93,10 @@ class DaemonConfig:
             their end offsets by more records than this, in total (as of the last probe).
         commit_interval_s: longest time, seconds, between two commits of a partition's
             transaction (its consumed position with everything written for its records:
-            decisions become visible to agents then). Also committed every 2000 records.
+            decisions become visible to agents then). Also committed every 2000 records. At
+            most :data:`MAX_COMMIT_INTERVAL_S`: Kafka aborts a transaction left open longer
+            than its transaction timeout (30 s), and nothing the daemon decided would ever
+            reach the agents.
         metrics_host: address ``trainguard daemon`` serves ``/metrics`` and ``/healthz`` on
             (``0.0.0.0`` or ``::`` for every interface).
         metrics_port: TCP port of that server; 0 picks a free port (logged as ``metrics
@@ -105,7 +112,8 @@ class DaemonConfig:
     Raises:
         ValueError: ``metrics_port`` outside -1..65535, ``poll_s``, ``pulse_s``,
             ``probe_interval_s`` or ``probe_timeout_s`` not > 0, ``tick_interval_s``,
-            ``commit_interval_s`` or ``snapshot_interval_s`` negative, a duration not finite,
+            ``commit_interval_s`` or ``snapshot_interval_s`` negative, ``commit_interval_s``
+            above :data:`MAX_COMMIT_INTERVAL_S`, a duration not finite,
             ``2 * pulse_s + poll_s`` not below the machine's ``bus_gap_s``, or
             ``max_lag_records`` below 1.
     """
@@ -143,6 +151,12 @@ class DaemonConfig:
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
+        if self.commit_interval_s > MAX_COMMIT_INTERVAL_S:
+            raise ValueError(
+                f"commit_interval_s must be at most {MAX_COMMIT_INTERVAL_S:g} s, not "
+                f"{self.commit_interval_s!r}: Kafka aborts a transaction open longer than its "
+                "transaction timeout (30 s), so no decision would reach the agents"
+            )
         if not 0 <= self.snapshot_interval_s < math.inf:
             raise ValueError(
                 f"snapshot_interval_s must be a finite number of seconds >= 0 (0: off), "
