@@ -307,18 +307,23 @@ class SQLiteConsumer(Consumer):
 
     async def _heartbeat(self, membership: Membership) -> None:
         now = now_ms()
-        try:
-            renewed = await self._ctx.writer.run(
-                groups.heartbeat,
-                membership.group_id,
-                membership.member_id,
-                membership.topics,
-                now + int(self._ctx.session_timeout_s * 1000),
-                now,
-                time.monotonic() + self._ctx.write_timeout_s,
-                join=not self._joined,
+
+        async def renew(membership: Membership, *, join: bool) -> bool:
+            return bool(
+                await self._ctx.writer.run(
+                    groups.heartbeat,
+                    membership.group_id,
+                    membership.member_id,
+                    membership.topics,
+                    now + int(self._ctx.session_timeout_s * 1000),
+                    now,
+                    time.monotonic() + self._ctx.write_timeout_s,
+                    join=join,
+                )
             )
-            if not renewed:
+
+        try:
+            if not await renew(membership, join=not self._joined):
                 # Back after its lease ended (paused, say): whatever it held may have been
                 # another member's meanwhile, even if the same partitions come back to it. It
                 # joins again under a new member id, so that a partition writer of the old
@@ -328,15 +333,7 @@ class SQLiteConsumer(Consumer):
                 )
                 self._positions = {}
                 self._assignment_epoch += 1
-                await self._ctx.writer.run(
-                    groups.heartbeat,
-                    membership.group_id,
-                    membership.member_id,
-                    membership.topics,
-                    now + int(self._ctx.session_timeout_s * 1000),
-                    now,
-                    time.monotonic() + self._ctx.write_timeout_s,
-                )
+                await renew(membership, join=True)
         except sqlite3.Error as exc:
             raise translate(exc, "consumer group heartbeat") from exc
         self._joined = True
