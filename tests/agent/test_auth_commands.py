@@ -186,12 +186,8 @@ def wait(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 SLEEPER = "import time; time.sleep(600)"
 
 
-@pytest.mark.anyio
-@pytest.mark.timeout(120)
-async def test_a_supervisor_with_keys_restarts_only_on_the_daemons_signed_restore(
-    tmp_path: Path,
-) -> None:
-    key = event_key()
+def sleeper_supervisor(tmp_path: Path, keys: AgentKeys) -> tuple[BusConfig, SupervisorConfig]:
+    """An embedded bus in ``tmp_path`` and a one-worker supervisor of :data:`SLEEPER` on it."""
     bus = BusConfig(url=f"sqlite://{tmp_path / 'bus.db'}", topics=DEFAULT_TOPICS)
     config = SupervisorConfig(
         job_id=JOB,
@@ -200,8 +196,18 @@ async def test_a_supervisor_with_keys_restarts_only_on_the_daemons_signed_restor
         nproc_per_node=1,
         grace_s=1.0,
         host="node-a",
-        keys=AgentKeys(verify=PUBLIC, event=key),
+        keys=keys,
     )
+    return bus, config
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_supervisor_with_keys_restarts_only_on_the_daemons_signed_restore(
+    tmp_path: Path,
+) -> None:
+    key = event_key()
+    bus, config = sleeper_supervisor(tmp_path, AgentKeys(verify=PUBLIC, event=key))
     supervisor = Supervisor(config)
     async with open_bus(bus) as client:
         task = asyncio.ensure_future(supervisor.run())
@@ -250,15 +256,7 @@ async def test_a_supervisor_without_keys_acts_once_on_a_command_sent_twice(
 ) -> None:
     """Issue 13: the same restore re-sent as the same bytes restarts the workers once and is
     counted as a ``duplicate``; a new command of the generation is still taken."""
-    bus = BusConfig(url=f"sqlite://{tmp_path / 'bus.db'}", topics=DEFAULT_TOPICS)
-    config = SupervisorConfig(
-        job_id=JOB,
-        bus=bus,
-        command=[sys.executable, "-c", SLEEPER],
-        nproc_per_node=1,
-        grace_s=1.0,
-        host="node-a",
-    )
+    bus, config = sleeper_supervisor(tmp_path, AgentKeys())
     supervisor = Supervisor(config)
     async with open_bus(bus) as client:
         task = asyncio.ensure_future(supervisor.run())
