@@ -46,7 +46,7 @@ async def silent_broker() -> AsyncIterator[tuple[str, list[asyncio.StreamWriter]
         server.close()
 
 
-def supervisor(tmp_path: Path, bootstrap: str, **overrides: float) -> Supervisor:
+def supervisor(tmp_path: Path, bootstrap: str, *, warn_every_s: float = 30.0) -> Supervisor:
     """A supervisor of a job whose worker would only exit, on a Kafka bus at ``bootstrap``
     whose connect and send timeouts are an hour."""
     bus = BusConfig(
@@ -63,7 +63,7 @@ def supervisor(tmp_path: Path, bootstrap: str, **overrides: float) -> Supervisor
             nproc_per_node=1,
             host="node-a",
             state_dir=tmp_path / "state",
-            **overrides,
+            warn_every_s=warn_every_s,
         )
     )
 
