@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from structlog.testing import capture_logs
 
 from tests.agent._outage import (
     agent_started,
@@ -184,6 +185,43 @@ async def test_a_worker_that_ends_while_the_broker_is_down_loses_nothing(
         )
         assert started.returncode == 0, started.stderr
     assert await asyncio.wait_for(run, 300) == 0
+    async with open_bus(bus) as reader:
+        events = await job_events(reader)
+    assert last_words_in_order(events) == ["checkpoint@3", "finished", "exited(0)"]
+
+
+async def test_a_supervisor_started_while_the_broker_is_down_waits_for_it_then_runs(
+    own_broker: tuple[str, Path], tmp_path: Path
+) -> None:
+    """A replacement pod's ``trainguard run`` during an outage: the old supervisor failed at
+    once (exit 2, which the Kubernetes Job's pod failure policy takes for the end of the job);
+    this one says that it waits, starts nothing, and runs the job once the broker is back."""
+    bootstrap, run_dir = own_broker
+    bus = kafka(bootstrap)
+    async with open_bus(bus):
+        pass  # topics created
+    (tmp_path / "go").touch()  # the worker finishes at once
+    with capture_logs() as logs:
+
+        def said(start: str) -> list[str]:
+            return [str(e["event"]) for e in logs if str(e["event"]).startswith(start)]
+
+        stopped = await asyncio.to_thread(
+            kafka_dev, "stop", "--dir", run_dir, timeout=KAFKA_DEV_STOP_TIMEOUT_S + 30
+        )
+        assert stopped.returncode == 0, stopped.stderr
+        try:
+            run = asyncio.ensure_future(Supervisor(supervised(tmp_path, bus)).run())
+            await until(lambda: run.done() or bool(said("bus outage:")), "the outage logged")
+            assert not run.done()
+            assert not said("workers started")
+        finally:
+            started = await asyncio.to_thread(
+                kafka_dev, "start", "--port", "0", "--dir", run_dir, timeout=600
+            )
+            assert started.returncode == 0, started.stderr
+        assert await asyncio.wait_for(run, 300) == 0
+        assert said("bus outage over: connecting to the bus succeeded")
     async with open_bus(bus) as reader:
         events = await job_events(reader)
     assert last_words_in_order(events) == ["checkpoint@3", "finished", "exited(0)"]

@@ -9,7 +9,10 @@ timeouts are an hour, so only the signal path can end a wait in time."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +28,8 @@ from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, BusError, BusUnavail
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 HOUR_S = 3600.0
+
+CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 
 
 @pytest.fixture
@@ -152,3 +157,35 @@ async def test_a_wait_for_the_bus_gives_up_at_once_on_a_wrong_bus_and_on_a_signa
     stop.set()
     with pytest.raises(Signalled):
         await asyncio.wait_for(waiting, 60.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("init_from", [False, True], ids=["plain", "init-from"])
+def test_trainguard_run_waits_for_an_unreachable_broker_and_a_sigterm_ends_it(
+    tmp_path: Path, init_from: bool
+) -> None:
+    """``trainguard run`` (with ``--init-from``, whose check reads the bus first, too) started
+    while nobody listens at the broker's address: no exit 2 (the old one exited 2 at once),
+    a warning naming the outage, and SIGTERM ends it with 143."""
+    command = [
+        *CLI, "run", "--job", "waiting-job", "--bus", f"kafka://127.0.0.1:{free_port()}",
+        "--nproc-per-node", "1", "--daemon-timeout", "0", "--warn-every", "0.2",
+        *(["--init-from", "seed-job/g0/s10"] if init_from else []),
+        "--", sys.executable, "-c", "pass",
+    ]  # fmt: skip
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as proc:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "bus outage goes on" in line:
+                break
+        assert proc.poll() is None, "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode in (EXIT_SIGNALLED, -signal.SIGTERM), "".join(lines) + rest
+    assert any("bus outage:" in line for line in lines)
+    assert "workers started" not in "".join(lines) + rest
