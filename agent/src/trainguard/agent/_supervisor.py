@@ -89,7 +89,14 @@ from typing import Literal, TypeVar
 
 import structlog
 
-from trainguard.agent._bus_wait import Signalled, abandon, or_stop, patiently, quietly
+from trainguard.agent._bus_wait import (
+    ABANDON_GRACE_S,
+    Signalled,
+    abandon,
+    or_stop,
+    patiently,
+    quietly,
+)
 from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
 from trainguard.agent._courier import Courier
 from trainguard.agent._daemon_watch import DaemonWatch, poll_interval_s
@@ -484,7 +491,10 @@ class Supervisor:
         try:
             await bus.start()
         except BaseException:
-            await abandon(asyncio.ensure_future(bus.close()))
+            closing = asyncio.ensure_future(bus.close())
+            # A close that hangs on a broker that is away is given up after a grace.
+            if not (await asyncio.wait({closing}, timeout=ABANDON_GRACE_S))[0]:
+                await abandon(closing)
             raise
         return bus
 
@@ -1091,9 +1101,10 @@ async def _finished_before(bus: Bus, job_id: str, generation: int) -> int | None
 
     The ranks last ran in the latest generation below ``generation`` with an event of the job
     (job requests count, the daemon's ticks do not); the rule holds when the ranks that
-    reported ``finished`` in it cover its world size (stated by its ``started`` reports) before
-    the first event of ``generation`` or later. One pass over the partition; only records that
-    name a new generation, or carry ``started`` or ``finished``, are decoded.
+    reported ``finished`` in it cover its world size (as its first event stating one says:
+    a heartbeat, a rank's ``started``) before the first event of ``generation`` or later. One
+    pass over the partition; only records of a new generation, ``finished`` reports and, until
+    the generation's world size is known, records stating one are decoded.
     """
     ends = await bus.end_offsets("events")
     tp = TopicPartition("events", partition_for(job_id, len(ends)))
@@ -1112,8 +1123,13 @@ async def _finished_before(bus: Bus, job_id: str, generation: int) -> int | None
                 if named is None:
                     continue
                 at = int(named[1])
-                named_only = b'"finished"' not in value and b'"started"' not in value
-                if at <= last and (at < last or named_only):
+                # Decoded: a record of a new generation, a finished, and one that states
+                # the world size while the generation's is unknown.
+                if at < last or (
+                    at == last
+                    and b'"finished"' not in value
+                    and (world_size is not None or b'"world_size"' not in value)
+                ):
                     continue
                 try:
                     message = decode(value)
@@ -1122,17 +1138,19 @@ async def _finished_before(bus: Bus, job_id: str, generation: int) -> int | None
                 if not isinstance(message, _JOINS) or message.job_id != job_id:
                     continue  # a tick, or no event of the job
                 if message.generation >= generation:
-                    # Someone joined: the restore stands.
-                    return None
+                    return None  # someone joined: the restore stands
+                if message.generation < last:
+                    continue
                 if message.generation > last:
                     last, world_size, finished = message.generation, None, set()
-                if message.generation < last or not isinstance(message, Lifecycle):
-                    continue
-                if message.rank is not None:
-                    if message.kind == "finished":
-                        finished.add(message.rank)
-                    elif message.kind == "started" and message.world_size is not None:
-                        world_size = message.world_size
+                if isinstance(message, Heartbeat | Lifecycle) and world_size is None:
+                    world_size = message.world_size
+                if (
+                    isinstance(message, Lifecycle)
+                    and message.kind == "finished"
+                    and message.rank is not None
+                ):
+                    finished.add(message.rank)
             seen = await consumer.position(tp)
     if world_size is None or not set(range(world_size)) <= finished:
         return None
