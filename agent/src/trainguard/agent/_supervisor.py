@@ -46,8 +46,9 @@ refused unless ``continue_job`` is set: then it asks the daemon to continue it (
 ``job-request`` ``continue``) and joins the restore that answers.
 
 **Stopping**: a SIGTERM or SIGINT asks the daemon to stop the whole job (a ``job-request``
-``stop``) before this node's workers are stopped, so that their exits are no failure, and
-waits up to ``stop_timeout_s`` for the daemon's ``abort`` (outcome ``stopped``).
+``stop``, queued in the outbox ahead of the exit reports) before this node's workers are
+stopped, so that their exits are no failure, and waits up to ``stop_timeout_s`` for the
+daemon's ``abort`` (outcome ``stopped``).
 
 **No daemon**: while no daemon reads the job's events for ``daemon_timeout_s``, a warning is
 logged every ``warn_every_s`` (:mod:`._daemon_watch`).
@@ -63,7 +64,12 @@ the supervisor's ``exited``, so a finished job is never taken for a failed one. 
 exits, the supervisor waits for its outbox to be delivered, logging every ``warn_every_s``;
 a signal ends that wait (a supervisor that was signalled before waits at most
 ``stop_timeout_s``), and the spools of undelivered workers stay on disk: the next supervisor
-of the job on this node forwards them before anything else.
+of the job on this node forwards them before anything else. Its own calls on the bus
+(connecting, reading the job's state, sending a report or request) wait out an outage, logged
+when it begins, while it lasts and when it ends (:mod:`._bus_wait`): a supervisor started
+during an outage waits for the bus and starts nothing meanwhile. A signal ends every wait on
+the bus at once, whatever the bus's timeouts; only a bus that cannot work (not retriable:
+a bad URL, refused credentials) fails the run.
 """
 
 from __future__ import annotations
@@ -345,6 +351,9 @@ class Supervisor:
         again while waiting, or no confirmation within ``stop_timeout_s``, returns
         :data:`EXIT_SIGNALLED`.
 
+        Signalled while it waits for the bus (before its workers start), it returns
+        :data:`EXIT_SIGNALLED` at once.
+
         Before it returns, it waits until the bus has taken its outbox (its reports and its
         exited workers' undelivered events; module docstring, outages), however long the bus is
         away; setting ``stop`` ends that wait and returns :data:`EXIT_SIGNALLED` (after a
@@ -357,7 +366,8 @@ class Supervisor:
                 the daemon read this node's report or request and ordered nothing (the job
                 has ended, or the request was refused).
             ConfigError: the slot's lock file cannot be created.
-            BusError: the bus failed.
+            BusError: the bus cannot work (not retriable: a bad URL, refused credentials, a
+                topic the cluster refuses); a bus that is away is waited for.
         """
         slot = self._take_slot()
         try:
