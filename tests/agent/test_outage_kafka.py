@@ -251,7 +251,8 @@ async def test_a_signal_ends_a_supervisor_whose_job_ended_while_the_broker_is_pa
             await wait_for_events(reader, agent_started)
         with paused(run_dir):
             (tmp_path / "go").touch()  # checkpoint and finish now, while the broker is paused
-            await until(lambda: any(e["event"] == "worker exited" for e in logs), "the exit")
+            # The job is over (the supervisor's watch ended): no stop request, only the wait.
+            await until(lambda: any(e["event"] == "workers finished" for e in logs), "the end")
             assert not run.done()
             stop.set()  # SIGTERM
             assert await asyncio.wait_for(run, 60.0) == EXIT_SIGNALLED
