@@ -28,7 +28,7 @@ machine, which an agent that awaits each publish would feel directly.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import functools
 import os
 import queue
@@ -323,7 +323,9 @@ class ConnectionThread:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[
+            tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None
+        ] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
 
@@ -361,43 +363,24 @@ class ConnectionThread:
             self._calls.put(None)
 
     def _submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
+        """Queue ``fn(*args)`` for the thread; as ``run_in_executor``: a call whose awaiter was
+        cancelled before it started is skipped."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
             self._thread.start()
-        self._calls.put(_Call(functools.partial(fn, *args), future, loop))
-        return future
+        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put((functools.partial(fn, *args), outcome))
+        return asyncio.wrap_future(outcome)
 
     def _serve(self) -> None:
-        """The thread: run each call in order, hand its outcome to its awaiter's loop."""
+        """The thread: run each call in order, unless its awaiter gave it up first."""
         while (call := self._calls.get()) is not None:
+            fn, outcome = call
+            if not outcome.set_running_or_notify_cancel():
+                continue
             try:
-                result = call.fn()
+                result = fn()
             except BaseException as exc:  # the awaiter gets it, whatever it is
-                call.settle(None, exc)
+                outcome.set_exception(exc)
             else:
-                call.settle(result, None)
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """A call queued for a :class:`ConnectionThread`, and where its outcome goes."""
-
-    fn: Callable[[], Any]
-    future: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
-
-    def settle(self, result: Any, exc: BaseException | None) -> None:
-        """Hand the outcome to the awaiter (a cancelled awaiter, or a closed loop, drops it)."""
-
-        def hand_over() -> None:
-            if self.future.done():
-                return
-            if exc is None:
-                self.future.set_result(result)
-            else:
-                self.future.set_exception(exc)
-
-        with contextlib.suppress(RuntimeError):  # the loop is closed
-            self.loop.call_soon_threadsafe(hand_over)
+                outcome.set_result(result)
