@@ -15,10 +15,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import structlog
+from structlog.testing import capture_logs
 
 from tests.agent._outage import (
     agent_started,
@@ -30,11 +32,14 @@ from tests.agent._outage import (
 )
 from tests.kafka_dev import KAFKA_DEV_STOP_TIMEOUT_S, dev_broker, kafka_dev
 from trainguard.agent._link import Link
-from trainguard.agent._supervisor import Supervisor
+from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, DeliveryFailed, open_bus
 from trainguard.schemas import Heartbeat, Lifecycle, decode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(600)]
+
+HOUR_S = 3600.0
+"""Bus timeouts that no test outlasts: a wait that ends in time ended on the signal."""
 
 PAUSE_S = 8.0
 """How long the broker stays paused where a test needs the old code's timeout to expire
@@ -187,3 +192,67 @@ async def test_a_worker_that_ends_while_the_broker_is_down_loses_nothing(
     async with open_bus(bus) as reader:
         events = await job_events(reader)
     assert last_words_in_order(events) == ["checkpoint@3", "finished", "exited(0)"]
+
+
+async def test_a_supervisor_started_while_the_broker_is_down_waits_for_it_then_runs(
+    own_broker: tuple[str, Path], tmp_path: Path
+) -> None:
+    """A replacement pod's ``trainguard run`` during an outage: the old supervisor failed at
+    once (exit 2, which the Kubernetes Job's pod failure policy takes for the end of the job);
+    this one says that it waits, starts nothing, and runs the job once the broker is back."""
+    bootstrap, run_dir = own_broker
+    bus = kafka(bootstrap)
+    async with open_bus(bus):
+        pass  # topics created
+    (tmp_path / "go").touch()  # the worker finishes at once
+    with capture_logs() as logs:
+
+        def said(start: str) -> list[str]:
+            return [str(e["event"]) for e in logs if str(e["event"]).startswith(start)]
+
+        stopped = await asyncio.to_thread(
+            kafka_dev, "stop", "--dir", run_dir, timeout=KAFKA_DEV_STOP_TIMEOUT_S + 30
+        )
+        assert stopped.returncode == 0, stopped.stderr
+        try:
+            run = asyncio.ensure_future(Supervisor(supervised(tmp_path, bus)).run())
+            await until(lambda: run.done() or bool(said("bus outage:")), "the outage logged")
+            assert not run.done()
+            assert not said("workers started")
+        finally:
+            started = await asyncio.to_thread(
+                kafka_dev, "start", "--port", "0", "--dir", run_dir, timeout=600
+            )
+            assert started.returncode == 0, started.stderr
+        assert await asyncio.wait_for(run, 300) == 0
+        assert said("bus outage over: connecting to the bus succeeded")
+    async with open_bus(bus) as reader:
+        events = await job_events(reader)
+    assert last_words_in_order(events) == ["checkpoint@3", "finished", "exited(0)"]
+
+
+async def test_a_signal_ends_a_supervisor_whose_job_ended_while_the_broker_is_paused(
+    own_broker: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The broker is paused when the job ends; the supervisor winds down (its look at the
+    daemon's group, every 0.25 s here, is then stuck in a call to the broker) and waits for
+    its outbox. The bus's timeouts are an hour: only the signal path can end that in time.
+    The old supervisor waited for the stuck look's timeout before anything else (the tester
+    measured ~24 s with the default 30 s timeouts)."""
+    bootstrap, run_dir = own_broker
+    bus = replace(kafka(bootstrap, send_timeout_s=HOUR_S), connect_timeout_s=HOUR_S)
+    async with open_bus(bus):
+        pass  # topics created
+    stop = asyncio.Event()
+    supervisor = Supervisor(supervised(tmp_path, bus, daemon_timeout_s=1.0))
+    with capture_logs() as logs:
+        run = asyncio.ensure_future(supervisor.run(stop))
+        async with open_bus(bus) as reader:
+            await wait_for_events(reader, agent_started)
+        with paused(run_dir):
+            (tmp_path / "go").touch()  # checkpoint and finish now, while the broker is paused
+            # The job is over (the supervisor's watch ended): no stop request, only the wait.
+            await until(lambda: any(e["event"] == "workers finished" for e in logs), "the end")
+            assert not run.done()
+            stop.set()  # SIGTERM
+            assert await asyncio.wait_for(run, 60.0) == EXIT_SIGNALLED

@@ -7,12 +7,14 @@ next supervisor of the job and node forwards them first."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
 
 from tests.agent._outage import (
+    JOB,
     agent_started,
     first_copies,
     job_events,
@@ -25,7 +27,7 @@ from tests.agent.test_agent_link import write_locked
 from trainguard.agent._spool import read_spool
 from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
-from trainguard.schemas import Lifecycle
+from trainguard.schemas import Restore, encode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -66,6 +68,12 @@ async def test_a_worker_that_ends_while_the_bus_is_away_loses_nothing(tmp_path: 
 async def test_a_signal_ends_a_waiting_supervisor_and_the_next_one_forwards_its_spool(
     tmp_path: Path,
 ) -> None:
+    """The job finishes while the bus is away and its supervisor, waiting to deliver, is
+    signalled; meanwhile the daemon, which heard nothing after the outage, restored the job
+    (generation 1) at its settle deadline. The next supervisor of the job and node forwards
+    the spool before it reads the job, finds every rank of generation 0 finished before anyone
+    joined the restore (the daemon voids it by the same rule) and exits 0 without starting a
+    worker. The old one started the finished job again in generation 1."""
     bus = await created_bus(tmp_path)
     stop = asyncio.Event()
     config = supervised(tmp_path, bus)
@@ -83,14 +91,20 @@ async def test_a_signal_ends_a_waiting_supervisor_and_the_next_one_forwards_its_
             left = [s.data for s in read_spool(spool)]
     assert len(left) == 2  # the checkpoint and finished; the exit report was the supervisor's
     assert any(e["event"].startswith("exiting with 3 events") for e in logs)
-    # The bus is back: the next supervisor of the job and node forwards the spool before it
-    # reads the job or starts anything (its worker then runs again, and finishes at once).
-    assert await Supervisor(config).run() == 0
+    restore = Restore(
+        job_id=JOB, generation=1, ts=time.time_ns(), seq=1, daemon_id="daemon",
+        incident_id=f"{JOB}/i1", reason="no event from rank 0 for 10 s", target=None,
+    )  # fmt: skip
+    async with open_bus(bus) as writer:
+        await writer.publish("commands", JOB, encode(restore))
+    with capture_logs() as logs:
+        assert await Supervisor(config).run() == 0
     async with open_bus(bus) as reader:
         events = await job_events(reader)
-    started = [i for i, e in enumerate(events) if isinstance(e, Lifecycle) and e.kind == "started"]
     # The first supervisor's courier may have had its copy of the checkpoint in flight when it
     # was signalled: the daemon drops a second copy (same sender and seq), and so does this.
-    assert last_words_in_order(first_copies(events[: started[2]])) == ["checkpoint@3", "finished"]
-    assert [e.rank for e in (events[i] for i in started)] == [None, 0, None, 0]
+    assert last_words_in_order(first_copies(events)) == ["checkpoint@3", "finished"]
+    assert {e.generation for e in events} == {0}
+    assert not [e for e in logs if e["event"] == "workers started"]
+    assert any(e["event"].startswith("job finished: every rank of generation 0") for e in logs)
     assert not spool.exists()

@@ -204,7 +204,17 @@ def test_a_wrong_password_fails_at_once_and_says_why(
     assert refused in daemon_output
     assert took < CONNECT_TIMEOUT_S
 
-    for text in (output, daemon_output):
+    # A supervisor waits out an outage, but not credentials the broker refuses (exit 2, as
+    # for any bad setting: a Kubernetes Job ends instead of retrying a pod that cannot work).
+    code, run_output, took = _cli(
+        ["run", "--job", "refused-job", "--bus", scram_broker.url, "--daemon-timeout", "0",
+         "--", sys.executable, "-c", "pass"],
+        env,
+    )  # fmt: skip
+    assert code == 2, run_output
+    assert refused in run_output
+
+    for text in (output, daemon_output, run_output):
         assert wrong not in text
         assert scram_broker.password not in text
 

@@ -37,6 +37,7 @@ from trainguard.daemon._decisions import (
     IncidentClosed,
     IncidentOpened,
     Issue,
+    Rejected,
 )
 from trainguard.daemon._inputs import Input, Observed, Tick
 from trainguard.daemon._machine import decide, next_deadline
@@ -321,3 +322,87 @@ def test_the_restored_job_resumes_after_a_held_restore() -> None:
     [closed] = of_type(decisions, IncidentClosed)
     assert closed.outcome == "resumed"
     assert (state.phase, state.generation) == ("running", 1)
+
+
+def finished_in_an_outage_reported_late(sim: Sim, late_at: int) -> list[Input]:
+    """Issue 13, D1: a 2-rank job trains to step 60 and both ranks finish during the outage
+    :data:`AWAY`; their supervisor, signalled while it waited for the bus, left their last
+    events (checkpoint of step 60, ``finished``) in their spools, which the next supervisor of
+    the node forwards at ``late_at``. Until then the job is silent."""
+    sent = two_ranks_training(sim, 60)
+    done = [sim.lifecycle(r, "finished", T0 + 62 * S + r, step=60) for r in range(2)]
+    before = [i for i in sent if i.at_ns < AWAY[0]]
+    late = [
+        i._replace(at_ns=late_at + n) for n, i in enumerate([*sent, *done]) if i.at_ns >= AWAY[0]
+    ]
+    return [*before, *late]
+
+
+@pytest.mark.parametrize("late_s", [30, 200])
+def test_a_job_finished_in_an_outage_whose_finish_arrives_after_its_restore_is_finished(
+    late_s: int,
+) -> None:
+    """The silence after the outage restores the job at the settle deadline (nothing tells it
+    from a failure then); its ranks' ``finished`` reports of generation 0 come later, before
+    any rank joined the restore (after its retry to generation 2 when ``late_s`` is 200 s,
+    beyond ``restore_timeout_s``): the job is finished and the restore void. The old code
+    rejected them as stale and kept restoring a finished job."""
+    sim = Sim(world_size=2)
+    late_at = AWAY[1] + late_s * S
+    state, folded = drive(
+        finished_in_an_outage_reported_late(sim, late_at),
+        cfg=CFG,
+        outages=[AWAY],
+        until=late_at + 600 * S,
+    )
+    decisions = every(folded)
+    restores = issued(decisions, Restore)
+    assert [r.generation for r in restores] == ([1] if late_s < 120 else [1, 2])
+    assert state.phase == "finished"
+    assert [d.reason.split(":")[-1] for d in kinds(decisions, "late_finish")] == [
+        " 1 of 2 ranks of generation 0 finished",
+        " 2 of 2 ranks of generation 0 finished",
+    ]
+    [(_, incident)] = opened(folded)
+    [closed] = of_type(decisions, IncidentClosed)
+    assert (closed.incident_id, closed.outcome) == (incident.incident_id, "finished")
+    assert "the job is finished and the restore void" in closed.reason
+    assert state.left is not None
+    assert state.left.finished == (0, 1)
+
+
+def test_a_late_finish_after_a_rank_joined_the_restore_is_stale() -> None:
+    """Once a process of the restore's generation was heard, the restore stands: a late
+    ``finished`` of the generation it left is stale, as before."""
+    sim = Sim(world_size=2)
+    late_at = AWAY[1] + 30 * S
+    inputs = finished_in_an_outage_reported_late(sim, late_at)
+    cut = next(n for n, i in enumerate(inputs) if i.at_ns >= late_at)
+    state, _ = drive(inputs[:cut], cfg=CFG, outages=[AWAY], until=late_at - S)
+    assert (state.phase, state.generation) == ("restoring", 1)
+    joined = sim.supervisor((0, 1), "started", late_at - S // 2, generation=1)
+    state, decisions = decide(state, joined, CFG)
+    assert decisions == ()
+    for item in inputs[cut:]:
+        state, decisions = decide(state, item, CFG)
+        assert [d.code for d in decisions if isinstance(d, Rejected)] == ["stale_generation"]
+    assert (state.phase, state.generation) == ("restoring", 1)
+
+
+def test_a_late_finish_of_some_ranks_only_leaves_the_restore_standing() -> None:
+    """Rank 0 finished, rank 1 was killed before: the restore stands; rank 0's report is
+    counted once (a copy is stale), and the restore's timeout still runs."""
+    sim = Sim(world_size=2)
+    state, _ = run(two_ranks_training(sim, 30), cfg=CFG)
+    at = state.clock_ns + S
+    state, decisions = decide(state, sim.kill(1, at), CFG)
+    [restore] = issued(decisions, Restore)
+    state, _ = decide(state, Tick(at, restore.seq), CFG)
+    finished = sim.lifecycle(0, "finished", at + S, step=30, generation=0)
+    state, decisions = decide(state, finished, CFG)
+    assert [d.kind for d in decisions if isinstance(d, Anomaly)] == ["late_finish"]
+    assert state.phase == "restoring"
+    state, decisions = decide(state, finished._replace(at_ns=at + 2 * S), CFG)
+    assert [d.code for d in decisions if isinstance(d, Rejected)] == ["stale_generation"]
+    state, folded = drive([], state, CFG, until=at + CFG.restore_timeout_ns + 2 * S)
+    assert [r.generation for r in issued(every(folded), Restore)] == [2]

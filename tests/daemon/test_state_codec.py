@@ -257,6 +257,8 @@ def features(state: JobState) -> set[str]:
         "held evidence": state.held is not None and state.held.evidence is not None,
         "held restart": state.held is not None and state.held.restart,
         "supervisor sender": any(rank is None for rank, _, _ in state.senders),
+        "left": state.left is not None,
+        "left finished": state.left is not None and bool(state.left.finished),
     }
     return found | {name for name, present in checks.items() if present}
 
@@ -344,6 +346,15 @@ def held_after_an_outage() -> Folding:
     return record(inputs, CFG)
 
 
+def finished_before_its_restore() -> Folding:
+    """A job restored after its rank 1 was killed, whose rank 0's ``finished`` of the
+    generation the restore left arrives before anyone joined the restore."""
+    sim = Sim(world_size=2)
+    inputs = [*sim.start(T0), *sim.train(range(20), start=T0 + S), sim.kill(1, T0 + 21 * S)]
+    inputs.append(sim.lifecycle(0, "finished", T0 + 22 * S, step=19))
+    return record(inputs, CFG)
+
+
 SCENARIOS: list[Callable[[], Folding]] = [
     spike_then_in_process_restore,
     spike_on_a_flat_loss,
@@ -352,6 +363,7 @@ SCENARIOS: list[Callable[[], Folding]] = [
     finished_job,
     early_exit_after_a_restore,
     held_after_an_outage,
+    finished_before_its_restore,
 ]
 
 
@@ -372,6 +384,7 @@ def test_every_kind_of_value_round_trips() -> None:
     expected |= {"progress timeout", "loss level", "straggling", "dead rank", "long phase"}
     expected |= {"supervisor sender", "ack cursor", "after restore", "positions", "acted", "held"}
     expected |= {"settle window", "restore held", "held evidence", "held restart"}
+    expected |= {"left", "left finished"}
     assert expected - seen == set()
 
 
@@ -702,25 +715,36 @@ def test_a_field_type_without_a_form_is_refused_when_the_codec_is_built(
 
 OLD_LAYOUT = Path(__file__).with_name("data") / "jobstate-c35900be070fb0d2.json"
 """``encode_state`` of the build before the bus-outage rule (layout c35900be070fb0d2, without
-``JobState.settle_until_ns`` and ``held``) for a 2-rank job killed after step 11."""
+``JobState.settle_until_ns``, ``held`` and ``left``) for a 2-rank job killed after step 11."""
+
+BEFORE_LEFT = Path(__file__).with_name("data") / "jobstate-ef5317866765d48d.json"
+"""The same state written by the build before the late-finish rule (layout ef5317866765d48d,
+without ``JobState.left``)."""
 
 
 def old_layout_inputs() -> list[Input]:
-    """The inputs the state of :data:`OLD_LAYOUT` was folded from."""
+    """The inputs the states of :data:`OLD_LAYOUT` and :data:`BEFORE_LEFT` were folded from."""
     sim = Sim(world_size=2)
     return [*sim.start(T0), *sim.train(range(12), start=T0 + S), sim.kill(1, T0 + 13 * S)]
 
 
-def test_a_document_of_the_layout_before_the_outage_fields_decodes_with_their_defaults() -> None:
-    """A snapshot written before this build added ``settle_until_ns`` and ``held`` reads back
-    as the state this build folds from the same inputs (those fields at their defaults), and
-    the fold continues from it exactly."""
-    data = OLD_LAYOUT.read_bytes()
-    assert orjson.loads(data)["layout"] == "c35900be070fb0d2" != LAYOUT
-    assert "c35900be070fb0d2" in READABLE_LAYOUTS
+@pytest.mark.parametrize("path", [OLD_LAYOUT, BEFORE_LEFT], ids=lambda p: p.stem)
+def test_a_document_of_an_earlier_layout_decodes_with_the_new_fields_at_their_defaults(
+    path: Path,
+) -> None:
+    """A snapshot written before this build added ``settle_until_ns``, ``held`` or ``left``
+    reads back as the state this build folds from the same inputs, those fields at their
+    defaults: a restore issued by an older build recorded no generation it left (its late
+    ``finished`` reports stay stale, as that build judged them)."""
+    data = path.read_bytes()
+    layout = orjson.loads(data)["layout"]
+    assert layout != LAYOUT
+    assert layout in READABLE_LAYOUTS
     state = decode_state(data)
-    assert (state.settle_until_ns, state.held) == (None, None)
+    assert (state.settle_until_ns, state.held, state.left) == (None, None, None)
     folded, _ = run(old_layout_inputs())
+    assert folded.left is not None
+    folded = folded._replace(left=None)
     assert state == folded
     assert encode_state(state) == encode_state(folded)
 

@@ -11,10 +11,51 @@ from trainguard.agent._keystore import EventKey
 from trainguard.agent.bus import Bus, Delivery
 from trainguard.schemas import Abort, JobRequest, RequestKind, Restore, Resume, add_mac, encode
 
-__all__ = ["latest_command", "send_request"]
+__all__ = ["encode_request", "latest_command", "send_request"]
 
 _MAX_REASON = 4096
 """Longest ``reason`` a request may carry (``common.v1.json#/$defs/message``)."""
+
+
+def encode_request(
+    job_id: str,
+    kind: RequestKind,
+    *,
+    generation: int,
+    host: str,
+    pid: int,
+    seq: int,
+    reason: str = "",
+    key: EventKey | None = None,
+) -> bytes:
+    """A :class:`~trainguard.schemas.JobRequest`, encoded (with its MAC when ``key`` is given).
+
+    Args:
+        job_id: the job.
+        kind: ``stop`` or ``continue``.
+        generation: the job's generation as the sender knows it from its latest command (0
+            when there is none).
+        host, pid: the sender.
+        seq: the sender's next sequence number (strictly increasing per ``(host, pid)``).
+        reason: why, in words; cut to 4096 characters.
+        key: the job's event key: the request carries its MAC (``None``: unauthenticated).
+
+    Raises:
+        SchemaError: a field breaks the wire schema.
+    """
+    request = JobRequest(
+        job_id=job_id,
+        generation=generation,
+        ts=time.time_ns(),
+        seq=seq,
+        host=host,
+        pid=pid,
+        kind=kind,
+        reason=reason[:_MAX_REASON],
+    )
+    if key is not None:
+        request = add_mac(request, key.kid, key.secret)
+    return encode(request)
 
 
 async def send_request(
@@ -29,19 +70,11 @@ async def send_request(
     reason: str = "",
     key: EventKey | None = None,
 ) -> Delivery:
-    """Publish a :class:`~trainguard.schemas.JobRequest` on the job's stream of ``events``
-    and wait until the bus holds it.
+    """Publish a job request (:func:`encode_request`, same arguments) on the job's stream of
+    ``events`` and wait until the bus holds it.
 
     Args:
         bus: a started bus.
-        job_id: the job.
-        kind: ``stop`` or ``continue``.
-        generation: the job's generation as the sender knows it from its latest command (0
-            when there is none).
-        host, pid: the sender.
-        seq: the sender's next sequence number (strictly increasing per ``(host, pid)``).
-        reason: why, in words; cut to 4096 characters.
-        key: the job's event key: the request carries its MAC (``None``: unauthenticated).
 
     Returns:
         Where the request landed (its partition and offset of ``events``).
@@ -49,19 +82,10 @@ async def send_request(
     Raises:
         BusError: the bus did not take it within its send timeout.
     """
-    request = JobRequest(
-        job_id=job_id,
-        generation=generation,
-        ts=time.time_ns(),
-        seq=seq,
-        host=host,
-        pid=pid,
-        kind=kind,
-        reason=reason[:_MAX_REASON],
+    data = encode_request(
+        job_id, kind, generation=generation, host=host, pid=pid, seq=seq, reason=reason, key=key
     )
-    if key is not None:
-        request = add_mac(request, key.kid, key.secret)
-    return await bus.publish("events", job_id, encode(request))
+    return await bus.publish("events", job_id, data)
 
 
 async def latest_command(

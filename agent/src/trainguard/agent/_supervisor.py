@@ -46,8 +46,9 @@ refused unless ``continue_job`` is set: then it asks the daemon to continue it (
 ``job-request`` ``continue``) and joins the restore that answers.
 
 **Stopping**: a SIGTERM or SIGINT asks the daemon to stop the whole job (a ``job-request``
-``stop``) before this node's workers are stopped, so that their exits are no failure, and
-waits up to ``stop_timeout_s`` for the daemon's ``abort`` (outcome ``stopped``).
+``stop``, queued in the outbox ahead of the exit reports) before this node's workers are
+stopped, so that their exits are no failure, and waits up to ``stop_timeout_s`` for the
+daemon's ``abort`` (outcome ``stopped``).
 
 **No daemon**: while no daemon reads the job's events for ``daemon_timeout_s``, a warning is
 logged every ``warn_every_s`` (:mod:`._daemon_watch`).
@@ -63,7 +64,12 @@ the supervisor's ``exited``, so a finished job is never taken for a failed one. 
 exits, the supervisor waits for its outbox to be delivered, logging every ``warn_every_s``;
 a signal ends that wait (a supervisor that was signalled before waits at most
 ``stop_timeout_s``), and the spools of undelivered workers stay on disk: the next supervisor
-of the job on this node forwards them before anything else.
+of the job on this node forwards them before anything else. Its own calls on the bus
+(connecting, reading the job's state, sending a report or request) wait out an outage, logged
+when it begins, while it lasts and when it ends (:mod:`._bus_wait`): a supervisor started
+during an outage waits for the bus and starts nothing meanwhile. A signal ends every wait on
+the bus at once, whatever the bus's timeouts; only a bus that cannot work (not retriable:
+a bad URL, refused credentials) fails the run.
 """
 
 from __future__ import annotations
@@ -75,19 +81,28 @@ import ctypes
 import functools
 import itertools
 import os
+import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import structlog
 
+from trainguard.agent._bus_wait import (
+    ABANDON_GRACE_S,
+    Signalled,
+    abandon,
+    or_stop,
+    patiently,
+    quietly,
+)
 from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
 from trainguard.agent._courier import Courier
 from trainguard.agent._daemon_watch import DaemonWatch, poll_interval_s
@@ -95,7 +110,7 @@ from trainguard.agent._errors import AgentError, ConfigError
 from trainguard.agent._keystore import AgentKeys
 from trainguard.agent._manifests import read_manifests
 from trainguard.agent._node_slot import NodeSlot, NodeTaken
-from trainguard.agent._requests import send_request
+from trainguard.agent._requests import encode_request
 from trainguard.agent._spool import SPOOL_DIR_ENV, read_spool
 from trainguard.agent._step_file import STEP_FILE_ENV, read_step_file, reset_step_file
 from trainguard.agent.bus import (
@@ -104,6 +119,7 @@ from trainguard.agent.bus import (
     BusError,
     Consumer,
     Delivery,
+    Record,
     TopicPartition,
     default_state_dir,
     open_bus,
@@ -112,6 +128,10 @@ from trainguard.agent.bus import (
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.schemas import (
     Abort,
+    Checkpoint,
+    DataCursorEvent,
+    Heartbeat,
+    JobRequest,
     Lifecycle,
     RequestKind,
     Restore,
@@ -133,6 +153,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger("trainguard.supervisor")
+
+_T = TypeVar("_T")
 
 
 class JobNotJoinable(AgentError):
@@ -295,7 +317,7 @@ class Supervisor:
         # How this supervisor begins (module docstring): start workers, report the previous
         # supervisor's workers gone, or ask for a continuation; and the latest command's
         # (generation, seq) then, which a daemon's answer must be newer than.
-        self._plan: Literal["start", "rejoin", "continue"] = "start"
+        self._plan: Literal["start", "rejoin", "continue", "finished"] = "start"
         self._baseline = (0, 0)
         self._unanswered = asyncio.Event()
         self._unanswered_why = ""
@@ -312,6 +334,7 @@ class Supervisor:
             / NodeSlot.name(self._bus_identity(), config.job_id, config.node())
         )
         self._signalled = False
+        self._interrupted = asyncio.Event()  # set from the first signal on
 
     @property
     def undelivered(self) -> int:
@@ -328,6 +351,9 @@ class Supervisor:
         again while waiting, or no confirmation within ``stop_timeout_s``, returns
         :data:`EXIT_SIGNALLED`.
 
+        Signalled while it waits for the bus (before its workers start), it returns
+        :data:`EXIT_SIGNALLED` at once.
+
         Before it returns, it waits until the bus has taken its outbox (its reports and its
         exited workers' undelivered events; module docstring, outages), however long the bus is
         away; setting ``stop`` ends that wait and returns :data:`EXIT_SIGNALLED` (after a
@@ -340,7 +366,8 @@ class Supervisor:
                 the daemon read this node's report or request and ordered nothing (the job
                 has ended, or the request was refused).
             ConfigError: the slot's lock file cannot be created.
-            BusError: the bus failed.
+            BusError: the bus cannot work (not retriable: a bad URL, refused credentials, a
+                topic the cluster refuses); a bus that is away is waited for.
         """
         slot = self._take_slot()
         try:
@@ -362,14 +389,22 @@ class Supervisor:
 
     async def _run(self, stop: asyncio.Event | None) -> int:
         stop = stop or asyncio.Event()
+        # The first signal, for good: a stop request clears ``stop`` to hear a second one,
+        # but from the first on no wait on the bus outlasts a short grace.
+        first = asyncio.ensure_future(stop.wait())
+        first.add_done_callback(lambda _: self._interrupted.set())
         try:
             try:
                 status = await self._run_on_bus(stop)
+            except Signalled:
+                log.warning("signalled while waiting for the bus: exiting", job_id=self._c.job_id)
+                status = EXIT_SIGNALLED
             except AgentError:
                 await self._deliver_rest(stop)
                 raise
             return status if await self._deliver_rest(stop) else EXIT_SIGNALLED
         finally:
+            first.cancel()
             if self._courier_task is not None:
                 self._courier.stop()
                 self._courier_task.cancel()
@@ -424,11 +459,13 @@ class Supervisor:
         await self._courier.delivered()
 
     async def _run_on_bus(self, stop: asyncio.Event) -> int:
-        async with open_bus(self._c.bus) as bus:
-            # Once the bus answered: a bus that is wrong from the start fails the run at once.
+        # A bus that is away is waited for (module docstring, outages); one that is wrong
+        # (a bad URL, a topic the cluster refuses) fails the run at once.
+        bus = await self._patiently("connecting to the bus", self._started_bus, stop)
+        try:
             self._courier_task = asyncio.ensure_future(self._courier.run())
-            await self._forward_leftovers()
-            commands = await self._follow_commands(bus)
+            await or_stop(self._forward_leftovers(), stop)
+            commands = await self._follow_commands(bus, stop)
             listener = asyncio.ensure_future(self._listen(commands))
             if self._c.nproc_per_node is not None:
                 self._step_dir = Path(tempfile.mkdtemp(prefix="trainguard-steps-"))
@@ -442,24 +479,66 @@ class Supervisor:
                 with contextlib.suppress(asyncio.CancelledError):
                     await listener
                 if self._tasks:
-                    # Each finishes the bus call it is in (bounded by the bus's timeouts).
-                    await asyncio.wait(self._tasks)
-                await commands.close()
+                    # Each finishes the bus call it is in (bounded by the bus's timeouts),
+                    # unless a signal came: then they are abandoned.
+                    with contextlib.suppress(Signalled):
+                        await or_stop(asyncio.wait(self._tasks), self._interrupted)
+                    await abandon(*(t for t in self._tasks if not t.done()))
+                await quietly(commands.close(), self._interrupted)
                 await self._stop_workers(report=False)
                 if self._step_dir is not None:
                     shutil.rmtree(self._step_dir, ignore_errors=True)
+        finally:
+            await quietly(bus.close(), self._interrupted)
 
-    async def _follow_commands(self, bus: Bus) -> Consumer:
-        tp = TopicPartition(
-            "commands", partition_for(self._c.job_id, await bus.partitions("commands"))
+    async def _started_bus(self) -> Bus:
+        """A new connection to the bus, started (closed again if it fails to start).
+
+        Raises:
+            BusError: the bus cannot be reached or used.
+        """
+        bus = open_bus(self._c.bus)
+        try:
+            await bus.start()
+        except BaseException:
+            closing = asyncio.ensure_future(bus.close())
+            # A close that hangs on a broker that is away is given up after a grace.
+            if not (await asyncio.wait({closing}, timeout=ABANDON_GRACE_S))[0]:
+                await abandon(closing)
+            raise
+        return bus
+
+    async def _patiently(
+        self, what: str, call: Callable[[], Awaitable[_T]], stop: asyncio.Event
+    ) -> _T:
+        """``call()`` until the bus answers it, logging the outage; a signal ends the wait
+        (:func:`._bus_wait.patiently`).
+
+        Raises:
+            Signalled: ``stop`` was set.
+            BusError: a non-retriable failure.
+        """
+        c = self._c
+        return await patiently(
+            what, call, stop, warn_every_s=c.warn_every_s, job_id=c.job_id, bus=c.bus.url
         )
-        end = (await bus.end_offsets("commands"))[tp]
-        latest = (await bus.latest_per_key("commands")).get(self._c.job_id)
+
+    async def _follow_commands(self, bus: Bus, stop: asyncio.Event) -> Consumer:
+        async def read() -> tuple[TopicPartition, int, Record | None]:
+            tp = TopicPartition(
+                "commands", partition_for(self._c.job_id, await bus.partitions("commands"))
+            )
+            end = (await bus.end_offsets("commands"))[tp]
+            return tp, end, (await bus.latest_per_key("commands")).get(self._c.job_id)
+
+        tp, end, latest = await self._patiently("reading the job's latest command", read, stop)
         command = None
         if latest is not None and latest.value is not None:
             command = self._admit(latest.value, latest.offset)
-        await self._join(bus, command)
-        return await bus.assign({tp: end})
+        await self._join(bus, command, stop)
+        return await self._patiently(
+            "following the job's commands", lambda: bus.assign({tp: end}), stop
+        )
 
     def _admit(self, data: bytes, offset: int) -> Restore | Resume | Abort | None:
         """The command in ``data`` if it may be acted on; else count and log why not."""
@@ -469,11 +548,15 @@ class Supervisor:
         log_ignored(log, command, offset)
         return None
 
-    async def _join(self, bus: Bus, latest: Restore | Resume | Abort | None) -> None:
+    async def _join(
+        self, bus: Bus, latest: Restore | Resume | Abort | None, stop: asyncio.Event
+    ) -> None:
         """Choose how to begin from the job's latest command (module docstring, joining)."""
         job = self._c.job_id
         if latest is None:
-            if await self._has_committed(bus):
+            if await self._patiently(
+                "reading the job's snapshots", lambda: self._has_committed(bus), stop
+            ):
                 self._rejoin(0, 0, "it has committed snapshots in generation 0")
             return
         self._generation = latest.generation
@@ -495,7 +578,22 @@ class Supervisor:
             self._plan = "continue"
             return
         if isinstance(latest, Restore) and latest.mode == "restart":
-            return  # a generation whose processes are being started: join it
+            # A generation whose processes are being started: join it, unless the job
+            # finished before anyone did (the daemon then voids the restore).
+            left = await self._patiently(
+                "reading the job's events",
+                lambda: _finished_before(bus, job, latest.generation),
+                stop,
+            )
+            if left is not None:
+                log.warning(
+                    f"job finished: every rank of generation {left} reported finished before "
+                    f"any process joined its restore to generation {latest.generation}; the "
+                    "daemon voids that restore, and no worker starts",
+                    job_id=job,
+                )
+                self._plan = "finished"
+            return
         self._rejoin(
             latest.generation,
             latest.seq,
@@ -528,7 +626,16 @@ class Supervisor:
 
     async def _listen(self, consumer: Consumer) -> None:
         while True:
-            for record in await consumer.getmany(timeout_s=0.2):
+            try:
+                records = await consumer.getmany(timeout_s=0.2)
+            except BusError as exc:
+                if not exc.retriable:
+                    raise
+                # The bus is away: the orders wait on it; a pause, then the next poll.
+                log.debug("cannot read the job's commands: retrying", error=str(exc))
+                await asyncio.sleep(_ANSWER_POLL_S)
+                continue
+            for record in records:
                 if record.key != self._c.job_id or record.value is None:
                     continue
                 command = self._admit(record.value, record.offset)
@@ -536,7 +643,9 @@ class Supervisor:
                     await self._orders.put(command)
 
     async def _supervise(self, bus: Bus, stop: asyncio.Event) -> int:
-        await self._begin(bus)
+        if self._plan == "finished":
+            return 0
+        await self._begin(bus, stop)
         stop_task = asyncio.ensure_future(stop.wait())
         unanswered = asyncio.ensure_future(self._unanswered.wait())
         while True:
@@ -552,7 +661,7 @@ class Supervisor:
             if stop_task.done():
                 order_task.cancel()
                 unanswered.cancel()
-                return await self._stop_job(bus, stop)
+                return await self._stop_job(stop)
             if unanswered.done() and not order_task.done():
                 order_task.cancel()
                 stop_task.cancel()
@@ -590,7 +699,7 @@ class Supervisor:
             self._generation = order.generation
             await self._start_workers(bus)
 
-    async def _begin(self, bus: Bus) -> None:
+    async def _begin(self, bus: Bus, stop: asyncio.Event) -> None:
         """Start the workers, or report the previous ones gone, or ask for a continuation, as
         :meth:`_join` chose; the last two wait for the daemon's restore (no workers meanwhile)."""
         if self._plan == "start":
@@ -598,18 +707,23 @@ class Supervisor:
             return
         self._failed = True  # nothing runs here until the daemon orders a restore
         if self._plan == "rejoin":
-            await self._refuse_if_finished(bus)
-            delivery = await self._report_gone(bus)
+            await self._refuse_if_finished(bus, stop)
+            data, sent = self._report_gone(), "report that this node's ranks are gone"
             what = f"this node's report that its ranks are gone (generation {self._generation})"
         else:
-            delivery = await self._request(bus, "continue", "trainguard run --continue")
+            data, sent = self._request("continue", "trainguard run --continue"), "continue request"
             what = f"the continue request (generation {self._generation})"
+        # The same bytes at every attempt: a copy that landed twice is dropped by the daemon
+        # (same sender, seq not above the last).
+        delivery = await self._patiently(
+            f"sending the {sent}", lambda: bus.publish("events", self._c.job_id, data), stop
+        )
+        log.info(f"{sent} sent", generation=self._generation, offset=delivery.offset)
         self._tasks.append(asyncio.ensure_future(self._await_answer(bus, delivery, what)))
 
-    async def _request(self, bus: Bus, kind: RequestKind, reason: str) -> Delivery:
-        """Send a job request in the current generation as this supervisor."""
-        delivery = await send_request(
-            bus,
+    def _request(self, kind: RequestKind, reason: str) -> bytes:
+        """A job request in the current generation as this supervisor, encoded."""
+        return encode_request(
             self._c.job_id,
             kind,
             generation=self._generation,
@@ -619,14 +733,16 @@ class Supervisor:
             reason=reason,
             key=self._c.keys.event,
         )
-        log.info(f"{kind} request sent", generation=self._generation, offset=delivery.offset)
-        return delivery
 
-    async def _refuse_if_finished(self, bus: Bus) -> None:
+    async def _refuse_if_finished(self, bus: Bus, stop: asyncio.Event) -> None:
         """Raise :class:`JobNotJoinable` if every rank of this node reported ``finished`` in
         the current generation (the job's events, as the daemon counts finished ranks): none
         is gone, and the job has ended or ends without this node."""
-        finished = await _finished_ranks(bus, self._c.job_id, self._generation)
+        finished = await self._patiently(
+            "reading the job's events",
+            lambda: _finished_ranks(bus, self._c.job_id, self._generation),
+            stop,
+        )
         ranks = self._c.local_ranks()
         if set(ranks) <= finished:
             raise JobNotJoinable(
@@ -635,9 +751,9 @@ class Supervisor:
                 "job id)"
             )
 
-    async def _report_gone(self, bus: Bus) -> Delivery:
-        """Report this node's ranks ``exited`` (SIGKILL) in the current generation, as this
-        supervisor: the previous supervisor's workers were killed with it."""
+    def _report_gone(self) -> bytes:
+        """This node's ranks ``exited`` (SIGKILL) in the current generation, as this
+        supervisor, encoded: the previous supervisor's workers were killed with it."""
         event = Lifecycle(
             job_id=self._c.job_id,
             generation=self._generation,
@@ -654,7 +770,7 @@ class Supervisor:
         key = self._c.keys.event
         if key is not None:
             event = add_mac(event, key.kid, key.secret)
-        return await bus.publish("events", self._c.job_id, encode(event))
+        return encode(event)
 
     async def _await_answer(self, bus: Bus, sent: Delivery, what: str) -> None:
         """Once the daemon's group has read past ``sent`` (its position on ``events``), the
@@ -693,7 +809,7 @@ class Supervisor:
             self._unanswered.set()
             return
 
-    async def _stop_job(self, bus: Bus, stop: asyncio.Event) -> int:
+    async def _stop_job(self, stop: asyncio.Event) -> int:
         """Signalled: ask the daemon to stop the whole job, stop this node's workers (their
         exits reported after the request, so no failure), and wait for the daemon's abort."""
         if self._plan == "continue" and not self._workers:
@@ -705,16 +821,11 @@ class Supervisor:
             return EXIT_SIGNALLED
         self._signalled = True
         log.warning("signalled: asking the daemon to stop the job", generation=self._generation)
-        try:
-            await self._request(bus, "stop", f"trainguard run on host {self._c.host} was signalled")
-        except BusError as exc:
-            log.error(
-                "the stop request could not be sent: the daemon will take the workers' exits "
-                "for a failure",
-                error=str(exc),
-            )
-            await self._stop_workers(report=True)
-            return EXIT_SIGNALLED
+        # Through the outbox, ahead of the workers' exit reports: the bus holds it before
+        # them however long it is away, and no wait on the bus delays stopping the workers.
+        self._courier.put(
+            self._request("stop", f"trainguard run on host {self._c.host} was signalled")
+        )
         await self._stop_workers(report=True)
         stop.clear()
         deadline = time.monotonic() + self._c.stop_timeout_s
@@ -737,8 +848,9 @@ class Supervisor:
         finally:
             again.cancel()
         log.warning(
-            f"the daemon has not confirmed the stop within {self._c.stop_timeout_s:g} s; the "
-            "request is on the bus: the job ends stopped when a daemon reads it",
+            f"the daemon has not confirmed the stop within {self._c.stop_timeout_s:g} s; once "
+            "the request is on the bus (see below if it is not), the job ends stopped when a "
+            "daemon reads it",
             job_id=self._c.job_id,
         )
         return EXIT_SIGNALLED
@@ -988,6 +1100,79 @@ async def _finished_ranks(bus: Bus, job_id: str, generation: int) -> set[int]:
             # ticks), which no record carries.
             seen = await consumer.position(tp)
     return finished
+
+
+async def _finished_before(bus: Bus, job_id: str, generation: int) -> int | None:
+    """The generation whose ranks all reported ``finished`` before any process joined
+    ``generation`` (a restart restore's), or ``None``: the daemon's late-finish rule
+    (``docs/recovery.md``, "A job that finished is never restored") applied to the job's
+    partition of ``events`` as the daemon folds it, in order, from its first record to its
+    end offset at the call.
+
+    The ranks last ran in the latest generation below ``generation`` with an event of the job
+    (job requests count, the daemon's ticks do not); the rule holds when the ranks that
+    reported ``finished`` in it cover its world size (as its first event stating one says:
+    a heartbeat, a rank's ``started``) before the first event of ``generation`` or later. One
+    pass over the partition; only records of a new generation, ``finished`` reports and, until
+    the generation's world size is known, records stating one are decoded.
+    """
+    ends = await bus.end_offsets("events")
+    tp = TopicPartition("events", partition_for(job_id, len(ends)))
+    end = ends[tp]
+    last, world_size, finished = -1, None, set[int]()
+    if end == 0:
+        return None
+    async with await bus.assign({tp: 0}) as consumer:
+        seen = 0
+        while seen < end:
+            for rec in await consumer.getmany(timeout_s=_ANSWER_POLL_S, max_records=10_000):
+                value = rec.value or b""
+                if rec.key != job_id or rec.offset >= end:
+                    continue
+                named = _GENERATION.search(value)
+                if named is None:
+                    continue
+                at = int(named[1])
+                # Decoded: a record of a new generation, a finished, and one that states
+                # the world size while the generation's is unknown.
+                if at < last or (
+                    at == last
+                    and b'"finished"' not in value
+                    and (world_size is not None or b'"world_size"' not in value)
+                ):
+                    continue
+                try:
+                    message = decode(value)
+                except SchemaError:
+                    continue
+                if not isinstance(message, _JOINS) or message.job_id != job_id:
+                    continue  # a tick, or no event of the job
+                if message.generation >= generation:
+                    return None  # someone joined: the restore stands
+                if message.generation < last:
+                    continue
+                if message.generation > last:
+                    last, world_size, finished = message.generation, None, set()
+                if isinstance(message, Heartbeat | Lifecycle) and world_size is None:
+                    world_size = message.world_size
+                if (
+                    isinstance(message, Lifecycle)
+                    and message.kind == "finished"
+                    and message.rank is not None
+                ):
+                    finished.add(message.rank)
+            seen = await consumer.position(tp)
+    if world_size is None or not set(range(world_size)) <= finished:
+        return None
+    return last
+
+
+_JOINS = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, JobRequest)
+"""What the daemon takes in from a sender of a generation (its ticks are not among them)."""
+
+_GENERATION = re.compile(rb'"generation":(\d+)')
+"""The top-level ``generation`` of an encoded event (canonical JSON: sorted keys, no spaces;
+no object nested in an event has one)."""
 
 
 def _ended(abort: Abort) -> int:

@@ -45,12 +45,15 @@ AnomalyKind: TypeAlias = Literal[
     "checkpoint_ignored",
     "bus_gap",
     "restore_held",
+    "late_finish",
 ]
 """Something reported and recorded but not by itself acted on (``checkpoint_mismatch``, a
 step that can never commit, is also logged at error level and counted). ``bus_gap``: the job's
 inputs stopped for longer than ``bus_gap_s`` (the bus or the daemon was away), and time stopped
 across the gap; ``restore_held``: a failure while the bus settles after a gap, whose restore
-waits for the settle deadline (``docs/recovery.md``)."""
+waits for the settle deadline (``docs/recovery.md``); ``late_finish``: a rank's ``finished`` of
+the generation a restore left, arriving before anyone joined the restore (``docs/recovery.md``,
+"A job that finished is never restored")."""
 
 IncidentOutcome: TypeAlias = Literal["resumed", "failed", "finished", "stopped"]
 

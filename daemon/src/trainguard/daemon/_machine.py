@@ -54,7 +54,7 @@ from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Issue, Rej
 from ._divergence import judge_checksum, judge_lag, judge_loss, nan_loss, note_data_version
 from ._evidence import Measures, exit_status, hosts_text, ranks_text, seconds_text, steps_text
 from ._inputs import Input, Observed, Tick
-from ._outage import bridge, gap_ns, settling
+from ._outage import bridge, gap_ns, late_finish, settling
 from ._recovery import (
     Failure,
     acknowledged,
@@ -119,6 +119,8 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
                     return _settled(state, config, bridged + decisions if bridged else decisions)
             rejected = _screen(state, event) or _from_the_future(event, at_ns, config)
             if rejected is not None:
+                if rejected.code == "stale_generation" and isinstance(event, Lifecycle):
+                    return _late(state, event, at_ns, config) or (state, (rejected,))
                 return state, (rejected,)
             state, bridged = _bridged(state, at_ns, config)
             state = _accept(state, event, at_ns)
@@ -142,6 +144,19 @@ def _bridged(state: JobState, at_ns: int, config: MachineConfig) -> tuple[JobSta
         return state, _NONE
     state, anomaly = bridge(state, at_ns, gap, config)
     return state, (anomaly,)
+
+
+def _late(
+    state: JobState, event: Lifecycle, at_ns: int, config: MachineConfig
+) -> tuple[JobState, Decisions] | None:
+    """A ``finished`` of the generation a restore nobody joined left (:func:`late_finish`),
+    taken in like a tick (gap rule, clock, deadlines), or ``None``: the event is stale."""
+    bridged_state, bridged = _bridged(state, at_ns, config)
+    judged = late_finish(bridged_state, event)
+    if judged is None:
+        return None
+    state, decisions = judged
+    return _expire(_advance(state, at_ns), config, bridged + decisions)
 
 
 def _settled(
@@ -584,6 +599,7 @@ def _on_heartbeat(
         continued_generation,
         settle_until_ns,
         held,
+        left,
     ) = state
     state = new_tuple(
         JobState,
@@ -613,6 +629,7 @@ def _on_heartbeat(
             continued_generation,
             settle_until_ns,
             held,
+            left,
         ),
     )
     if not running:

@@ -15,6 +15,14 @@ it settles opens its incident but holds its restore until then (``JobState.held`
 :mod:`trainguard.daemon._recovery`): the checkpoints the ranks made during the outage commit
 first and become the target. The gap is measured on the job's own inputs, which the log holds,
 so a replay of the log decides the same (``docs/detection.md``, "Bus outages").
+
+A job that finished while the bus was away can still be taken for a failed one: its ranks'
+``finished`` reports may reach the bus only after the settle deadline issued a restore (their
+supervisor was signalled while it waited for the bus, and the next one forwards them later).
+The rule of :func:`late_finish`: while nobody has joined the restore's generation, a
+``finished`` of the generation the ranks last ran in (``JobState.left``) is no stale event;
+once every rank of that generation has finished, the job is finished and the restore void
+(``docs/recovery.md``, "A job that finished is never restored").
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ from dataclasses import replace
 
 from rpds import HashTrieMap
 
+from trainguard.schemas import Lifecycle
+
 from ._config import MachineConfig
-from ._decisions import Anomaly
-from ._evidence import Measures, seconds_text
+from ._decisions import Anomaly, Decision, IncidentClosed, Transition
+from ._evidence import Measures, ranks_text, seconds_text
 from ._state import JobState, RankState
 
-__all__ = ["bridge", "gap_ns", "settling"]
+__all__ = ["bridge", "gap_ns", "late_finish", "settling"]
 
 _NS_PER_S = 1_000_000_000
 
@@ -120,3 +130,64 @@ def _shifted_rank(rec: RankState, gap: int) -> RankState:
 def _later(at_ns: int, gap: int) -> int:
     """``at_ns`` moved by ``gap``; 0 (never) stays 0."""
     return at_ns + gap if at_ns else 0
+
+
+def late_finish(state: JobState, event: Lifecycle) -> tuple[JobState, tuple[Decision, ...]] | None:
+    """Judge a ``finished`` of an older generation than the job's (otherwise a stale event).
+
+    It counts when the job is ``restoring``, no event of the current generation has been
+    accepted (``senders`` empty: no process joined the restore), and it is a rank's
+    ``finished`` of the generation the ranks last ran in (``JobState.left``), not counted yet.
+    Then the rank is recorded as finished in that generation (a ``late_finish`` anomaly says
+    so); once all ``world_size`` ranks of it are, the job is ``finished``: the restore is
+    void, its incident closes with outcome ``finished``, and no command is issued (the
+    restore's ranks never joined; a supervisor that rejoins finds the same on the log). The
+    clock is the caller's to move, as for any input.
+
+    Returns:
+        The new state and its decisions, or ``None`` when the rule does not apply (the event
+        is then stale, as before).
+    """
+    left, incident, world_size = state.left, state.incident, state.world_size
+    if (
+        left is None
+        or incident is None
+        or world_size is None
+        or state.phase != "restoring"
+        or state.senders
+        or event.kind != "finished"
+        or event.rank is None
+        or event.generation != left.generation
+        or event.rank in left.finished
+        or not 0 <= event.rank < world_size
+    ):
+        return None
+    finished = tuple(sorted((*left.finished, event.rank)))
+    state = state._replace(left=left._replace(finished=finished))
+    restore = (
+        f"the restore of {incident.incident_id} to generation {state.generation} (attempt "
+        f"{incident.attempt})"
+    )
+    noted = Anomaly(
+        kind="late_finish",
+        reason=f"rank {event.rank} on host {event.host} (pid {event.pid}) reported finished "
+        f"in generation {left.generation} after {restore} was issued, before any rank joined "
+        f"it: {len(finished)} of {world_size} ranks of generation {left.generation} finished",
+    )
+    if len(finished) < world_size:
+        return state, (noted,)
+    reason = (
+        f"all {world_size} ranks finished in generation {left.generation}, the last "
+        f"({ranks_text(finished[-1:])}) after {restore} was issued and before any rank joined "
+        f"it: the job is finished and the restore void"
+    )
+    return state._replace(phase="finished", incident=None, held=None), (
+        noted,
+        Transition(old="restoring", new="finished", generation=state.generation, reason=reason),
+        IncidentClosed(
+            incident_id=incident.incident_id,
+            outcome="finished",
+            attempts=incident.attempt,
+            reason=reason,
+        ),
+    )

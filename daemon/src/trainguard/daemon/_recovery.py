@@ -60,7 +60,17 @@ from ._decisions import (
 )
 from ._evidence import NO_MEASURES, Measures, ranks_text, seconds_text
 from ._outage import settling
-from ._state import Ack, AfterRestore, Held, Incident, IncidentCause, JobState, Loop, Watch
+from ._state import (
+    Ack,
+    AfterRestore,
+    Held,
+    Incident,
+    IncidentCause,
+    JobState,
+    Left,
+    Loop,
+    Watch,
+)
 
 IN_PROCESS_CAUSES: frozenset[IncidentCause] = frozenset(
     {"nan_loss", "loss_spike", "checksum_mismatch"}
@@ -203,6 +213,12 @@ def _new_generation(
     the generation's detectors start afresh from the target's step."""
     target = incident.target
     base = None if target is None else target.step
+    left = state.left
+    if state.senders or left is None:
+        # Some process was heard in the generation this restore leaves: the ranks last ran in
+        # it. A retry of a restore nobody joined keeps the generation they ran in.
+        finished = sorted(r for r, rec in state.ranks.items() if rec.status == "finished")
+        left = Left(state.generation, tuple(finished))
     return _timeline(state, target)._replace(
         phase="restoring",
         generation=state.generation + 1,
@@ -217,6 +233,7 @@ def _new_generation(
         incidents_opened=incidents,
         command_seq=command_seq,
         watch=Watch(base_step=base),
+        left=left,
     )
 
 

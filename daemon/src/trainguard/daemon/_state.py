@@ -347,6 +347,21 @@ class Held(NamedTuple):
     restart: bool = False
 
 
+class Left(NamedTuple):
+    """The generation the latest restore left, while no rank has joined the restore's
+    generation: what a late ``finished`` of it is judged against (``JobState.left``).
+
+    Attributes:
+        generation: the generation the ranks last ran in (the one before the first of the
+            restores nobody has joined yet).
+        finished: its ranks known to have finished, ascending: those that had reported
+            ``finished`` before the restore, and those whose report arrived after it.
+    """
+
+    generation: int
+    finished: tuple[int, ...] = ()
+
+
 class JobState(NamedTuple):
     """The state machine's whole knowledge of one job; derive new states, never mutate.
 
@@ -400,6 +415,12 @@ class JobState(NamedTuple):
             ``outage_settle_s``; ``None`` before any gap.
         held: the incident whose restore waits for ``settle_until_ns``, or ``None``. Only a
             ``starting`` or ``running`` job holds one.
+        left: the generation the latest restore left and its finished ranks, set when a
+            restore leaves a generation some process was heard in (kept by a retry nobody
+            joined), or ``None`` before any restore. Read only while the job is ``restoring``
+            and no event of the current generation was accepted (``senders`` empty): a
+            ``finished`` of that generation arriving then is no stale event
+            (``docs/recovery.md``, "A job that finished is never restored").
     """
 
     job_id: str
@@ -428,6 +449,7 @@ class JobState(NamedTuple):
     continued_generation: int = 0
     settle_until_ns: int | None = None
     held: Held | None = None
+    left: Left | None = None
 
     def owns(self, snapshot_id: str) -> bool:
         """Whether ``snapshot_id`` (``<job_id>/g<generation>/s<step>``) is a snapshot of this

@@ -575,7 +575,9 @@ def _added(**defaults: JSONValue) -> _Upcaster:
 
 _UPCASTERS: Final[dict[str, _Upcaster]] = {
     # Before the bus-outage rule (settle window, held restore).
-    "c35900be070fb0d2": _added(settle_until_ns=None, held=None),
+    "c35900be070fb0d2": _added(settle_until_ns=None, held=None, left=None),
+    # Before the late-finish rule (the generation a restore left).
+    "ef5317866765d48d": _added(left=None),
 }
 
 READABLE_LAYOUTS: Final = frozenset({LAYOUT, *_UPCASTERS})

@@ -153,6 +153,65 @@ def _check_init_from(bus: BusConfig, snapshot_id: str, config: SupervisorConfig)
         )
 
 
+def _check_init_from_patiently(bus: BusConfig, snapshot_id: str, config: SupervisorConfig) -> None:
+    """:func:`_check_init_from`, waiting out a bus that cannot be read (an outage) as the
+    supervisor waits for it (docs/operations.md, "Agents and supervisors during a bus outage"):
+    retried after 0.1 s, doubling to 2 s, with a warning when the outage begins, every
+    ``warn_every_s`` while it lasts, and an info line when it ends. No signal handler is
+    installed yet: SIGTERM ends the wait at once (status 143), and so does SIGINT.
+
+    Raises:
+        ConfigError: the snapshot cannot seed the job (:func:`_check_init_from`).
+        BusError: a bus that cannot work (not retriable).
+    """
+    import time
+
+    import structlog
+
+    from trainguard.agent import RestoreTimeout
+    from trainguard.agent._supervisor import EXIT_SIGNALLED
+
+    log = structlog.get_logger("trainguard.supervisor")
+    what = f"checking the --init-from snapshot {snapshot_id}"
+    began = warned = None
+    pause_s = 0.1
+    try:
+        while True:
+            try:
+                _check_init_from(bus, snapshot_id, config)
+            except (RestoreTimeout, BusError) as exc:
+                if isinstance(exc, BusError) and not exc.retriable:
+                    raise
+                now = time.monotonic()
+                if began is None or warned is None:
+                    began = warned = now
+                    log.warning(
+                        f"bus outage: {what} failed; retrying until the bus answers",
+                        job_id=config.job_id,
+                        error=str(exc),
+                    )
+                elif now - warned >= config.warn_every_s:
+                    warned = now
+                    log.warning(
+                        f"bus outage goes on: {what} still fails",
+                        job_id=config.job_id,
+                        waited_s=round(now - began, 1),
+                        error=str(exc),
+                    )
+                time.sleep(pause_s)
+                pause_s = min(2.0, 2 * pause_s)
+                continue
+            if began is not None:
+                log.info(
+                    f"bus outage over: {what} succeeded",
+                    job_id=config.job_id,
+                    waited_s=round(time.monotonic() - began, 1),
+                )
+            return
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_SIGNALLED) from None
+
+
 async def _until_signalled(main: Callable[[asyncio.Event], Awaitable[_T]]) -> _T:
     """Run ``main(stop)``; SIGTERM and SIGINT set ``stop`` (``main`` then winds down)."""
     stop = asyncio.Event()
@@ -397,7 +456,7 @@ def run(
             stop_timeout_s=stop_timeout,
         )
         if init_from is not None:
-            _check_init_from(bus_config, init_from, config)
+            _check_init_from_patiently(bus_config, init_from, config)
             config = replace(config, env={"TRAINGUARD_INIT_FROM": init_from})
         code = asyncio.run(_until_signalled(Supervisor(config).run))
     except (AgentError, BusError) as exc:

@@ -157,10 +157,15 @@ class KafkaBus(Bus):
             except BusUnavailable as exc:
                 if not isinstance(exc.__cause__, KafkaConnectionError):
                     raise
-                reason = await self._connect_failure(timeout)
-                if reason is None:
+                failure = await self._connect_failure(timeout)
+                if failure is None:
                     raise
-                raise BusUnavailable(f"Kafka at {self._servers}: {reason}") from exc
+                reason, refused = failure
+                err = BusUnavailable(f"Kafka at {self._servers}: {reason}")
+                # Credentials the broker refuses are a setting to fix, not an outage to wait
+                # out (the supervisor exits 2 on them, as on a bad URL).
+                err.retriable = not refused
+                raise err from exc
             await self._bounded("creating topics", self._create_topics(admin), timeout)
         finally:
             await _close_quietly(admin.close(), timeout)
@@ -190,8 +195,9 @@ class KafkaBus(Bus):
             raise
         self._producer, self._meta = producer, meta
 
-    async def _connect_failure(self, timeout_s: float) -> str | None:
-        """Why a connection to the first bootstrap server fails, or ``None`` if it succeeds.
+    async def _connect_failure(self, timeout_s: float) -> tuple[str, bool] | None:
+        """Why a connection to the first bootstrap server fails, and whether the broker
+        refused the credentials; ``None`` if it succeeds.
 
         One connection with the bus's settings, including the SASL handshake, bounded by
         ``timeout_s``. The reason names the user and mechanism for refused credentials, never
@@ -210,11 +216,11 @@ class KafkaBus(Bus):
             return (
                 f"SASL authentication as {sec.sasl_username!r} ({sec.sasl_mechanism or 'PLAIN'}) "
                 f"refused by the broker: {exc}"
-            )
+            ), True
         except TimeoutError:
-            return f"connecting{to} took longer than {timeout_s:g} s"
+            return f"connecting{to} took longer than {timeout_s:g} s", False
         except (OSError, KafkaError) as exc:
-            return f"connecting{to} failed: {type(exc).__name__}: {exc}"
+            return f"connecting{to} failed: {type(exc).__name__}: {exc}", False
         conn.close()
         return None
 

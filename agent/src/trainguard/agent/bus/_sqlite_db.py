@@ -28,16 +28,18 @@ machine, which an agent that awaits each publish would feel directly.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import os
+import queue
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from trainguard.agent.bus._errors import BusError, BusUnavailable
 from trainguard.agent.bus._port import TopicSpec
@@ -311,10 +313,20 @@ class ConnectionThread:
     SQLite calls block (disk I/O, waiting for another process's lock), so they never run on
     the event loop; a single thread per connection also satisfies ``sqlite3``'s rule that a
     connection stays on the thread that made it. The GIL is released inside SQLite calls.
+
+    The thread is a daemon thread, started by the first call: a call still waiting for
+    another process's lock when the process exits (its awaiter gone, say a worker that
+    finished while the bus file is locked) does not hold the exit up until its deadline. A
+    transaction it had begun is rolled back by SQLite, as after any crash; what the caller
+    awaited was not confirmed, so nothing is lost that was promised.
     """
 
     def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._name = name
+        self._calls: queue.SimpleQueue[
+            tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None
+        ] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
 
     async def open(self, path: str, deadline: float, *, create: bool = True) -> None:
@@ -347,7 +359,28 @@ class ConnectionThread:
         conn, self._conn = self._conn, None
         if conn is not None:
             await self._submit(conn.close)
-        self._executor.shutdown(wait=False)
+        if self._thread is not None:
+            self._calls.put(None)
 
     def _submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Queue ``fn(*args)`` for the thread; as ``run_in_executor``: a call whose awaiter was
+        cancelled before it started is skipped."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
+        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put((functools.partial(fn, *args), outcome))
+        return asyncio.wrap_future(outcome)
+
+    def _serve(self) -> None:
+        """The thread: run each call in order, unless its awaiter gave it up first."""
+        while (call := self._calls.get()) is not None:
+            fn, outcome = call
+            if not outcome.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:  # the awaiter gets it, whatever it is
+                outcome.set_exception(exc)
+            else:
+                outcome.set_result(result)

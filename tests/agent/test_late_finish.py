@@ -1,0 +1,88 @@
+"""Issue 13, D1, the supervisor's side of the late-finish rule (``docs/recovery.md``, "A job
+that finished is never restored"): before it starts workers in a restart restore's generation,
+a supervisor reads the job's events and finds whether every rank of the generation the ranks
+last ran in finished before anyone joined the restore, exactly as the daemon folds them."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from trainguard.agent._supervisor import _finished_before
+from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
+from trainguard.schemas import ClockTick, Heartbeat, Lifecycle, Message, encode
+
+pytestmark = pytest.mark.anyio
+
+JOB = "late-job"
+SEQ = itertools.count()
+
+
+def started(rank: int, generation: int, world_size: int = 2) -> Lifecycle:
+    return Lifecycle(
+        job_id=JOB, generation=generation, ts=1, seq=next(SEQ), rank=rank, host="h", pid=10,
+        kind="started", world_size=world_size,
+    )  # fmt: skip
+
+
+def finished(rank: int, generation: int) -> Lifecycle:
+    return Lifecycle(
+        job_id=JOB, generation=generation, ts=1, seq=next(SEQ), rank=rank, host="h", pid=10,
+        kind="finished", step=9,
+    )  # fmt: skip
+
+
+def beat(rank: int, generation: int, world_size: int = 2) -> Heartbeat:
+    return Heartbeat(
+        job_id=JOB, generation=generation, ts=1, seq=next(SEQ), rank=rank, host="h", pid=10,
+        world_size=world_size, step=3, phase="train",
+    )  # fmt: skip
+
+
+def supervisor_exit(generation: int) -> Lifecycle:
+    return Lifecycle(
+        job_id=JOB, generation=generation, ts=1, seq=next(SEQ), rank=None, host="h", pid=99,
+        kind="exited", ranks=(0, 1), signal=9,
+    )  # fmt: skip
+
+
+def tick(generation: int) -> ClockTick:
+    return ClockTick(job_id=JOB, generation=generation, ts=1, seq=next(SEQ), daemon_id="d")
+
+
+async def judged(tmp_path: Path, events: list[Message], restore_generation: int) -> int | None:
+    config = BusConfig(url=f"sqlite://{tmp_path / 'bus.db'}", topics=DEFAULT_TOPICS)
+    async with open_bus(config) as bus:
+        for event in events:
+            await bus.publish("events", JOB, encode(event))
+        return await _finished_before(bus, JOB, restore_generation)
+
+
+GEN0 = [started(0, 0), started(1, 0), beat(0, 0), beat(1, 0)]
+
+
+@pytest.mark.parametrize(
+    ("events", "restore", "expected"),
+    [
+        # Both ranks finished in generation 0 (one before the restore, one after it).
+        ([*GEN0, finished(0, 0), tick(1), finished(1, 0)], 1, 0),
+        # A process of generation 1 was heard first: the restore stands.
+        ([*GEN0, finished(0, 0), supervisor_exit(1), finished(1, 0)], 1, None),
+        # Only rank 0 finished.
+        ([*GEN0, finished(0, 0), finished(0, 0)], 1, None),
+        # A retried restore (generation 2) nobody joined; generation 1 was an in-process
+        # restore (no started reports: its world size from a heartbeat).
+        ([*GEN0, beat(0, 1), beat(1, 1), finished(1, 1), tick(2), finished(0, 1)], 3, 1),
+        # The ranks last ran in generation 1, and their finished reports are of generation 0.
+        ([*GEN0, beat(0, 1), finished(0, 0), finished(1, 0)], 2, None),
+        # No event of the job at all.
+        ([], 1, None),
+    ],
+    ids=["finished", "joined-first", "one-rank", "in-process-then-retried", "older", "empty"],
+)
+async def test_a_supervisor_finds_a_job_that_finished_before_its_restore_was_joined(
+    tmp_path: Path, events: list[Message], restore: int, expected: int | None
+) -> None:
+    assert await judged(tmp_path, events, restore) == expected
