@@ -1,7 +1,14 @@
 """``trainguard report`` as users run it (a separate process) on an embedded bus holding a
 job's record: the scripted job of ``test_report.py`` (one kill), its events published with
 their time gaps shrunk 100-fold and folded by a real daemon service, which writes the audit
-and commands the report reads."""
+and commands the report reads.
+
+The record must not depend on how fast the daemon's commands reach the bus (a command is
+appended with its partition's next transaction, up to ``commit_interval_s`` after its decision,
+later under load). The report measures a restore from its command's append time and counts
+the steps a restore's generation reported before its ``resume`` was appended, so the events
+follow the commands as real processes do (:func:`prerequisite`).
+"""
 
 from __future__ import annotations
 
@@ -18,41 +25,88 @@ import orjson
 import pytest
 
 from tests.buses import BusFactory
+from tests.daemon.service_support import eventually, read_all
 from tests.daemon.test_report import JOB, killed_once
 from tests.daemon.test_service import JOB as FORGED_JOB
 from tests.daemon.test_status import record_forgery
-from trainguard.agent.bus import DEFAULT_TOPICS, open_bus
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, open_bus
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon._export import ExportHeader, dump
 from trainguard.daemon._joblog import read_bus
 from trainguard.daemon._settings import DaemonConfig
-from trainguard.schemas import encode
+from trainguard.schemas import (
+    Command,
+    Event,
+    Heartbeat,
+    JobRequest,
+    Lifecycle,
+    Restore,
+    Resume,
+    decode,
+    encode,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 SHRINK = 100
-"""The scripted time gaps are slept 100 times shorter (65.6 s of job in about 0.7 s)."""
+"""The scripted time gaps are slept 100 times shorter (65.6 s of job in about 0.7 s, plus the
+waits for the daemon's commands)."""
+
+
+def prerequisite(event: Event | JobRequest) -> tuple[type[Restore | Resume], int] | None:
+    """The command of the daemon that ``event`` can only follow, as ``(kind, generation)``:
+    none in generation 0; the ``restore`` of its generation for a restored process's start,
+    its ``init`` heartbeats and its acknowledgement (the supervisor starts the processes on
+    that order); that generation's ``resume`` for anything else (the agent's ``ready`` waits
+    for it before the first step)."""
+    if event.generation == 0:
+        return None
+    starting = (isinstance(event, Lifecycle) and event.kind in ("started", "restored")) or (
+        isinstance(event, Heartbeat) and event.phase == "init"
+    )
+    return (Restore if starting else Resume), event.generation
+
+
+async def issued(client: Bus, kind: type[Restore | Resume], generation: int) -> None:
+    """Return once the ``kind`` command of ``generation`` is on ``client``'s ``commands``
+    (committed: what agents and supervisors read)."""
+
+    async def on_bus() -> bool:
+        values = await read_all(client, "commands")
+        commands = [decode(v, expect=Command) for v in values if v]
+        return any(isinstance(c, kind) and c.generation == generation for c in commands)
+
+    await eventually(on_bus)
 
 
 async def record_job(bus: BusFactory) -> None:
-    """Publish the scripted job's events (fresh time stamps) while a daemon service folds
-    them; return once the daemon has seen the job finish."""
+    """Publish the scripted job's events (fresh time stamps), each once its
+    :func:`prerequisite` is on ``commands``, while a daemon service folds them; return once
+    the daemon has seen the job finish."""
     script = killed_once()
     config = DaemonConfig(
         bus=bus.config(topics=DEFAULT_TOPICS),
         machine=MachineConfig(daemon_id="report-test"),
         group_id=bus.group("daemon"),
         poll_s=0.02,
+        # Commands reach the bus up to 50 scripted seconds after their decision, longer than
+        # generation 1 trains: events that did not wait for them would precede them.
+        commit_interval_s=0.5,
     )
     stop = asyncio.Event()
     service = DaemonService(config)
     task = asyncio.ensure_future(service.run(stop))
     try:
         async with open_bus(bus.config(topics=DEFAULT_TOPICS)) as client:
+            seen: set[tuple[type[Restore | Resume], int]] = set()
             previous = script.events[0].at_ms
             for stamped in script.events:
                 await asyncio.sleep((stamped.at_ms - previous) / 1000 / SHRINK)
+                after = prerequisite(stamped.message)
+                if after is not None and after not in seen:
+                    await issued(client, *after)
+                    seen.add(after)
                 previous = stamped.at_ms
                 event = dataclasses.replace(stamped.message, ts=time.time_ns())
                 await client.publish("events", JOB, encode(event))
