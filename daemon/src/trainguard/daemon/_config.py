@@ -111,7 +111,7 @@ class MachineConfig:
             which a loss sample opens a spike; the threshold is raised further for a window
             of few samples (``loss_spike_false_alarm``).
         loss_spike_false_alarm: per-sample probability, in [1e-12, 1e-2], with which a loss
-            with normal noise around a level trend may open a spike: a window of ``n``
+            with normal noise around a level loss may open a spike: a window of ``n``
             samples raises the threshold to the robust z-score that a normal sample reaches
             that rarely against the median and MAD of ``n`` others
             (:func:`~trainguard.daemon._window.robust_z_critical`; ``docs/detection.md``).

@@ -127,7 +127,7 @@ def robust_z_critical(n: int, false_alarm: float) -> float:
     probability ``false_alarm``.
 
     The MAD of a small window often underestimates the standard deviation, so the score's
-    tails are much heavier than the normal's (``P(z >= 6)`` is 4.7e-4 at ``n`` = 16, 3e-5 at
+    tails are much heavier than the normal's (``P(z >= 6)`` is 4.8e-4 at ``n`` = 16, 3e-5 at
     32, against 1e-9 for a known standard deviation). The score is approximated as
 
         z ~ b_n * sqrt(1 + pi / (2 n)) * T_nu,   nu = floor(0.39 n + 0.6)
