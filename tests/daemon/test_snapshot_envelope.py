@@ -246,10 +246,11 @@ def test_a_snapshot_written_before_the_outage_rule_opens_with_its_fields_at_thei
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The build before wrote state layout c35900be070fb0d2, and its default configuration had
-    no ``bus_gap_s`` or ``outage_settle_s``, so its ``fold_config`` was 043cc3e3c7a1e8fc: this
-    build opens such a snapshot instead of folding the log again."""
+    no ``bus_gap_s``, ``outage_settle_s`` or ``loss_spike_false_alarm``, so its ``fold_config``
+    was 043cc3e3c7a1e8fc: this build opens such a snapshot instead of folding the log again."""
     assert fold_config_id(CFG) == "043cc3e3c7a1e8fc"
     assert fold_config_id(config(bus_gap_s=4.0)) != fold_config_id(CFG)
+    assert fold_config_id(config(loss_spike_false_alarm=1e-6)) != fold_config_id(CFG)
     old = OLD_BUILD.read_bytes()
     state = decode_state(old)
     monkeypatch.setattr("trainguard.daemon._snapshot.LAYOUT", "c35900be070fb0d2")

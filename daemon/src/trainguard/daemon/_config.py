@@ -107,8 +107,14 @@ class MachineConfig:
     Divergence:
         loss_window: loss samples kept (a multiple of 8).
         loss_min_samples: loss samples needed before spikes are looked for.
-        loss_spike_z: robust z-score ``(loss - median) / (1.4826 * MAD)`` at or above which a
-            loss sample opens a spike.
+        loss_spike_z: least robust z-score ``(loss - median) / (1.4826 * MAD)`` at or above
+            which a loss sample opens a spike; the threshold is raised further for a window
+            of few samples (``loss_spike_false_alarm``).
+        loss_spike_false_alarm: per-sample probability, in [1e-12, 1e-2], with which a loss
+            with normal noise around a level loss may open a spike: a window of ``n``
+            samples raises the threshold to the robust z-score that a normal sample reaches
+            that rarely against the median and MAD of ``n`` others
+            (:func:`~trainguard.daemon._window.robust_z_critical`; ``docs/detection.md``).
         loss_spike_min_rise: a spike must also exceed the median by this fraction of
             ``|median|`` (guards against a near-zero MAD).
         loss_spike_return_z: a later sample below this z-score ends the spike as a blip
@@ -148,7 +154,8 @@ class MachineConfig:
     Raises:
         ValueError: an empty ``daemon_id``, an unknown ``restore_mode``, a duration not in (0, 1e9] seconds, a count
             below its minimum, a probability or factor out of range, a window that is not a
-            multiple of 8, a progress floor above its ceiling, a heal limit below the spike
+            multiple of 8, a spike false-alarm rate out of [1e-12, 1e-2], a progress floor
+            above its ceiling, a heal limit below the spike
             persistence, a heartbeat interval not below the heartbeat timeout, a bus gap not
             below every timeout it protects, or a negative or non-finite settle time.
     """
@@ -184,6 +191,7 @@ class MachineConfig:
     loss_window: int = 32
     loss_min_samples: int = 16
     loss_spike_z: float = 6.0
+    loss_spike_false_alarm: float = 1e-7
     loss_spike_min_rise: float = 0.1
     loss_spike_return_z: float = 3.0
     loss_spike_persist: int = 4
@@ -232,6 +240,11 @@ class MachineConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if not (math.isfinite(self.loss_spike_min_rise) and self.loss_spike_min_rise >= 0):
             raise ValueError(f"loss_spike_min_rise must be >= 0, got {self.loss_spike_min_rise!r}")
+        if not 1e-12 <= self.loss_spike_false_alarm <= 1e-2:  # also refuses nan
+            raise ValueError(
+                "loss_spike_false_alarm must be a probability in [1e-12, 1e-2], got "
+                f"{self.loss_spike_false_alarm!r}"
+            )
         if not (math.isfinite(self.straggler_factor) and self.straggler_factor > 1):
             raise ValueError(f"straggler_factor must be > 1, got {self.straggler_factor!r}")
         if self.loss_spike_return_z > self.loss_spike_z:

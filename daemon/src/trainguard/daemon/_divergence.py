@@ -24,6 +24,7 @@ from ._evidence import Measures, hosts_text, number_text, ranks_text
 from ._recovery import Failure
 from ._state import JobState, RankState, Spike, Trend, Watch
 from ._trend import robust_z
+from ._window import robust_z_critical
 
 _PENDING_CHECKSUMS = 64
 """Incomplete ``(step, group)`` checksum sets kept; older ones are dropped (a rank that never
@@ -69,9 +70,9 @@ def judge_loss(
 ) -> tuple[Spike | None, bool, Anomaly | None, Failure | None]:
     """Judge a finite lead-sample loss at ``step`` against the job's loss level.
 
-    A sample whose robust z-score reaches ``loss_spike_z`` and which exceeds the median by at
-    least ``loss_spike_min_rise * |median|`` opens a spike, judged against the median and MAD
-    of that moment. A later sample with a z-score below ``loss_spike_return_z`` ends it as a
+    A sample whose robust z-score reaches the spike threshold (:func:`spike_threshold`) and
+    which exceeds the median by at least ``loss_spike_min_rise * |median|`` opens a spike,
+    judged against the median and MAD of that moment. A later sample with a z-score below ``loss_spike_return_z`` ends it as a
     *blip* (an :class:`Anomaly`). A spike that lasted ``loss_spike_persist`` samples is a
     failure unless it is *healing* (its latest sample rose above the median by less than half
     as much as its peak did); a healing spike is a failure once it lasted
@@ -84,12 +85,15 @@ def judge_loss(
         a failure or ``None``.
     """
     spike = watch.spike
+    centre, mad = trend.loss_median, trend.loss_mad
+    if centre is None or mad is None:  # too few samples yet (a spike needs them to open)
+        return None, True, None, None
+    # The window the median and MAD came from: no sample joins it while a spike is open, so
+    # the threshold is the one the spike opened against.
+    threshold = spike_threshold(trend.losses.filled, config)
     if spike is None:
-        centre, mad = trend.loss_median, trend.loss_mad
-        if centre is None or mad is None:
-            return None, True, None, None
         z = robust_z(loss, centre, mad)
-        if z < config.loss_spike_z or loss - centre < config.loss_spike_min_rise * abs(centre):
+        if z < threshold or loss - centre < config.loss_spike_min_rise * abs(centre):
             return None, True, None, None
         spike = Spike(
             onset_after_step=known_good(watch),
@@ -105,14 +109,23 @@ def judge_loss(
     else:
         z = robust_z(loss, spike.median, spike.mad)
         if z < config.loss_spike_return_z:
-            return None, True, _blip(spike, step, loss, generation, config), None
+            return None, True, _blip(spike, step, loss, generation, threshold, config), None
         spike = spike._replace(samples=spike.samples + 1, peak_loss=max(spike.peak_loss, loss))
     if spike.samples < config.loss_spike_persist:
         return spike, False, None, None
     healing = loss - spike.median < _HEALING * (spike.peak_loss - spike.median)
     if healing and spike.samples < config.loss_spike_heal_samples:
         return spike, False, None, None
-    return None, False, None, _spike_failure(spike, step, loss, healing, generation, config)
+    failure = _spike_failure(spike, step, loss, healing, generation, threshold, config)
+    return None, False, None, failure
+
+
+def spike_threshold(samples: int, config: MachineConfig) -> float:
+    """The robust z-score at or above which a loss sample opens a spike, against the median
+    and MAD of ``samples`` normal samples: ``loss_spike_z``, raised to the score a normal
+    sample reaches with probability ``loss_spike_false_alarm`` against so few samples
+    (:func:`~trainguard.daemon._window.robust_z_critical`; ``docs/detection.md``)."""
+    return max(config.loss_spike_z, robust_z_critical(samples, config.loss_spike_false_alarm))
 
 
 def _skip_from(watch: Watch, step: int) -> int:
@@ -126,10 +139,12 @@ def _skip_from(watch: Watch, step: int) -> int:
     return step
 
 
-def _blip(spike: Spike, step: int, loss: float, generation: int, config: MachineConfig) -> Anomaly:
+def _blip(
+    spike: Spike, step: int, loss: float, generation: int, threshold: float, config: MachineConfig
+) -> Anomaly:
     reason = (
         f"loss blip in generation {generation}: {number_text(spike.first_loss)} at step "
-        f"{spike.first_step} (robust z {number_text(spike.z)} >= {config.loss_spike_z:g} "
+        f"{spike.first_step} (robust z {number_text(spike.z)} >= {number_text(threshold)} "
         f"against median {number_text(spike.median)}) returned to the trend "
         f"({number_text(loss)} at step {step}) after {spike.samples} sample(s), before it "
         f"lasted {config.loss_spike_persist} (or {config.loss_spike_heal_samples} while "
@@ -143,6 +158,7 @@ def _blip(spike: Spike, step: int, loss: float, generation: int, config: Machine
             loss=spike.first_loss,
             peak_loss=spike.peak_loss,
             z=spike.z,
+            z_threshold=threshold,
             median=spike.median,
             mad=spike.mad,
             samples=spike.samples,
@@ -153,7 +169,13 @@ def _blip(spike: Spike, step: int, loss: float, generation: int, config: Machine
 
 
 def _spike_failure(
-    spike: Spike, step: int, loss: float, healing: bool, generation: int, config: MachineConfig
+    spike: Spike,
+    step: int,
+    loss: float,
+    healing: bool,
+    generation: int,
+    threshold: float,
+    config: MachineConfig,
 ) -> Failure:
     good = spike.onset_after_step
     skip = StepRange(from_step=min(spike.skip_from, step), to_step=step)
@@ -164,7 +186,7 @@ def _spike_failure(
     )
     reason = (
         f"loss spike in generation {generation}: {number_text(spike.first_loss)} at step "
-        f"{spike.first_step} (robust z {number_text(spike.z)} >= {config.loss_spike_z:g} "
+        f"{spike.first_step} (robust z {number_text(spike.z)} >= {number_text(threshold)} "
         f"against median {number_text(spike.median)}, MAD {number_text(spike.mad)}), still "
         f"{number_text(loss)} at step {step} {how}; parameters known sound up to step "
         f"{'none' if good is None else good}; skipping the batches of steps "
@@ -183,7 +205,7 @@ def _spike_failure(
             peak_loss=spike.peak_loss,
             last_loss=loss,
             z=spike.z,
-            z_threshold=config.loss_spike_z,
+            z_threshold=threshold,
             median=spike.median,
             mad=spike.mad,
             samples=spike.samples,
