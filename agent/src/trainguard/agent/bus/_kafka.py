@@ -30,6 +30,9 @@ issues cited inline):
   transitions with ``assert`` (an ``AssertionError``, or silent corruption under ``python
   -O``): no begin while a commit or abort is pending, and nothing at all after
   ``ProducerFenced``.
+* aiokafka's own log lines are throttled (the first of each template, then one per 30 s) and
+  the exceptions its orphaned tasks leave after a fence logged as warnings
+  (:mod:`._kafka_logs`): during an outage it logs about 200 lines a second otherwise.
 * Topics are created on start-up with ``message.timestamp.type=LogAppendTime``: a record's
   timestamp is the broker's append time, which is what the daemon's state machine uses as its
   clock (sender clocks may be skewed).
@@ -67,6 +70,7 @@ from trainguard.agent.bus._errors import (
     TransactionExpired,
     TransactionInDoubt,
 )
+from trainguard.agent.bus._kafka_logs import quiet_kafka_logs, quiet_kafka_orphans
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._port import (
     Bus,
@@ -159,6 +163,8 @@ class KafkaBus(Bus):
         """
         if self._closed:
             raise BusClosed("bus is closed")
+        quiet_kafka_logs()
+        quiet_kafka_orphans(asyncio.get_running_loop())
         timeout = self._config.connect_timeout_s
         admin = AIOKafkaAdminClient(**self._client_kwargs())
         try:
