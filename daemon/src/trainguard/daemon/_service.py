@@ -375,7 +375,7 @@ class DaemonService:
                 part = self._partitions[p]
                 reason = self._note_failure(part, outcome)
                 log.error(
-                    "transaction failed while the partitions are taken on again",
+                    f"{_FAILED_IN_RESYNC[reason]}; the partitions are taken on again",
                     reason=reason,
                     partition=p,
                     writer=_writer_id(part),
@@ -1074,6 +1074,15 @@ def _late_report(state: JobState, item: Observed) -> bool:
     return event.generation == state.generation and (
         (event.rank, event.host, event.pid) in state.senders
     )
+
+
+_FAILED_IN_RESYNC = {
+    "fenced": "partition lost: its writer was fenced",
+    "expired": "transaction expired: the broker aborted it after transaction.timeout.ms",
+    "in_doubt": "commit in doubt",
+    "failed": "transaction failed",
+}
+"""How a commit that fails while the partitions are taken on again is logged, by reason."""
 
 
 def _failure_reason(exc: BusError) -> str:
