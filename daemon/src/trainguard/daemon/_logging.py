@@ -2,7 +2,8 @@
 
 The library modules only call ``structlog.get_logger(...)`` and bind context (``job_id``,
 ``generation``, ...); the process entry point chooses the output here. Standard-library logging
-(aiokafka's) is routed through the same renderer at WARNING and above.
+(aiokafka's) is routed through the same renderer at WARNING and above, aiokafka's throttled
+(:mod:`trainguard.agent.bus._kafka_logs`: the first line of each template, then one per 30 s).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import logging
 import sys
 
 import structlog
+
+from trainguard.agent.bus._kafka_logs import quiet_kafka_logs
 
 __all__ = ["configure_logging"]
 
@@ -46,3 +49,4 @@ def configure_logging(*, json: bool = True, level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
+    quiet_kafka_logs()

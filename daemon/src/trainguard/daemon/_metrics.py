@@ -233,6 +233,21 @@ class DaemonMetrics:
             "Bus outages: probes of the bus going from answered to unanswered.",
             registry=r,
         )
+        self._commits_failed = Counter(
+            "trainguard_commits_failed",
+            "Transactions of an owned partition that failed (a send, commit or abort), by "
+            "reason: fenced (a newer owner has the partition), expired (aborted by the broker "
+            "after transaction.timeout.ms), in_doubt (no answer within the send timeout: the "
+            "partitions are taken on again), failed (aborted and rolled back).",
+            ["reason"],
+            registry=r,
+        )
+        self._commit_age = Gauge(
+            "trainguard_commit_age_seconds",
+            "Seconds since the last successful commit of the partition whose transactions "
+            "have been failing longest; 0 while no partition's transactions fail.",
+            registry=r,
+        )
         self._jobs = Gauge(
             "trainguard_jobs", "Jobs this instance holds, by phase.", ["phase"], registry=r
         )
@@ -475,6 +490,16 @@ class DaemonMetrics:
         last answered) at each scrape, so it grows while the bus is away whatever the event
         loop does. ``age_s`` is called from the scraping thread and must only read."""
         self._bus_last_contact.set_function(age_s)
+
+    def commit_failed(self, reason: str) -> None:
+        """Count one failed transaction of an owned partition, by ``reason`` (``fenced``,
+        ``expired``, ``in_doubt``, ``failed``)."""
+        self._commits_failed.labels(reason).inc()
+
+    def follow_commit_age(self, age_s: Callable[[], float]) -> None:
+        """Make ``trainguard_commit_age_seconds`` read ``age_s()`` at each scrape (called from
+        the scraping thread; must only read)."""
+        self._commit_age.set_function(age_s)
 
     def bus_connected(self, connected: bool) -> None:
         """Set ``trainguard_bus_connected``."""

@@ -10,19 +10,23 @@ transaction aborts, :meth:`Owned.rollback` puts back the jobs' states (and what 
 knows of their commands, ticks and audit entries) as they were at the last commit, and the
 consumer re-reads from there. Job states are immutable values, so a checkpoint is a shallow
 copy of a few dictionaries per commit.
+
+:class:`CommitFailures` keeps, per owned partition, since when its transactions have been
+failing (the health rule of ``/healthz``: :meth:`CommitFailures.not_ready_reason`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from trainguard.agent.bus import PartitionWriter
 from trainguard.daemon._state import JobState
 from trainguard.schemas import Command
 
-__all__ = ["Books", "Checkpoint", "Owned"]
+__all__ = ["Books", "Checkpoint", "CommitFailures", "Failing", "Owned"]
 
 
 @dataclass
@@ -87,6 +91,8 @@ class Owned:
         wrote: whether anything was sent since the last commit.
         last_commit: ``time.monotonic()`` of the last commit (or of the assignment).
         fenced_at: ``time.monotonic()`` when the writer was fenced, else ``None``.
+        committed_at: ``time.monotonic()`` of the last successful commit (or of the
+            assignment); unlike :attr:`last_commit`, a rollback leaves it.
         at_commit: the bookkeeping at the last commit.
         committing: the commit in flight, if any, and the position it commits. Nothing is
             folded into, sent for or advanced on the partition until it is settled, so the
@@ -104,6 +110,7 @@ class Owned:
     wrote: bool = False
     last_commit: float = field(default_factory=time.monotonic)
     fenced_at: float | None = None
+    committed_at: float = field(default_factory=time.monotonic)
     at_commit: Checkpoint | None = None
     committing: tuple[asyncio.Future[None], int] | None = None
 
@@ -136,7 +143,7 @@ class Owned:
         self.committed = position
         self.folded = 0
         self.wrote = False
-        self.last_commit = time.monotonic()
+        self.last_commit = self.committed_at = time.monotonic()
         self.checkpoint(books)
 
     def rollback(self, books: Books) -> None:
@@ -159,3 +166,89 @@ class Owned:
         self.folded = 0
         self.wrote = False
         self.last_commit = time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
+class Failing:
+    """A partition whose transactions fail: since when, and the latest failure.
+
+    Attributes:
+        since: ``time.monotonic()`` of the first failure since the last successful commit.
+        reason: the latest failure's class (``fenced``, ``expired``, ``in_doubt``,
+            ``failed``).
+        error: the latest failure's message (names the partition and the writer).
+        writer_id: the writer that failed (on Kafka its transactional id).
+        last_ok: ``time.monotonic()`` of the partition's last successful commit (or of its
+            assignment).
+    """
+
+    since: float
+    reason: str
+    error: str
+    writer_id: str
+    last_ok: float
+
+
+class CommitFailures:
+    """Since when each partition's transactions have been failing without a successful commit.
+
+    A failure of any write of a partition's transaction (a send, the commit, the abort) counts:
+    all of them leave the decisions of the partition's records unpublished. A successful commit
+    of the partition clears it, and so does losing the partition (:meth:`keep`).
+
+    Args:
+        clock: monotonic clock in seconds (injected for tests).
+
+    Readers (:meth:`not_ready_reason`, :meth:`since_commit_s`) may be called from another thread
+    (``/healthz``, a scrape): the map is replaced whole on every change, never mutated.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._failing: dict[int, Failing] = {}
+
+    def failed(
+        self, partition: int, reason: str, error: str, writer_id: str, last_ok: float
+    ) -> None:
+        """Record a failure of ``partition``'s transaction (the first one starts the clock);
+        ``last_ok`` is the ``time.monotonic()`` of its last successful commit."""
+        now = self._clock()
+        prior = self._failing.get(partition)
+        since, last_ok = (now, last_ok) if prior is None else (prior.since, prior.last_ok)
+        failing = Failing(since, reason, error, writer_id, last_ok)
+        self._failing = {**self._failing, partition: failing}
+
+    def succeeded(self, partition: int) -> None:
+        """``partition`` committed: its failures are over."""
+        if partition in self._failing:
+            self._failing = {p: f for p, f in self._failing.items() if p != partition}
+
+    def keep(self, partitions: Iterable[int]) -> None:
+        """Forget the partitions not in ``partitions`` (no longer this instance's)."""
+        owned = set(partitions)
+        if not self._failing.keys() <= owned:
+            self._failing = {p: f for p, f in self._failing.items() if p in owned}
+
+    def since_commit_s(self) -> float:
+        """Seconds since the last successful commit of the partition whose transactions have
+        been failing longest, 0 while none is failing."""
+        failing = self._failing
+        if not failing:
+            return 0.0
+        return max(0.0, self._clock() - min(f.last_ok for f in failing.values()))
+
+    def not_ready_reason(self, bound_s: float) -> str | None:
+        """``commits failing for N s on partition(s) P (writer W: reason): error`` when some
+        partition's transactions have failed for longer than ``bound_s`` seconds without a
+        successful commit (the partitions so long failing named, the latest failure of the
+        first told), else ``None``."""
+        now = self._clock()
+        over = sorted(p for p, f in self._failing.items() if now - f.since > bound_s)
+        if not over:
+            return None
+        first = self._failing[over[0]]
+        names = ", ".join(map(str, over))
+        return (
+            f"commits failing for {int(now - first.since)} s on partition(s) {names} "
+            f"(writer {first.writer_id}: {first.reason}): {first.error}"
+        )

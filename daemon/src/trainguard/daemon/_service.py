@@ -84,6 +84,8 @@ from trainguard.agent.bus import (
     PartitionWriter,
     Record,
     TopicPartition,
+    TransactionExpired,
+    TransactionInDoubt,
     open_bus,
 )
 from trainguard.agent.bus._sqlite_lock import serving_lock
@@ -104,7 +106,7 @@ from trainguard.daemon._inputs import Observed
 from trainguard.daemon._intake import Refused, take
 from trainguard.daemon._machine import decide, next_deadline, unacted_command
 from trainguard.daemon._metrics import DaemonMetrics
-from trainguard.daemon._owned import Books, Owned
+from trainguard.daemon._owned import Books, CommitFailures, Owned
 from trainguard.daemon._pulse import Pulse
 from trainguard.daemon._security import EventAuth
 from trainguard.daemon._settings import DaemonConfig
@@ -145,6 +147,13 @@ may quote what the sender wrote (a record key, say), which nothing else bounds."
 
 _METRICS_INTERVAL_S = 2.0
 """Seconds between two updates of the gauges of jobs and partitions (a pass over every job)."""
+
+COMMIT_FAILING_MIN_S = 10.0
+"""``/healthz`` says not ready once a partition's transactions have failed for longer than
+this many seconds (or three ``commit_interval_s``, whichever is longer) without a successful
+commit: one failure is rolled back and retried at once, and a leader change settles within a
+few seconds, but failures for longer mean the partition's decisions are not reaching the
+agents."""
 
 COMMIT_RECORDS = 2000
 """A partition's transaction is committed once it covers this many folded records (or
@@ -215,6 +224,7 @@ class DaemonService:
         self._audited_jobs: set[str] = self._books.audited
         self._consumer: Consumer | None = None
         self._resync_needed = False  # a writer could not be opened, or a commit is in doubt
+        self._rejoin_now = False  # a transaction expired: get a fresh assignment at once
         self._dropping: set[int] = set()  # partitions rolled back during the current poll
         self.ready = asyncio.Event()
         """Set once every assigned partition has been rebuilt up to its committed position."""
@@ -237,12 +247,16 @@ class DaemonService:
             timeout_s=config.probe_timeout_s,
         )
         self._pulse = Pulse(config.pulse_s)
+        self._commit_failures = CommitFailures()
         self.metrics.follow_readiness(self.not_ready_reason)
+        self.metrics.follow_commit_age(self._commit_failures.since_commit_s)
 
     def not_ready_reason(self) -> str | None:
         """Why this instance is not ready, or ``None`` when it is: it reaches the bus, owns
-        partitions of ``events``, has rebuilt their jobs up to the group's committed positions
-        and is behind their end offsets by at most ``max_lag_records`` records.
+        partitions of ``events``, their transactions have not been failing for longer than
+        :meth:`commit_failing_bound_s` without a successful commit, it has rebuilt their jobs
+        up to the group's committed positions and is behind their end offsets by at most
+        ``max_lag_records`` records.
 
         An instance that owns no partition (starting, or a standby in a group with more
         members than partitions) is not ready. Safe to call from another thread (``/healthz``).
@@ -252,9 +266,18 @@ class DaemonService:
             return unreachable
         if not self._partitions:
             return "no partition of events assigned to this instance"
+        failing = self._commit_failures.not_ready_reason(self.commit_failing_bound_s())
+        if failing is not None:
+            return _cut(failing, _ECHO_REASON_CHARS)
         if not self.ready.is_set():
             return "rebuilding job states up to the committed positions"
         return self._watch.lag_reason(self._c.max_lag_records)
+
+    def commit_failing_bound_s(self) -> float:
+        """Seconds a partition's transactions may fail without a successful commit before the
+        instance is not ready: :data:`COMMIT_FAILING_MIN_S`, or three ``commit_interval_s``
+        if that is longer."""
+        return max(COMMIT_FAILING_MIN_S, 3 * self._c.commit_interval_s)
 
     def _positions(self) -> dict[int, int]:
         """Owned partition of ``events`` -> next offset to process."""
@@ -348,10 +371,14 @@ class DaemonService:
         flying = {p: part.committing[0] for p, part in self._partitions.items() if part.committing}
         outcomes = await asyncio.gather(*flying.values(), return_exceptions=True)
         for p, outcome in zip(flying, outcomes, strict=True):
-            if isinstance(outcome, Fenced):
+            if isinstance(outcome, BusError):
+                part = self._partitions[p]
+                reason = self._note_failure(part, outcome)
                 log.error(
-                    "partition lost: a newer owner fenced this instance; its jobs are dropped",
+                    f"{_FAILED_IN_RESYNC[reason]}; the partitions are taken on again",
+                    reason=reason,
                     partition=p,
+                    writer=_writer_id(part),
                     error=str(outcome),
                 )
         await self._close_writers()
@@ -359,6 +386,9 @@ class DaemonService:
             self._drop_jobs(part)
         self._partitions = {}
         assigned = sorted(tp.partition for tp in consumer.assignment() if tp.topic == "events")
+        # Failures of partitions still this instance's count on: taking them on again is no
+        # commit.
+        self._commit_failures.keep(assigned)
         if not assigned:
             return
 
@@ -438,47 +468,97 @@ class DaemonService:
             part.writer = None
         await asyncio.gather(*(writer.close() for writer in writers))
 
-    async def _fenced(self, part: Owned, exc: Fenced) -> None:
-        """``part``'s writer was fenced: a newer owner has the partition (this instance was
-        paused or cut off past the session timeout). Its jobs are dropped at once and its
-        records skipped until the group assigns partitions again."""
+    def _note_failure(self, part: Owned, exc: BusError) -> str:
+        """Count a failed transaction of ``part`` and record it for the health rule; returns
+        its reason (:func:`_failure_reason`)."""
+        reason = _failure_reason(exc)
+        self.metrics.commit_failed(reason)
+        self._commit_failures.failed(
+            part.partition, reason, str(exc), _writer_id(part), part.committed_at
+        )
+        return reason
+
+    async def _write_failed(self, part: Owned, exc: BusError) -> None:
+        """A write, commit or abort of ``part``'s transaction failed: count it, and handle it
+        by what happened. Fenced by a newer owner: drop the partition's jobs and wait for the
+        rebalance (:meth:`_fenced`). Aborted by the broker after ``transaction.timeout.ms``:
+        the same, and rejoin the group at once. In doubt: take every partition on again (a new
+        writer settles the transaction, and the committed positions read after that say
+        whether it committed). Anything else: abort and roll back (:meth:`_failed`)."""
+        self._note_failure(part, exc)
+        if isinstance(exc, TransactionInDoubt):
+            self._in_doubt(part, exc)
+        elif isinstance(exc, Fenced):
+            await self._fenced(part, exc)
+        else:
+            await self._failed(part, exc)
+
+    def _in_doubt(self, part: Owned, exc: TransactionInDoubt) -> None:
+        """``part``'s commit is in doubt: stop working on the partition and take every
+        partition on again at the next turn of the loop (:meth:`_resync`)."""
         log.error(
-            "partition lost: a newer owner fenced this instance; its jobs are dropped",
+            "commit in doubt: taking every partition on again, a new writer settles it",
             partition=part.partition,
-            jobs=len(part.jobs),
+            writer=_writer_id(part),
             error=str(exc),
         )
+        self._dropping.add(part.partition)
+        self._resync_needed = True
+
+    async def _fenced(self, part: Owned, exc: Fenced) -> None:
+        """``part``'s writer is dead. Fenced: a newer owner has the partition (this instance
+        was paused or cut off past the session timeout); expired: the broker aborted the
+        transaction after ``transaction.timeout.ms`` (this instance or the broker was away
+        that long), and the group may never reassign the partition on its own, so the loop
+        rejoins it at once. Either way its jobs are dropped and its records skipped until the
+        group assigns partitions again."""
+        if isinstance(exc, TransactionExpired):
+            log.error(
+                "transaction expired: the broker aborted it after transaction.timeout.ms; "
+                "the partition's jobs are dropped and the group rejoined",
+                partition=part.partition,
+                writer=_writer_id(part),
+                jobs=len(part.jobs),
+                error=str(exc),
+            )
+            self._rejoin_now = True
+        else:
+            log.error(
+                "partition lost: its writer was fenced; its jobs are dropped until the group "
+                "assigns partitions again",
+                partition=part.partition,
+                writer=_writer_id(part),
+                jobs=len(part.jobs),
+                error=str(exc),
+            )
         writer, part.writer = part.writer, None
         part.fenced_at = time.monotonic()
         self._drop_jobs(part)
         self._dropping.add(part.partition)
+        # No longer believed owned: its failures say nothing of this instance's health.
+        self._commit_failures.keep(q for q, o in self._partitions.items() if o.writer is not None)
         if writer is not None:
             await writer.close()
 
     async def _failed(self, part: Owned, exc: BusError) -> None:
         """A write or commit of ``part`` failed: abort its transaction and roll the partition
-        back to its last commit, reading again from there. An abort that fails too leaves the
-        outcome in doubt: every partition is taken on again (a new writer settles it)."""
+        back to its last commit, reading again from there. An abort that fails too is handled
+        as what it says (fenced, expired, or in doubt: every partition is taken on again)."""
         self._dropping.add(part.partition)
         writer = part.writer
         assert writer is not None
         try:
             await writer.abort()
-        except Fenced as fenced:
-            await self._fenced(part, fenced)
-            return
-        except BusError as doubt:
-            log.error(
-                "transaction in doubt: taking every partition on again",
-                partition=part.partition,
-                error=str(doubt),
-            )
-            self._resync_needed = True
+        except BusError as abort_failed:
+            if not isinstance(abort_failed, Fenced | TransactionInDoubt):
+                abort_failed = TransactionInDoubt(str(abort_failed))
+            await self._write_failed(part, abort_failed)
             return
         part.rollback(self._books)
         log.warning(
             "transaction aborted: partition rolled back to its last commit",
             partition=part.partition,
+            writer=writer.writer_id,
             position=part.position,
             error=str(exc),
         )
@@ -504,8 +584,10 @@ class DaemonService:
         self._mark_ready()
 
     def _rejoin_due(self) -> bool:
-        """A writer was fenced and no rebalance followed within a session timeout (fenced by
-        the coordinator's transaction timeout rather than by a new owner)."""
+        """A transaction expired, or a writer was fenced and no rebalance followed within a
+        session timeout."""
+        if self._rejoin_now:
+            return True
         timeout = self._c.bus.session_timeout_s
         now = time.monotonic()
         return any(
@@ -515,9 +597,12 @@ class DaemonService:
 
     async def _rejoin(self, bus: Bus, consumer: Consumer) -> Consumer:
         log.warning(
-            "no rebalance followed a fenced writer within the session timeout: rejoining",
+            "rejoining the group after an expired transaction"
+            if self._rejoin_now
+            else "no rebalance followed a fenced writer within the session timeout: rejoining",
             group=self._c.group,
         )
+        self._rejoin_now = False
         await consumer.close()
         self._consumer = await bus.subscribe(["events"], self._c.group)
         self._resync_needed = True
@@ -542,11 +627,8 @@ class DaemonService:
             # rolling back would only meet the same record again.
             log.error("record not written", topic=topic, key=key[:256], error=str(exc))
             return
-        except Fenced as exc:
-            await self._fenced(part, exc)
-            raise _Dropped from exc
         except BusError as exc:
-            await self._failed(part, exc)
+            await self._write_failed(part, exc)
             raise _Dropped from exc
         part.wrote = True
 
@@ -799,11 +881,8 @@ class DaemonService:
             states = {job: self.jobs[job] for job in part.jobs}
             try:
                 written = await snapshots.write(writer, p, part.position, states, keys)
-            except Fenced as exc:
-                await self._fenced(part, exc)
-                return
             except BusError as exc:
-                await self._failed(part, exc)
+                await self._write_failed(part, exc)
                 return
             part.wrote = part.wrote or written > 0
             self._start_commit(part)
@@ -967,14 +1046,12 @@ class DaemonService:
         part.committing = None
         try:
             await commit
-        except Fenced as exc:
-            await self._fenced(part, exc)
-            return False
         except BusError as exc:
-            await self._failed(part, exc)
+            await self._write_failed(part, exc)
             return False
         if position >= part.replay_until:
             part.committed_now(self._books, position)
+        self._commit_failures.succeeded(part.partition)
         return True
 
     async def _settle_done(self) -> None:
@@ -997,6 +1074,32 @@ def _late_report(state: JobState, item: Observed) -> bool:
     return event.generation == state.generation and (
         (event.rank, event.host, event.pid) in state.senders
     )
+
+
+_FAILED_IN_RESYNC = {
+    "fenced": "partition lost: its writer was fenced",
+    "expired": "transaction expired: the broker aborted it after transaction.timeout.ms",
+    "in_doubt": "commit in doubt",
+    "failed": "transaction failed",
+}
+"""How a commit that fails while the partitions are taken on again is logged, by reason."""
+
+
+def _failure_reason(exc: BusError) -> str:
+    """The ``reason`` label of a failed transaction: ``expired``, ``fenced``, ``in_doubt`` or
+    ``failed``."""
+    if isinstance(exc, TransactionExpired):
+        return "expired"
+    if isinstance(exc, Fenced):
+        return "fenced"
+    if isinstance(exc, TransactionInDoubt):
+        return "in_doubt"
+    return "failed"
+
+
+def _writer_id(part: Owned) -> str:
+    """How the bus names ``part``'s writer, for logs (``-`` once it is gone)."""
+    return "-" if part.writer is None else part.writer.writer_id
 
 
 def _cut(text: str, limit: int) -> str:

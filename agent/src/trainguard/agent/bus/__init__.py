@@ -26,6 +26,8 @@ from trainguard.agent.bus._errors import (
     BusURLError,
     DeliveryFailed,
     Fenced,
+    TransactionExpired,
+    TransactionInDoubt,
 )
 from trainguard.agent.bus._port import (
     Bus,
@@ -56,6 +58,8 @@ __all__ = [
     "Record",
     "TopicPartition",
     "TopicSpec",
+    "TransactionExpired",
+    "TransactionInDoubt",
     "default_bus_url",
     "default_state_dir",
     "load_kafka_security",

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["BusClosed", "BusError", "BusURLError", "BusUnavailable", "DeliveryFailed", "Fenced"]
+__all__ = [
+    "BusClosed",
+    "BusError",
+    "BusURLError",
+    "BusUnavailable",
+    "DeliveryFailed",
+    "Fenced",
+    "TransactionExpired",
+    "TransactionInDoubt",
+]
 
 
 class BusError(Exception):
@@ -52,9 +61,31 @@ class BusClosed(BusError):
 
 class Fenced(BusError):
     """A :class:`~trainguard.agent.bus.PartitionWriter` lost its partition to a newer owner
-    (Kafka: another producer initialised the same transactional id, or the coordinator aborted
-    a transaction that outlived ``transaction.timeout.ms``; embedded bus: the member's lease
-    ended or it rejoined its group). Nothing it sent after its last successful commit is ever
-    visible. Not retriable: the writer is dead; a new one may be opened only once the consumer
-    group assigns the partition again (opening one earlier would fence the new owner).
+    (Kafka: another producer initialised the same transactional id, ``ProducerFenced`` /
+    ``INVALID_PRODUCER_EPOCH``; embedded bus: the member's lease ended or it rejoined its group),
+    or (Kafka) failed with another fatal error, which the message names. Nothing it sent after
+    its last successful commit is ever visible. Not retriable: the writer is dead; a new one may
+    be opened only once the consumer group assigns the partition again (opening one earlier
+    would fence the new owner).
     """
+
+
+class TransactionExpired(Fenced):
+    """Kafka: the writer's transaction stayed open longer than ``transaction.timeout.ms`` (its
+    owner paused, or the broker away for that long), so the coordinator aborted it and bumped
+    the producer epoch. The writer is as dead as a fenced one (aiokafka reports the bump as
+    ``ProducerFenced``, which is why the writer tells the two apart by the age of its open
+    transaction), but no newer owner need exist: the caller gets a fresh assignment (rejoins
+    its group) rather than waiting for a rebalance that may never come.
+    """
+
+
+class TransactionInDoubt(BusError):
+    """A :meth:`~trainguard.agent.bus.PartitionWriter.commit` (or abort) was neither
+    confirmed nor refused within the bus's send timeout: the transaction may yet commit or
+    abort. Retriable, but not by this writer: the caller closes it and opens a new one, whose
+    opening settles the transaction on the bus, and only then reads the committed position
+    again (and rebuilds from it).
+    """
+
+    retriable = True

@@ -30,6 +30,9 @@ issues cited inline):
   transitions with ``assert`` (an ``AssertionError``, or silent corruption under ``python
   -O``): no begin while a commit or abort is pending, and nothing at all after
   ``ProducerFenced``.
+* aiokafka's own log lines are throttled (the first of each template, then one per 30 s) and
+  the exceptions its orphaned tasks leave after a fence logged as warnings
+  (:mod:`._kafka_logs`): during an outage it logs about 200 lines a second otherwise.
 * Topics are created on start-up with ``message.timestamp.type=LogAppendTime``: a record's
   timestamp is the broker's append time, which is what the daemon's state machine uses as its
   clock (sender clocks may be skewed).
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -48,6 +52,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.conn import create_conn
 from aiokafka.errors import (
     GroupCoordinatorNotAvailableError,
+    InvalidProducerEpoch,
     KafkaConnectionError,
     KafkaError,
     ProducerFenced,
@@ -56,7 +61,16 @@ from aiokafka.errors import (
 from aiokafka.helpers import create_ssl_context
 
 from trainguard.agent.bus._config import BusConfig
-from trainguard.agent.bus._errors import BusClosed, BusError, BusUnavailable, DeliveryFailed, Fenced
+from trainguard.agent.bus._errors import (
+    BusClosed,
+    BusError,
+    BusUnavailable,
+    DeliveryFailed,
+    Fenced,
+    TransactionExpired,
+    TransactionInDoubt,
+)
+from trainguard.agent.bus._kafka_logs import quiet_kafka_logs, quiet_kafka_orphans
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._port import (
     Bus,
@@ -149,6 +163,8 @@ class KafkaBus(Bus):
         """
         if self._closed:
             raise BusClosed("bus is closed")
+        quiet_kafka_logs()
+        quiet_kafka_orphans(asyncio.get_running_loop())
         timeout = self._config.connect_timeout_s
         admin = AIOKafkaAdminClient(**self._client_kwargs())
         try:
@@ -429,9 +445,10 @@ class KafkaBus(Bus):
         opts = dict(self._config.kafka_options)
         opts.pop("acks", None)  # a transactional producer always uses acks=all
         opts.pop("enable_idempotence", None)
+        transactional_id = f"{self._config.prefix}daemon-{partition}"
         producer = AIOKafkaProducer(
             **self._client_kwargs(),
-            transactional_id=f"{self._config.prefix}daemon-{partition}",
+            transactional_id=transactional_id,
             transaction_timeout_ms=_TRANSACTION_TIMEOUT_MS,
             max_request_size=self._config.max_message_bytes + _FRAMING_BYTES,
             linger_ms=opts.pop("linger_ms", 0),
@@ -446,7 +463,7 @@ class KafkaBus(Bus):
         except BusError:
             await _close_quietly(producer.stop(), self._timeout)
             raise
-        return _KafkaPartitionWriter(self, producer, group_id, partition)
+        return _KafkaPartitionWriter(self, producer, group_id, partition, transactional_id)
 
     async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
         """Next offset of every partition of ``topic`` as a ``read_committed`` reader sees it:
@@ -662,50 +679,102 @@ class _KafkaPartitionWriter(PartitionWriter):
     commit or abort in flight, held as a shielded task: a caller's timeout never cancels it,
     and the next call awaits the same task), ``abortable`` (the transaction failed: only
     :meth:`abort` is allowed), ``fenced`` and ``closed``.
+
+    Why a call failed, as the caller is told: :class:`Fenced` for ``ProducerFenced`` (aiokafka's
+    name for ``INVALID_PRODUCER_EPOCH`` too) while the transaction had been open for less than
+    ``transaction.timeout.ms`` (a newer owner initialised the transactional id), or for another
+    fatal error; :class:`TransactionExpired` for ``ProducerFenced`` once it had been open for
+    longer (the coordinator aborted it and bumped the epoch: the v0 protocol aiokafka speaks
+    gives both causes one error code, and the open time is what tells them apart; a writer both
+    expired and fenced is told expired, whose handling, a fresh assignment, is safe for both);
+    :class:`TransactionInDoubt` for a commit or abort not answered within the send timeout; a
+    retriable :class:`BusError` for the rest (the transaction is abortable). Every message
+    names the partition and the transactional id.
     """
 
     def __init__(
-        self, bus: KafkaBus, producer: AIOKafkaProducer, group_id: str, partition: int
+        self,
+        bus: KafkaBus,
+        producer: AIOKafkaProducer,
+        group_id: str,
+        partition: int,
+        transactional_id: str,
     ) -> None:
         self._bus = bus
         self._producer = producer
         self._group_id = group_id
         self._partition = partition
+        self._transactional_id = transactional_id
         self._state = "ready"
         self._ending: asyncio.Task[None] | None = None
         self._committing = False  # whether _ending is a commit (else an abort)
+        self._opened_at: float | None = None  # time.monotonic() of the open transaction's begin
+        self._dead: Fenced | None = None  # why the writer became unusable
+
+    @property
+    def writer_id(self) -> str:
+        """See :attr:`PartitionWriter.writer_id`: the transactional id."""
+        return self._transactional_id
+
+    def _where(self) -> str:
+        return f"partition {self._partition} (transactional id {self._transactional_id!r})"
 
     def _check(self) -> None:
         txn = self._producer._txn_manager
         if self._state != "closed" and txn is not None and txn.is_fatal_error():
             # The sender task hit ProducerFenced (or another fatal error) on its own: every
-            # transition from here would trip an assert.
-            self._state = "fenced"
-            self._retrieve_end()
+            # transition from here would trip an assert. (Each fatal error it hits stores a
+            # new waiter: _lost retrieves them all.)
+            waiter = txn.wait_for_transaction_end()
+            cause = waiter.exception() if waiter.done() and not waiter.cancelled() else None
+            self._lost("the transaction", cause)
         if self._state == "fenced":
-            raise Fenced(f"writer of partition {self._partition} was fenced by a newer owner")
+            dead = self._dead
+            assert dead is not None  # set with the state
+            raise type(dead)(str(dead))
         if self._state == "closed":
-            raise BusClosed(f"writer of partition {self._partition} is closed")
+            raise BusClosed(f"writer of {self._where()} is closed")
+
+    def _lost(self, what: str, exc: BaseException | None) -> Fenced:
+        """Mark the writer dead after a fatal ``exc`` and return the error that says why."""
+        self._state = "fenced"
+        self._retrieve_end()
+        if self._dead is not None:
+            return self._dead
+        fence = (ProducerFenced, InvalidProducerEpoch)
+        timeout_s = _TRANSACTION_TIMEOUT_MS / 1000
+        age = None if self._opened_at is None else time.monotonic() - self._opened_at
+        dead: Fenced
+        if isinstance(exc, fence) or isinstance(getattr(exc, "__cause__", None), fence):
+            if age is not None and age >= timeout_s:
+                dead = TransactionExpired(
+                    f"{self._where()}: {what} refused: the transaction was open for {age:.1f} s, "
+                    f"longer than transaction.timeout.ms ({timeout_s:g} s), so the coordinator "
+                    "aborted it and bumped the producer epoch; nothing of it is visible"
+                )
+            else:
+                dead = Fenced(
+                    f"{self._where()}: {what} refused (ProducerFenced): a newer owner "
+                    "initialised the transactional id; nothing since the last commit is visible"
+                )
+        else:
+            # Unusable for another reason (say, authorisation): as good as fenced for the
+            # caller, who must not open a writer again before a new assignment.
+            dead = Fenced(f"{self._where()}: {what} failed fatally: {exc!r}")
+        self._dead = dead
+        return dead
 
     def _failed(self, what: str, exc: BaseException) -> BusError:
         """The error for a failed call; marks the writer fenced or abortable."""
         txn = self._producer._txn_manager
-        if isinstance(exc, ProducerFenced) or isinstance(
-            getattr(exc, "__cause__", None), ProducerFenced
+        if (
+            isinstance(exc, ProducerFenced | InvalidProducerEpoch)
+            or isinstance(getattr(exc, "__cause__", None), ProducerFenced | InvalidProducerEpoch)
+            or (txn is not None and txn.is_fatal_error())
         ):
-            self._state = "fenced"
-            self._retrieve_end()
-            return Fenced(
-                f"partition {self._partition}: {what} refused, a newer owner fenced this writer"
-            )
-        if txn is not None and txn.is_fatal_error():
-            # Unusable for another reason (say, authorisation): as good as fenced for the
-            # caller, who must not open a writer again before a new assignment.
-            self._state = "fenced"
-            self._retrieve_end()
-            return Fenced(f"partition {self._partition}: {what} failed fatally: {exc!r}")
+            return self._lost(what, exc)
         self._state = "abortable"
-        err = BusError(f"partition {self._partition}: {what} failed: {exc!r}")
+        err = BusError(f"{self._where()}: {what} failed: {exc!r}")
         err.retriable = True
         return err
 
@@ -724,16 +793,17 @@ class _KafkaPartitionWriter(PartitionWriter):
         try:
             await asyncio.wait_for(asyncio.shield(self._ending), self._bus._timeout)
         except TimeoutError as exc:
-            err = BusError(
-                f"partition {self._partition}: transaction end not confirmed within "
-                f"{self._bus._timeout:g} s (in doubt)"
-            )
-            err.retriable = True
-            raise err from exc
+            what = "commit" if self._committing else "abort"
+            raise TransactionInDoubt(
+                f"{self._where()}: {what} not confirmed within {self._bus._timeout:g} s: the "
+                "transaction may yet commit or abort (in doubt)"
+            ) from exc
         except (KafkaError, AssertionError) as exc:
             self._ending = None
-            raise self._failed("ending the transaction", exc) from exc
+            what = "commit" if self._committing else "abort"
+            raise self._failed(what, exc) from exc
         self._ending = None
+        self._opened_at = None
         self._state = "ready"
 
     async def _begin(self) -> None:
@@ -744,8 +814,9 @@ class _KafkaPartitionWriter(PartitionWriter):
             except (KafkaError, AssertionError) as exc:
                 raise self._failed("begin", exc) from exc
             self._state = "open"
+            self._opened_at = time.monotonic()
         elif self._state == "abortable":
-            err = BusError(f"partition {self._partition}: the transaction failed: abort() first")
+            err = BusError(f"{self._where()}: the transaction failed: abort() first")
             err.retriable = True
             raise err
 
@@ -794,12 +865,10 @@ class _KafkaPartitionWriter(PartitionWriter):
         if self._state in ("fenced", "closed", "ready"):
             return
         if self._state == "ending" and self._committing:
-            err = BusError(
-                f"partition {self._partition}: a commit is in doubt and cannot be aborted: "
-                "close the writer and open a new one"
+            raise TransactionInDoubt(
+                f"{self._where()}: a commit is in doubt and cannot be aborted: close the writer "
+                "and open a new one"
             )
-            err.retriable = True
-            raise err
         if self._state in ("open", "abortable"):
             try:
                 self._ending = asyncio.ensure_future(self._producer.abort_transaction())
@@ -823,6 +892,7 @@ class _KafkaPartitionWriter(PartitionWriter):
         if self._ending is not None:
             self._ending.cancel()
         await _close_quietly(self._producer.stop(), self._bus._timeout)
+        self._retrieve_end()  # a fatal error the sender hit while stopping
 
 
 async def _close_quietly(aw: Awaitable[Any], timeout_s: float) -> None:

@@ -200,6 +200,13 @@ class PartitionWriter(abc.ABC):
     safe for concurrent use by several tasks.
     """
 
+    @property
+    @abc.abstractmethod
+    def writer_id(self) -> str:
+        """How the bus names this writer, for logs: on Kafka its transactional id
+        (``{prefix}daemon-{partition}``), on the embedded bus ``daemon-{partition}`` and its
+        writer epoch."""
+
     @abc.abstractmethod
     async def send(self, topic: str, key: str, value: bytes | None) -> None:
         """Add one record (to ``key``'s partition of logical ``topic``) to the open
@@ -222,10 +229,15 @@ class PartitionWriter(abc.ABC):
         Raises:
             Fenced: the partition has a newer owner; nothing of this transaction is visible,
                 and the writer is unusable.
+            TransactionExpired: (a :class:`Fenced`; Kafka) the transaction outlived
+                ``transaction.timeout.ms`` and the coordinator aborted it: nothing of it is
+                visible, and the writer is unusable.
+            TransactionInDoubt: no answer within the send timeout: the transaction may yet
+                commit or abort. The caller must close the writer and open a new one (whose
+                opening settles it) before reading the committed positions again.
             BusError: anything else (retriable): nothing of this transaction became visible if
                 :meth:`abort` then succeeds; if :meth:`abort` raises too, the outcome is in
-                doubt and the caller must close the writer and open a new one (whose opening
-                settles it) before reading the committed positions again.
+                doubt (as above).
         """
 
     @abc.abstractmethod

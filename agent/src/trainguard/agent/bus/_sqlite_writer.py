@@ -74,6 +74,11 @@ class SQLitePartitionWriter(PartitionWriter):
         self._rows: list[Row] = []
         self._state = "open"
 
+    @property
+    def writer_id(self) -> str:
+        """See :attr:`PartitionWriter.writer_id`."""
+        return f"daemon-{self._partition} (writer epoch {self._writer_epoch})"
+
     def _check(self) -> None:
         if self._state == "closed":
             raise BusClosed(f"writer of partition {self._partition} is closed")
