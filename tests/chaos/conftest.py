@@ -1,6 +1,6 @@
-"""Fixtures of the chaos tests: two Kafka brokers of this folder's own that the tests pause and
-restart (never the session broker other tests share), started together once for both modules,
-a bus on a broker, and the reference runs."""
+"""Fixtures of the chaos tests: a Kafka broker of this folder's own that the tests pause and
+restart (never the session broker other tests share), started once for both modules, and a bus
+on it."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from tests.buses import BusFactory
 from tests.chaos.chaos import ChaosBroker, bus_on, wait_for_coordinators
 from tests.kafka_dev import dev_broker
 
-#: Brokers of the chaos tests: the outage test takes both down at once (one paused, one
-#: stopped); the instances test uses the first.
-BROKERS = 2
+#: Brokers of the chaos tests (started together): the tests use the first.
+BROKERS = 1
 
 
 @pytest.fixture(scope="package")
