@@ -85,6 +85,10 @@ class TrainConfig:
         model: the model shape.
         step_sleep: seconds each step sleeps after its update, to pace the job like a bigger
             one (rehearsals of detectors that learn the step time); the numbers are unchanged.
+        step_period: each step lasts at least this many seconds: after its update (and
+            ``step_sleep``) it sleeps only what is left of the period, so that the job's
+            length stays the same on a loaded machine as long as a step's compute fits in it
+            (tests that need a job to outlast a scenario); the numbers are unchanged.
         eval_every: evaluate every this many steps (0: never), declared as the phase ``eval``.
         eval_seconds: an evaluation lasts at least this long (it sleeps the rest): simulates
             a long one. Evaluating draws no random numbers, so the numbers are unchanged.
@@ -108,6 +112,7 @@ class TrainConfig:
     threads: int
     model: ModelConfig
     step_sleep: float = 0.0
+    step_period: float = 0.0
     eval_every: int = 0
     eval_seconds: float = 0.0
     skip: StepRange | None = None
@@ -295,6 +300,13 @@ def evaluate(agent: Agent, run: Run, config: TrainConfig) -> float:
     return loss
 
 
+def remaining_period(period_s: float, began: float, now: float) -> float:
+    """Seconds a step that began at ``began`` and stands at ``now`` (both
+    ``time.perf_counter()``, seconds) still sleeps to last ``period_s`` seconds: never
+    negative, so a step whose compute took longer than the period is not slowed further."""
+    return max(0.0, period_s - (now - began))
+
+
 def reload(agent: Agent, run: Run, config: TrainConfig, request: RestoreRequested) -> Run:
     """Reload in process for ``request``: the target snapshot into ``run`` (or a fresh run,
     initialized from the seed, when the restore starts from scratch); acknowledge and wait for
@@ -351,6 +363,7 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
                 ids, windows = next(data)
                 loss = train_step(run, windows, agent, step)
                 time.sleep(config.step_sleep)
+                time.sleep(remaining_period(config.step_period, began, time.perf_counter()))
                 ledger.record(step, ids)
                 try:
                     agent.step(step, loss=loss, samples=len(ids))
@@ -444,6 +457,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
         help="seconds each step sleeps, to pace the job like a bigger one (numbers unchanged)",
     )
     parser.add_argument(
+        "--step-period",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="each step lasts at least S seconds, sleeping only the rest (numbers unchanged)",
+    )
+    parser.add_argument(
         "--eval-every", type=int, default=0, help="evaluate every N steps (phase eval; 0: never)"
     )
     parser.add_argument(
@@ -475,8 +495,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
     args = parser.parse_args(argv)
     if args.steps < 0 or args.checkpoint_every < 1:
         parser.error("--steps must be >= 0 and --checkpoint-every >= 1")
-    if args.step_sleep < 0 or args.eval_every < 0 or args.eval_seconds < 0:
-        parser.error("--step-sleep, --eval-every and --eval-seconds must be >= 0")
+    if min(args.step_sleep, args.step_period, args.eval_every, args.eval_seconds) < 0:
+        parser.error("--step-sleep, --step-period, --eval-every and --eval-seconds must be >= 0")
     if args.pg_timeout is not None and args.pg_timeout <= 0:
         parser.error("--pg-timeout must be > 0")
     config = TrainConfig(
@@ -489,6 +509,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, str | No
         lr=args.lr,
         threads=args.threads,
         step_sleep=args.step_sleep,
+        step_period=args.step_period,
         eval_every=args.eval_every,
         eval_seconds=args.eval_seconds,
         skip=args.skip_steps,

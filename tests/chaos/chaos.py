@@ -10,17 +10,23 @@ touches the session broker other tests share.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import threading
 import time
 import urllib.error
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+from tests.buses import BusFactory
 from tests.http_get import http_get
 from tests.kafka_dev import (
     BROKER_START_TIMEOUT_S,
@@ -36,6 +42,10 @@ from trainguard.daemon._rehearsal import Stamped
 
 #: Seconds every wait for a condition may take at most: it only bounds a hang (2 loaded cores).
 DEADLINE_S = 120.0
+
+#: Options of ``examples/charlm/train.py`` for a smaller model than its default: the chaos
+#: tests run six or more jobs on 2 cores, and what they check does not depend on its size.
+SMALL_MODEL = ("--d-model", "32", "--layers", "1", "--heads", "2")
 
 
 def wait_until(what: str, condition: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
@@ -64,6 +74,42 @@ def wait_on_bus(
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+async def _find_coordinators(bootstrap: str) -> None:
+    """One ``FindCoordinator`` request for a group and one for a transactional id.
+
+    Raises:
+        KafkaError, OSError, TimeoutError: not answered, or not yet available.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    try:
+        async with asyncio.timeout(10):  # aiokafka can hang on a dead broker (#1101)
+            await admin.start()
+            await admin.find_coordinator("chaos-warmup", 0)
+            await admin.find_coordinator("chaos-warmup", 1)
+    finally:
+        async with asyncio.timeout(10):
+            await admin.close()
+
+
+def wait_for_coordinators(bootstrap: str, timeout_s: float = DEADLINE_S) -> None:
+    """Wait until a new broker has its group and transaction coordinators (its first
+    ``FindCoordinator`` requests create ``__consumer_offsets`` and ``__transaction_state``,
+    which takes seconds on a loaded machine), so that a daemon started next finds them.
+
+    Raises:
+        AssertionError: not within ``timeout_s`` seconds; names the last error.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            asyncio.run(_find_coordinators(bootstrap))
+            return
+        except (KafkaError, OSError, TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{bootstrap}: no coordinator: {exc!r}") from exc
+        time.sleep(0.5)
 
 
 @dataclass
@@ -138,6 +184,11 @@ class ChaosBroker:
                 self.resume()
         if kafka_dev("status", "--dir", self.run_dir, timeout=60).returncode != 0:
             self.start()
+
+
+def bus_on(broker: ChaosBroker) -> BusFactory:
+    """A fresh topic prefix on ``broker``."""
+    return BusFactory("kafka", f"kafka://{broker.bootstrap}", f"c-{uuid.uuid4().hex[:8]}.")
 
 
 def workers(job: str) -> dict[tuple[int, int], int]:

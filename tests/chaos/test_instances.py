@@ -2,30 +2,34 @@
 while instances crash or pause and ranks die.
 
 Three ``trainguard daemon`` processes in one consumer group (session timeout 6 s, Kafka's
-lower bound) and three 2-rank charlm jobs on a Kafka broker of this module's own. In each
+lower bound) and three 2-rank charlm jobs on a Kafka broker of the chaos tests' own. In each
 round, at random moments, the instance that owns the round's job (the jobs take turns, in a
 random order, so each is hit) is SIGKILLed (and a new one started) or SIGSTOPped for longer
-than the session timeout (then SIGCONTed), and a rank of that job is SIGKILLed, in random
-order; the round ends when the job's restore is on
-the bus and the paused instance runs again. Afterwards every job is stopped with
-``trainguard stop``, which some instance must answer. Then: no lost job (every kill restored,
-every stop answered), per (job, command type, generation) exactly one command on the
-``commands`` topic read with ``read_committed`` and no two different ones in the audit trail,
-and every job's replay reproduces its audit trail.
+than the session timeout (SIGCONTed :data:`PAUSE_S` later, at most one paused at a time), and
+a rank of that job is SIGKILLed, in random order. The rounds overlap: a round begins once its
+job trains again after its previous round's restore (acknowledged, resumed, committed in its
+new generation) and its owner is known, without waiting for the other jobs' restores or the
+end of a pause, so one round's faults often fall into the failover or the rebalance of the
+previous one. After the last round every kill's restore is on the bus and no instance is
+paused. Then every job is stopped with ``trainguard stop``, which some instance must answer.
+Then: no lost job (every kill restored, every stop answered), per (job, command type,
+generation) exactly one command on the ``commands`` topic read with ``read_committed`` and no
+two different ones in the audit trail, and every job's replay reproduces its audit trail.
 
-``TRAINGUARD_CHAOS_ROUNDS`` sets the number of rounds (default :data:`ROUNDS`, which keeps
-``tests/chaos`` within its time budget; the issue's 20 rounds take about
-``20 * ROUND_S`` seconds), ``TRAINGUARD_CHAOS_SEED`` the random seed (printed on failure).
+``TRAINGUARD_CHAOS_ROUNDS`` sets the number of rounds (default :data:`ROUNDS`, the issue's),
+``TRAINGUARD_CHAOS_SEED`` the random seed (printed on failure).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -39,6 +43,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from tests.buses import BusFactory
 from tests.chaos.chaos import (
     DEADLINE_S,
+    SMALL_MODEL,
     ChaosBroker,
     kill_running_rank,
     running_generation,
@@ -47,22 +52,24 @@ from tests.chaos.chaos import (
 )
 from tests.scenarios.harness import WORLD_SIZE, JobRun, Shape
 from trainguard.agent._supervisor import EXIT_STOPPED
+from trainguard.agent.bus import BusUnavailable
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.daemon._rehearsal import stop_process
+from trainguard.daemon._rehearsal import follow_job, stop_process
 from trainguard.schemas import Abort, Command, Manifest, Restore, Resume, decode
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(900)]
 
-ROUNDS = int(os.environ.get("TRAINGUARD_CHAOS_ROUNDS", "6"))
-#: Seconds a round takes here (measured), for the docstring's estimate.
-ROUND_S = 13
+ROUNDS = int(os.environ.get("TRAINGUARD_CHAOS_ROUNDS", "20"))
 SEED = int(os.environ.get("TRAINGUARD_CHAOS_SEED", str(random.randrange(2**32))))
 INSTANCES = 3
 #: Seconds a paused instance stays stopped: longer than its session (6 s, harness), so the
 #: group gives its partitions to another instance while it sleeps.
 PAUSE_S = 8.0
-#: Long enough never to end on its own (the test stops it); paced so restarts stay cheap.
-SHAPE = Shape(steps=100_000, checkpoint_every=20, seed=17)
+#: Seconds at most between a round's start and its first fault, and between its two faults.
+GAP_S = 2.0
+#: Long enough never to end on its own (the test stops it); paced so restarts stay cheap; a
+#: checkpoint every 5 steps, so that a restored job soon commits and can be hit again.
+SHAPE = Shape(steps=100_000, checkpoint_every=5, seed=17)
 STEP_SLEEP_S = 0.1
 CLI = (sys.executable, "-m", "trainguard.daemon.cli")
 PARTITIONS = 6  # DEFAULT_TOPICS
@@ -108,25 +115,55 @@ async def committed_commands(bootstrap: str, topic: str) -> list[Command]:
         await consumer.stop()
 
 
-def owner_pid(run: JobRun, since_ms: int) -> int:
-    """The pid of the instance that decided for ``run``'s job last, at or after ``since_ms``
-    (ms since the epoch): the ``daemon_id`` (``host-pid``) of the config entry of the
-    job's first decision entry of an input appended since then (a commit comes every 2 s)."""
+async def _last_decider(run: JobRun, generation: int, timeout_s: float) -> str:
     configs: dict[str, str] = {}
+    committed = False
+    last: str | None = None
+    deadline = time.monotonic() + timeout_s
+    follow = follow_job(run.bus.url, run.bus.prefix, run.job)
+    async with contextlib.aclosing(follow):
+        async for batch in follow:
+            for stamped in batch:
+                message = stamped.message
+                if isinstance(message, Manifest):
+                    committed = committed or message.generation >= generation
+                elif isinstance(message, dict) and message.get("entry") == "config":
+                    configs[message["config_id"]] = message["config"]["daemon_id"]
+                elif isinstance(message, dict) and message.get("entry") == "decisions":
+                    last = configs.get(message["config_id"], last)
+            if not batch and committed and last is not None:  # read up to the end
+                return last
+            assert time.monotonic() < deadline, (
+                f"{run.job} did not commit in generation {generation} within {timeout_s:g} s "
+                f"{run.describe()}"
+            )
+    raise AssertionError("follow_job() ended")  # it yields for ever
 
-    def match(message: Any) -> bool:
-        if not isinstance(message, dict):
-            return False
-        if message.get("entry") == "config":
-            configs[message["config_id"]] = message["config"]["daemon_id"]
-        return (
-            message.get("entry") == "decisions"
-            and message["at_ms"] >= since_ms
-            and message["config_id"] in configs
-        )
 
-    entry = wait_on_bus(run, f"a decision for {run.job}", match).message
-    return int(configs[entry["config_id"]].rpartition("-")[2])
+def owner_pid(run: JobRun, generation: int) -> int:
+    """Once ``run``'s job has committed a snapshot of ``generation`` or later (it trains
+    again after its last restore), the pid of the instance that decided for it last: the
+    ``daemon_id`` (``host-pid``) of the config entry of the job's newest decision entry on the
+    bus. Its owner, unless a rebalance that has not decided anything yet moved the job (then
+    possibly an instance that is paused or dead).
+
+    Raises:
+        AssertionError: no such commit within :data:`DEADLINE_S`.
+    """
+    deadline = time.monotonic() + DEADLINE_S
+    while True:  # a broker can refuse a new client's first requests for a moment
+        try:
+            last = asyncio.run(_last_decider(run, generation, deadline - time.monotonic()))
+            return int(last.rpartition("-")[2])
+        except BusUnavailable:
+            assert time.monotonic() < deadline, f"bus unavailable {run.describe()}"
+            time.sleep(0.5)
+
+
+def running_after(job: str, generation: int) -> bool:
+    """Whether every rank of ``job`` runs in a generation after ``generation``."""
+    running = running_generation(job, WORLD_SIZE)
+    return running is not None and running > generation
 
 
 def restores_after(job: str, generation: int) -> Callable[[Any], bool]:
@@ -148,6 +185,43 @@ def meaning(command: dict[str, Any]) -> bytes:
         {k: v for k, v in command.items() if k not in ("ts", "daemon_id", "auth")},
         option=orjson.OPT_SORT_KEYS,
     )
+
+
+class Pauses:
+    """SIGSTOPped instances, each SIGCONTed :data:`PAUSE_S` seconds after its pause by a
+    timer thread (the pause's length is the scenario itself, not a wait for anything)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._timers: dict[int, threading.Timer] = {}  # pid -> its SIGCONT
+
+    def pause(self, pid: int) -> None:
+        """SIGSTOP ``pid``'s process group; SIGCONT it :data:`PAUSE_S` seconds later."""
+        os.killpg(pid, signal.SIGSTOP)
+        timer = threading.Timer(PAUSE_S, self._resume, (pid,))
+        with self._lock:
+            self._timers[pid] = timer
+        timer.start()
+
+    def _resume(self, pid: int) -> None:
+        with self._lock:
+            if self._timers.pop(pid, None) is None:
+                return  # resumed already (``resume_all``)
+        os.killpg(pid, signal.SIGCONT)
+
+    def paused(self) -> set[int]:
+        """Pids paused now."""
+        with self._lock:
+            return set(self._timers)
+
+    def resume_all(self) -> None:
+        """SIGCONT every paused instance now (at teardown)."""
+        with self._lock:
+            timers, self._timers = self._timers, {}
+        for pid, timer in timers.items():
+            timer.cancel()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGCONT)
 
 
 def test_three_instances_decide_every_incident_exactly_once(
@@ -172,68 +246,75 @@ def test_three_instances_decide_every_incident_exactly_once(
             )
         )
     host = runs[0]  # its daemons serve every job
-    paused: dict[int, float] = {}  # pid -> monotonic time it is to be continued
+    pauses = Pauses()
     events: list[str] = []
+    killed: dict[str, int] = {}  # job -> the generation of its last killed rank
     try:
         for _ in range(INSTANCES):
             host.start_daemon()
         for run in runs:
-            run.start_job(extra=["--step-sleep", str(STEP_SLEEP_S)])
+            run.start_job(extra=[*SMALL_MODEL, "--step-sleep", str(STEP_SLEEP_S)])
         for run in runs:  # every job trains, and some instance commits its snapshots
             run.wait_for("a first commit", lambda m: isinstance(m, Manifest))
         turns = rng.sample(runs, len(runs))
+        began = time.monotonic()
         for round_ in range(ROUNDS):
             run = turns[round_ % len(turns)]
             pause = rng.random() < 0.5
             rank = rng.randrange(WORLD_SIZE)
+            # It trains again (acknowledged its last restore, resumed, committed): a kill
+            # before would be another attempt of the last incident, which has a bounded number.
+            after = killed.get(run.job, -1)
             wait_until(
-                f"{run.job}'s ranks run",
-                lambda: running_generation(run.job, WORLD_SIZE) is not None,  # noqa: B023
+                f"{run.job}'s ranks run in a generation after {after} ({events[-3:]})",
+                lambda: running_after(run.job, after),  # noqa: B023
             )
-            # It trains again (acknowledged its restore, resumed, committed): a kill before
-            # would be another attempt of the last incident, which has a bounded number.
             running = running_generation(run.job, WORLD_SIZE) or 0
-            wait_on_bus(
-                run,
-                f"{run.job} commits in generation {running}",
-                lambda m: isinstance(m, Manifest) and m.generation >= running,  # noqa: B023
-            )
+            if pause:  # one instance paused at a time: wait for the last pause's end
+                wait_until("the paused instance resumed", lambda: not pauses.paused())
             # The instance that owns the job: its successor must decide the incident, and
             # a paused one must find itself fenced when it wakes up.
-            owner = owner_pid(run, time.time_ns() // 1_000_000)
-            live = [d for d in host.daemons if d.poll() is None]
+            owner = owner_pid(run, running)
+            live = [d for d in host.daemons if d.poll() is None and d.pid not in pauses.paused()]
             victim = next((d for d in live if d.pid == owner), None) or rng.choice(live)
-            time.sleep(rng.uniform(0.0, 2.0))  # a random moment of the job's training
-            for first in rng.sample(("daemon", "rank"), 2):
-                if first == "daemon":
+            time.sleep(rng.uniform(0.0, GAP_S))  # a random moment of the job's training
+            first, second = rng.sample(("daemon", "rank"), 2)
+            for i, fault in enumerate((first, second)):
+                if i:
+                    time.sleep(rng.uniform(0.0, GAP_S))
+                if fault == "daemon":
                     if pause:
-                        os.killpg(victim.pid, signal.SIGSTOP)
-                        paused[victim.pid] = time.monotonic() + PAUSE_S
+                        pauses.pause(victim.pid)
                     else:
                         stop_process(victim, signal.SIGKILL)
                         host.start_daemon()
                 else:
-                    gen = kill_running_rank(run.job, rank, WORLD_SIZE)
-                time.sleep(rng.uniform(0.0, 2.0))
+                    killed[run.job] = kill_running_rank(run.job, rank, WORLD_SIZE)
             events.append(
-                f"round {round_}: {'SIGSTOP' if pause else 'SIGKILL'} daemon pid {victim.pid}, "
-                f"SIGKILL {run.job} rank {rank} generation {gen}"
+                f"{time.monotonic() - began:.1f} s: round {round_}: "
+                f"{'SIGSTOP' if pause else 'SIGKILL'} daemon pid {victim.pid}, "
+                f"SIGKILL {run.job} rank {rank} generation {killed[run.job]}, {first} first"
             )
-            wait_on_bus(run, f"{run.job}'s restore ({events[-1]})", restores_after(run.job, gen))
-            for pid, due in list(paused.items()):  # one instance down at a time
-                time.sleep(max(0.0, due - time.monotonic()))  # the pause's length
-                os.killpg(pid, signal.SIGCONT)
-                del paused[pid]
+            print(events[-1], flush=True)  # shown with a failure's captured output
+        for run in runs:  # no lost job: the last kill of each was restored
+            gen = killed[run.job]
+            wait_on_bus(
+                run, f"{run.job}'s restore after {gen} ({events})", restores_after(run.job, gen)
+            )
+        wait_until("the paused instance resumed", lambda: not pauses.paused())
         bus_args = ("--bus", chaos_bus.url, "--topic-prefix", chaos_bus.prefix)
-        for run in runs:
-            done = subprocess.run(
+        stops = {  # all at once: each waits for some instance to answer
+            run.job: subprocess.Popen(
                 [*CLI, "stop", run.job, "--reason", "chaos test over", *bus_args],
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
                 text=True,
-                timeout=DEADLINE_S,
-                check=False,
             )
-            assert done.returncode == 0, f"trainguard stop {run.job}: {done.stdout}{done.stderr}"
+            for run in runs
+        }
+        for job, stop in stops.items():
+            output, _ = stop.communicate(timeout=DEADLINE_S)
+            assert stop.returncode == 0, f"trainguard stop {job}: {output}"
         for run in runs:
             assert run.supervisor is not None
             code = run.supervisor.wait(DEADLINE_S)
@@ -265,7 +346,6 @@ def test_three_instances_decide_every_incident_exactly_once(
             assert set(audited) == {k for k in on_bus if k[0] == run.job}, run.describe()
             assert any(isinstance(c, Abort) and c.job_id == run.job for c in commands)
     finally:
-        for pid in paused:
-            os.killpg(pid, signal.SIGCONT)
+        pauses.resume_all()
         for run in runs:
             run.close()

@@ -1,6 +1,6 @@
 """Broker outages under running jobs (issue 13, items 1, 2 and 4): an outage is not a failure.
 
-One daemon and three 2-rank charlm jobs on a Kafka broker of this module's own. The broker is
+One daemon and three 2-rank charlm jobs on the chaos tests' own Kafka broker. The broker is
 first paused (SIGSTOP) for 60 s, then, once everything has recovered, stopped with
 ``kafka-dev stop`` and started again 20 s later (same port, same data). Jobs A and B train
 through both outages undisturbed: no restore, final parameters bitwise equal to an

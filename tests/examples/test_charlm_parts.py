@@ -3,6 +3,8 @@ checkpoints through the agent and is restored from a hand-published restore comm
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,14 @@ from examples.charlm.ledger import (
     read_ledger,
 )
 from examples.charlm.model import ModelConfig
-from examples.charlm.train import DEFAULT_JOB, TrainConfig, agent_config, train
+from examples.charlm.train import (
+    DEFAULT_JOB,
+    TrainConfig,
+    agent_config,
+    parse_args,
+    remaining_period,
+    train,
+)
 from tests.agent import _jobbus as daemon
 from trainguard.schemas import Checkpoint
 
@@ -172,3 +181,31 @@ def test_a_restored_run_ends_where_the_uninterrupted_one_does(tmp_path, one_thre
     assert min(r.step for r in run_ledger if r.generation == 1) == 6
     reference_ledger = read_ledger([tmp_path / "reference" / "ledger-rank-0.jsonl"])
     assert compare_ledgers(run_ledger, reference_ledger, world_size=1).exact
+
+
+# --- pacing ----------------------------------------------------------------------------------
+
+
+def test_a_step_sleeps_only_what_its_compute_left_of_the_period():
+    assert remaining_period(0.5, began=10.0, now=10.2) == pytest.approx(0.3)
+    assert remaining_period(0.5, began=10.0, now=10.7) == 0.0  # slow compute: no extra sleep
+    assert remaining_period(0.0, began=10.0, now=10.0) == 0.0  # no period: never sleeps
+
+
+def test_step_period_option():
+    config, _ = parse_args(["--out", "x", "--step-period", "0.25"])
+    assert config.step_period == 0.25
+    assert parse_args(["--out", "x"])[0].step_period == 0.0
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--step-period", "-1"])
+
+
+def test_a_paced_run_lasts_steps_times_period_and_changes_no_number(tmp_path, one_thread):
+    plain = tiny(tmp_path / "plain", steps=4)
+    train(plain, agent_config(plain, env={}))
+    paced = dataclasses.replace(tiny(tmp_path / "paced", steps=4), step_period=0.5)
+    began = time.monotonic()
+    train(paced, agent_config(paced, env={}))
+    assert time.monotonic() - began >= 4 * 0.5  # a lower bound: load only adds to it
+    digest = "final.sha256"
+    assert (tmp_path / "paced" / digest).read_text() == (tmp_path / "plain" / digest).read_text()
