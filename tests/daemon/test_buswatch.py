@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -59,11 +60,13 @@ def value(metrics: DaemonMetrics, name: str, **labels: str) -> float | None:
 
 @asynccontextmanager
 async def watching(
-    tmp_path: Path, positions: dict[int, int]
+    tmp_path: Path, positions: dict[int, int], clock: Callable[[], float] = time.monotonic
 ) -> AsyncIterator[tuple[BusWatch, Cut, DaemonMetrics, Bus]]:
     factory = BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
     metrics = DaemonMetrics()
-    watch = BusWatch(metrics, lambda: dict(positions), interval_s=0.02, timeout_s=TIMEOUT_S)
+    watch = BusWatch(
+        metrics, lambda: dict(positions), interval_s=0.02, timeout_s=TIMEOUT_S, clock=clock
+    )
     async with factory.open(topics=DEFAULT_TOPICS) as bus:
         cut = Cut(bus)
         watch.start(cast(Bus, cut))
@@ -85,6 +88,39 @@ async def until(condition: Callable[[], bool]) -> None:
 
 def events_of(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
     return [entry for entry in logs if entry["event"] == name]
+
+
+async def test_a_broker_flapping_as_it_comes_back_is_one_outage(tmp_path: Path) -> None:
+    """A probe failing right after an outage ended (a broker answering once, then not, while
+    it comes back) resumes that outage: readiness follows it, the count and the alert do not;
+    a failure once the flap window (``2 * (interval_s + timeout_s)``, 2.04 s here) has passed
+    is a new outage. The watch's clock is shifted forward to pass the window without waiting."""
+    shift = [0.0]
+    with structlog.testing.capture_logs() as logs:
+        async with watching(tmp_path, {0: 0}, lambda: time.monotonic() + shift[0]) as (
+            watch,
+            cut,
+            metrics,
+            _,
+        ):
+            cut.cut("failing")
+            await until(lambda: not watch.connected)
+            cut.restore()
+            await until(lambda: watch.connected)
+            cut.cut("failing")  # at once: within the window
+            await until(lambda: not watch.connected)
+            assert watch.outage_reason() is not None
+            assert value(metrics, "trainguard_bus_connected") == 0
+            assert value(metrics, "trainguard_bus_outages_total") == 1
+            assert len(events_of(logs, "bus outage resumed")) == 1
+            cut.restore()
+            await until(lambda: watch.connected)
+            shift[0] += 10.0  # past the window
+            cut.cut("failing")
+            await until(lambda: not watch.connected)
+            assert value(metrics, "trainguard_bus_outages_total") == 2
+    assert len(events_of(logs, "bus outage started")) == 2
+    assert len(events_of(logs, "bus outage resumed")) == 1
 
 
 @pytest.mark.parametrize("mode", ["silent", "failing"])

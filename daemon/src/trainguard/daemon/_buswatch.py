@@ -23,6 +23,12 @@ What it keeps, and what shows it:
 Log lines, each once per outage: ``bus outage started`` (error: what failed, seconds since the
 last contact), ``bus outage ended`` (warning: how long), ``caught up after outage`` (info:
 records folded since, seconds taken).
+
+A broker coming back often answers one probe and then fails the next (leaders still being
+elected, metadata not yet current). A probe that fails within ``2 * (interval_s + timeout_s)``
+of an outage's end is the same outage *resumed* (``bus outage resumed``, warning): readiness and
+``trainguard_bus_connected`` follow every probe, but ``trainguard_bus_outages_total`` and the
+``bus outage started`` alert count one outage, not each flap.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class BusWatch:
         self._clock = clock
         self._last_contact: float | None = None  # None: not started
         self._outage_started: float | None = None  # None: no outage
+        self._ended: tuple[float, float] | None = None  # (start, end) of the last outage
         self._lag: Mapping[int, int] = {}
         self._catchup: _CatchUp | None = None
         self._task: asyncio.Task[None] | None = None
@@ -187,6 +194,7 @@ class BusWatch:
         now = self._clock()
         positions = self._positions()
         if self._outage_started is not None:
+            self._ended = (self._outage_started, now)
             self._outage_started = None
             self._metrics.bus_connected(True)
             self._catchup = _CatchUp(ends=ends, start=dict(positions), at=now)
@@ -199,8 +207,13 @@ class BusWatch:
     def _failed(self, began: float, error: str) -> None:
         if self._outage_started is not None:
             return  # logged and counted once per outage
-        self._outage_started = began
         self._metrics.bus_connected(False)
+        ended = self._ended
+        if ended is not None and began - ended[1] < 2 * (self._interval_s + self._timeout_s):
+            self._outage_started = ended[0]  # a flap of a broker coming back: the same outage
+            log.warning("bus outage resumed", error=error, since_end_s=round(began - ended[1], 3))
+            return
+        self._outage_started = began
         self._metrics.bus_outage()
         log.error(
             "bus outage started",
