@@ -90,7 +90,7 @@ def config(setup: Setup, *, require_auth: bool = False, **machine: Any) -> Daemo
         machine=MachineConfig(daemon_id="auth-daemon", **machine),
         group_id=setup.bus.group("daemon"),
         poll_s=0.02,
-        pulse_s=0.2,  # the short test timeouts need a dense stream (2 * pulse_s + poll_s < bus_gap_s)
+        pulse_s=0.2,  # short timeouts need a dense stream (2*pulse_s + poll_s + commit_interval_s < bus_gap_s)
         snapshot_interval_s=0,
         security=SecurityConfig(require_auth=require_auth),
     )
@@ -195,7 +195,7 @@ async def test_commands_manifests_and_ticks_carry_the_daemons_authentication(
         await send(bus, key, started(0), started(1), beat(0, 1, 10), beat(1, 1, 10))
         await send(bus, key, shard(0, 2, 10), shard(1, 2, 10), killed(1))
         service = DaemonService(
-            config(setup, restore_timeout_s=1.0, bus_gap_s=0.5), keys=setup.keys
+            config(setup, restore_timeout_s=1.0, bus_gap_s=0.6), keys=setup.keys
         )
         async with running(service):
 

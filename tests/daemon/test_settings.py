@@ -119,6 +119,10 @@ BAD_VALUES = [
     ("[service]\nmetrics_port = 65536", "[service] metrics_port must be a TCP port"),
     ("[service]\npoll_s = 0", "[service] poll_s must be a finite number of seconds > 0"),
     ("[service]\ncommit_interval_s = 45", "[service] commit_interval_s must be at most 10 s"),
+    (  # ticks are visible only at commits: 2 * 1 + 0.05 + 3 s apart is not below bus_gap_s 5
+        "[service]\ncommit_interval_s = 3",
+        "[service] 2 * pulse_s + poll_s + commit_interval_s must be below bus_gap_s (5 s)",
+    ),
     ("[service]\nbus = 3", "[service]: unknown key(s) ['bus']"),
     ("[bus]\nsend_timeout_s = -1", "[bus] send_timeout_s must be a finite number of seconds > 0"),
     ("[bus]\nkafka_options = 3", "[bus] kafka_options: expected a table, got 3 (an integer)"),

@@ -849,8 +849,8 @@ def _modelled_tick(
     interval_ns, poll_ns, pulse_ns = timing
     if unacted_command(state) is not None:
         return state.clock_ns + poll_ns
-    # A daemon runs only with 2 * pulse_s + poll_s < bus_gap_s: model one that would run under
-    # ``config`` (a variant may shorten bus_gap_s).
+    # A daemon runs only with 2 * pulse_s + poll_s + commit_interval_s < bus_gap_s: model one
+    # that would run under ``config`` (a variant may shorten bus_gap_s; commits taken as instant).
     pulse_ns = max(1, min(pulse_ns, (config.bus_gap_ns - poll_ns) // 2 - 1))
     due = next_deadline(state, config)
     at = None if due is None else max(due, last_tick + interval_ns) + poll_ns

@@ -80,9 +80,12 @@ class DaemonConfig:
             this long (seconds, on the daemon's monotonic clock) gets a ``ClockTick``, a
             *pulse*: so, with the bus and the daemon working, a live job's inputs are at most
             about ``pulse_s + poll_s`` apart in bus time, and a longer gap in them (more than
-            the machine's ``bus_gap_s``, 5 s by default) can only be an outage. Needs
-            ``2 * pulse_s + poll_s < bus_gap_s``: one more pulse of margin over that spacing
-            (a loaded daemon or bus), so that the rule never takes a quiet job for an outage.
+            the machine's ``bus_gap_s``, 5 s by default) can only be an outage. A tick is
+            visible on the bus only with its partition's next commit, up to
+            ``commit_interval_s`` later, so this needs
+            ``2 * pulse_s + poll_s + commit_interval_s < bus_gap_s``: one more pulse of margin
+            over that spacing (a loaded daemon or bus), so that the rule never takes a quiet
+            job for an outage.
         probe_interval_s: seconds between two probes of the bus (the end offsets of
             ``events``): how the daemon knows it reaches the bus and how far behind it is.
         probe_timeout_s: a probe not answered within this many seconds starts a bus outage
@@ -114,7 +117,8 @@ class DaemonConfig:
             ``probe_interval_s`` or ``probe_timeout_s`` not > 0, ``tick_interval_s``,
             ``commit_interval_s`` or ``snapshot_interval_s`` negative, ``commit_interval_s``
             above :data:`MAX_COMMIT_INTERVAL_S`, a duration not finite,
-            ``2 * pulse_s + poll_s`` not below the machine's ``bus_gap_s``, or
+            ``2 * pulse_s + poll_s + commit_interval_s`` not below the machine's
+            ``bus_gap_s``, or
             ``max_lag_records`` below 1.
     """
 
@@ -138,13 +142,6 @@ class DaemonConfig:
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
-        bus_gap_s = self.machine.bus_gap_s
-        if not 2 * self.pulse_s + self.poll_s < bus_gap_s:
-            raise ValueError(
-                f"2 * pulse_s + poll_s must be below bus_gap_s ({bus_gap_s:g} s), not "
-                f"{2 * self.pulse_s + self.poll_s:g} s (pulse_s {self.pulse_s:g}, poll_s "
-                f"{self.poll_s:g}): a quiet job would look like an outage"
-            )
         if self.max_lag_records < 1:
             raise ValueError(f"max_lag_records must be >= 1, not {self.max_lag_records}")
         for name in ("tick_interval_s", "commit_interval_s"):
@@ -156,6 +153,15 @@ class DaemonConfig:
                 f"commit_interval_s must be at most {MAX_COMMIT_INTERVAL_S:g} s, not "
                 f"{self.commit_interval_s!r}: Kafka aborts a transaction open longer than its "
                 "transaction timeout (30 s), so no decision would reach the agents"
+            )
+        bus_gap_s = self.machine.bus_gap_s
+        spacing = 2 * self.pulse_s + self.poll_s + self.commit_interval_s
+        if not spacing < bus_gap_s:
+            raise ValueError(
+                f"2 * pulse_s + poll_s + commit_interval_s must be below bus_gap_s "
+                f"({bus_gap_s:g} s), not {spacing:g} s (pulse_s {self.pulse_s:g}, poll_s "
+                f"{self.poll_s:g}, commit_interval_s {self.commit_interval_s:g}): a quiet job "
+                "would look like an outage"
             )
         if not 0 <= self.snapshot_interval_s < math.inf:
             raise ValueError(
