@@ -105,10 +105,33 @@ def test_the_daemon_keeps_the_password_out_of_its_failure(tmp_path: Path, consol
     assert PASSWORD not in output
 
 
+def _run_until_outage(args: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run ``trainguard ARGS`` (a supervisor, which waits out a bus it cannot reach) until it
+    logs the outage, then SIGTERM it; exit code and everything it printed."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    proc = subprocess.Popen(
+        [*CLI, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**base, **env},
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # ends at EOF if it exits instead of waiting
+        lines.append(line)
+        if "bus outage" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines.extend(proc.stdout)
+    return proc.wait(60), "".join(lines)
+
+
 def test_the_supervisor_and_the_command_line_keep_the_password_out(tmp_path: Path) -> None:
     url = f"kafka://127.0.0.1:{_closed_port()}"
-    code, output = _run(["run", "--job", "j", "--bus", url, "--", "true"], _sasl_env())
-    assert code == 2, output
+    # The supervisor waits for the bus (an outage, logged with its cause) until signalled.
+    code, output = _run_until_outage(["run", "--job", "j", "--bus", url, "--", "true"], _sasl_env())
+    assert code == 128 + signal.SIGTERM, output
     assert "ConnectionRefusedError" in output
     assert PASSWORD not in output
     bad = {**_sasl_env(), "TRAINGUARD_KAFKA_SASL_MECHANISM": "GSSAPI"}

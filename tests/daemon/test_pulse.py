@@ -84,7 +84,9 @@ def test_pulse_s_is_checked_against_the_bus_gap() -> None:
     config = load_daemon_config(None)
     with pytest.raises(ValueError, match="pulse_s must be a finite number of seconds > 0"):
         dataclasses.replace(config, pulse_s=0)
-    with pytest.raises(ValueError, match=r"2 \* pulse_s \+ poll_s must be below bus_gap_s"):
+    with pytest.raises(
+        ValueError, match=r"2 \* pulse_s \+ poll_s \+ commit_interval_s must be below bus_gap_s"
+    ):
         dataclasses.replace(config, pulse_s=2.5)
     with pytest.raises(ValueError, match="probe_interval_s"):
         dataclasses.replace(config, probe_interval_s=-1.0)
