@@ -14,7 +14,7 @@ from tests.buses import BusFactory
 from tests.daemon.service_support import JobEvents, eventually, read_all, running
 from tests.daemon.test_service import commands, daemon_config, publish
 from trainguard.agent._keystore import AgentKeys, EventKey, KeyStore
-from trainguard.agent._requests import send_request
+from trainguard.agent._requests import encode_request
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.daemon import DaemonService
 from trainguard.daemon._cli_stop import EXIT_NOT_STOPPED, EXIT_UNCONFIRMED, stop_job
@@ -60,8 +60,7 @@ async def stop(factory: BusFactory, timeout_s: float = 60.0, keys: AgentKeys | N
 
 
 async def ask_to_continue(bus: Bus, generation: int) -> None:
-    await send_request(
-        bus,
+    request = encode_request(
         JOB,
         "continue",
         generation=generation,
@@ -70,6 +69,7 @@ async def ask_to_continue(bus: Bus, generation: int) -> None:
         seq=1,
         reason="test",
     )
+    await bus.publish("events", JOB, request)
 
 
 def sample(service: DaemonService, name: str, **labels: str) -> float | None:

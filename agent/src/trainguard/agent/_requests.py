@@ -8,10 +8,10 @@ import time
 
 from trainguard.agent._command_gate import CommandGate, Ignored
 from trainguard.agent._keystore import EventKey
-from trainguard.agent.bus import Bus, Delivery
+from trainguard.agent.bus import Bus
 from trainguard.schemas import Abort, JobRequest, RequestKind, Restore, Resume, add_mac, encode
 
-__all__ = ["encode_request", "latest_command", "send_request"]
+__all__ = ["encode_request", "latest_command"]
 
 _MAX_REASON = 4096
 """Longest ``reason`` a request may carry (``common.v1.json#/$defs/message``)."""
@@ -56,36 +56,6 @@ def encode_request(
     if key is not None:
         request = add_mac(request, key.kid, key.secret)
     return encode(request)
-
-
-async def send_request(
-    bus: Bus,
-    job_id: str,
-    kind: RequestKind,
-    *,
-    generation: int,
-    host: str,
-    pid: int,
-    seq: int,
-    reason: str = "",
-    key: EventKey | None = None,
-) -> Delivery:
-    """Publish a job request (:func:`encode_request`, same arguments) on the job's stream of
-    ``events`` and wait until the bus holds it.
-
-    Args:
-        bus: a started bus.
-
-    Returns:
-        Where the request landed (its partition and offset of ``events``).
-
-    Raises:
-        BusError: the bus did not take it within its send timeout.
-    """
-    data = encode_request(
-        job_id, kind, generation=generation, host=host, pid=pid, seq=seq, reason=reason, key=key
-    )
-    return await bus.publish("events", job_id, data)
 
 
 async def latest_command(

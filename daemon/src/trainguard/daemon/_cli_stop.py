@@ -16,7 +16,7 @@ import typer
 from trainguard.agent import AgentError
 from trainguard.agent._command_gate import CommandGate
 from trainguard.agent._keystore import AgentKeys, agent_keys_from_env
-from trainguard.agent._requests import latest_command, send_request
+from trainguard.agent._requests import encode_request, latest_command
 from trainguard.agent.bus import BusConfig, BusError, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon._cli_options import ConfiguredBus, ConfiguredPrefix
@@ -147,8 +147,7 @@ async def stop_job(
         if isinstance(latest, Abort):
             return _already(job_id, latest)
         generation = 0 if latest is None else latest.generation
-        sent = await send_request(
-            bus,
+        request = encode_request(
             job_id,
             "stop",
             generation=generation,
@@ -158,6 +157,7 @@ async def stop_job(
             reason=reason,
             key=keys.event,
         )
+        sent = await bus.publish("events", job_id, request)
         events = TopicPartition("events", sent.partition)
         deadline = time.monotonic() + timeout_s
         async with await bus.assign({tp: end}) as consumer:
