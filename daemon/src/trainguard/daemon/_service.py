@@ -512,25 +512,19 @@ class DaemonService:
         that long), and the group may never reassign the partition on its own, so the loop
         rejoins it at once. Either way its jobs are dropped and its records skipped until the
         group assigns partitions again."""
-        if isinstance(exc, TransactionExpired):
-            log.error(
-                "transaction expired: the broker aborted it after transaction.timeout.ms; "
-                "the partition's jobs are dropped and the group rejoined",
-                partition=part.partition,
-                writer=_writer_id(part),
-                jobs=len(part.jobs),
-                error=str(exc),
-            )
-            self._rejoin_now = True
-        else:
-            log.error(
-                "partition lost: its writer was fenced; its jobs are dropped until the group "
-                "assigns partitions again",
-                partition=part.partition,
-                writer=_writer_id(part),
-                jobs=len(part.jobs),
-                error=str(exc),
-            )
+        expired = isinstance(exc, TransactionExpired)
+        log.error(
+            "transaction expired: the broker aborted it after transaction.timeout.ms; "
+            "the partition's jobs are dropped and the group rejoined"
+            if expired
+            else "partition lost: its writer was fenced; its jobs are dropped until the group "
+            "assigns partitions again",
+            partition=part.partition,
+            writer=_writer_id(part),
+            jobs=len(part.jobs),
+            error=str(exc),
+        )
+        self._rejoin_now = self._rejoin_now or expired
         writer, part.writer = part.writer, None
         part.fenced_at = time.monotonic()
         self._drop_jobs(part)
