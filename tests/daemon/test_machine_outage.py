@@ -38,9 +38,11 @@ from trainguard.daemon._decisions import (
     IncidentOpened,
     Issue,
     Rejected,
+    Transition,
 )
 from trainguard.daemon._inputs import Input, Observed, Tick
 from trainguard.daemon._machine import decide, next_deadline
+from trainguard.daemon._state import JobState
 from trainguard.schemas import Restore, Resume
 
 CFG = config()
@@ -369,6 +371,20 @@ def test_a_job_finished_in_an_outage_whose_finish_arrives_after_its_restore_is_f
     assert "the job is finished and the restore void" in closed.reason
     assert state.left is not None
     assert state.left.finished == (0, 1)
+    # Defect T3: the checkpoints made during the outage, which came in the same burst before
+    # the finished reports, commit once the restore is void (the old code rejected them as
+    # stale: the job's last snapshot was s30); they were never a restore target.
+    assert {r.target.snapshot_id for r in restores if r.target is not None} == {"job/g0/s30"}
+    late = [c for c in of_type(decisions, Committed) if c.manifest.step > 30]
+    assert [c.manifest.snapshot_id for c in late] == ["job/g0/s40", "job/g0/s50", "job/g0/s60"]
+    assert all("committed as the restore is void" in c.reason for c in late)
+    assert [d for d in decisions if isinstance(d, Committed | Transition)][-4:] == [
+        *late,
+        Transition(old="restoring", new="finished", generation=restores[-1].generation,
+                   reason=closed.reason),
+    ]  # fmt: skip
+    assert state.committed[-1].snapshot_id == "job/g0/s60"
+    assert len(kinds(decisions, "late_checkpoint")) == 6
 
 
 def test_a_late_finish_after_a_rank_joined_the_restore_is_stale() -> None:
@@ -406,3 +422,119 @@ def test_a_late_finish_of_some_ranks_only_leaves_the_restore_standing() -> None:
     assert [d.code for d in decisions if isinstance(d, Rejected)] == ["stale_generation"]
     state, folded = drive([], state, CFG, until=at + CFG.restore_timeout_ns + 2 * S)
     assert [r.generation for r in issued(every(folded), Restore)] == [2]
+
+
+# -- late cuts: shards of the generation a restore left, arriving before anyone joined it ------
+
+
+def restored_after_a_kill(sim: Sim) -> tuple[JobState, Restore]:
+    """A 2-rank job that trained to step 35 (commits at 10, 20, 30) and wrote rank 0's shard of
+    step 35; rank 1 was killed then: restoring to s30 in generation 1, nobody joined yet."""
+    state, _ = run([*two_ranks_training(sim, 35), sim.checkpoint(0, 35, T0 + 37 * S)], cfg=CFG)
+    at = state.clock_ns + S
+    state, decisions = decide(state, sim.kill(1, at), CFG)
+    [restore] = issued(decisions, Restore)
+    state, _ = decide(state, Tick(at, restore.seq), CFG)
+    return state, restore
+
+
+def test_a_late_cut_commits_only_when_the_restore_is_void_and_never_changes_its_target() -> None:
+    """Rank 1's shard of step 35 (rank 0's came before the restore) and both ranks' shards of
+    step 37 arrive after the restore; copies and a step at the target are stale. Only rank 0
+    finishes: the restore times out and is retried to s30 all the same (a cut is no target);
+    rank 1's finish then voids it and the cuts commit, oldest first."""
+    sim = Sim(world_size=2)
+    state, restore = restored_after_a_kill(sim)
+    assert restore.target is not None
+    assert restore.target.snapshot_id == "job/g0/s30"
+    at = state.clock_ns
+    late = [
+        sim.checkpoint(1, 35, at + S),
+        sim.checkpoint(0, 37, at + 2 * S),
+        sim.checkpoint(1, 37, at + 3 * S),
+        sim.lifecycle(0, "finished", at + 4 * S),
+    ]
+    noted: list[str] = []
+    for item in late:
+        state, decisions = decide(state, item, CFG)
+        assert of_type(decisions, Committed) == []
+        noted += [d.kind for d in decisions if isinstance(d, Anomaly)]
+    assert noted == ["late_checkpoint"] * 3 + ["late_finish"]
+    assert state.left is not None
+    assert [c.snapshot_id for c in state.left.cuts] == ["job/g0/s35", "job/g0/s37"]
+    for stale in (late[2], sim.checkpoint(1, 30, at + 5 * S), sim.checkpoint(1, 36, at + 5 * S)):
+        after, decisions = decide(state, stale._replace(at_ns=at + 5 * S), CFG)
+        assert [d.code for d in decisions if isinstance(d, Rejected)] == ["stale_generation"]
+        assert after is state
+    state, folded = drive([], state, CFG, until=at + CFG.restore_timeout_ns + 2 * S)
+    [retry] = issued(every(folded), Restore)
+    assert retry.generation == 2
+    assert retry.target == restore.target
+    state, decisions = decide(state, sim.lifecycle(1, "finished", state.clock_ns + S), CFG)
+    assert state.phase == "finished"
+    committed = of_type(decisions, Committed)
+    assert [c.manifest.snapshot_id for c in committed] == ["job/g0/s35", "job/g0/s37"]
+    assert [m.snapshot_id for m in state.committed][-3:] == [
+        "job/g0/s30",
+        "job/g0/s35",
+        "job/g0/s37",
+    ]
+
+
+def test_a_late_cut_never_commits_once_a_rank_joined_the_restore() -> None:
+    """The cut of step 37 is complete, but a process of generation 1 is heard before the
+    finished reports: the restore stands, the late shards and finishes are stale from then on,
+    and the job resumes from s30 with nothing of generation 0 committed after it."""
+    sim = Sim(world_size=2)
+    state, restore = restored_after_a_kill(sim)
+    at = state.clock_ns
+    state, _ = run([sim.checkpoint(r, 37, at + S + r) for r in range(2)], state, CFG)
+    assert state.left is not None
+    assert [c.step for c in state.left.cuts] == [37]
+    late = [sim.checkpoint(1, 35, at + 3 * S), sim.lifecycle(0, "finished", at + 3 * S)]
+    late.append(sim.lifecycle(1, "finished", at + 3 * S))
+    joined = Sim(world_size=2, generation=1)
+    state, decisions = decide(state, joined.lifecycle(0, "started", at + 2 * S, world_size=2), CFG)
+    assert decisions == ()
+    for item in late:
+        state, decisions = decide(state, item, CFG)
+        assert [d.code for d in decisions if isinstance(d, Rejected)] == ["stale_generation"]
+    state, decisions = run(joined.recover(restore, at + 4 * S), state, CFG)
+    [resume] = issued(decisions, Resume)
+    assert resume.step == 30
+    assert of_type(decisions, Committed) == []
+    assert state.committed[-1].snapshot_id == "job/g0/s30"
+
+
+def test_late_shards_past_the_incident_s_onset_or_disagreeing_form_no_cut() -> None:
+    """A NaN loss at step 36 (the loss of step 35 was the last normal one: onset after step 34)
+    restores to s30: a late shard of step 35 may hold the diverged state and is stale; shards
+    of step 33 that disagree on the data version are no cut (``checkpoint_mismatch``). The job
+    finishes late with s30 its last snapshot."""
+    sim = Sim(world_size=2)
+    state, _ = run(two_ranks_training(sim, 35), cfg=CFG)
+    at = state.clock_ns + S
+    state, decisions = decide(state, sim.nan(0, 36, at), CFG)
+    [restore] = issued(decisions, Restore)
+    assert restore.target is not None
+    assert restore.target.step == 30
+    assert state.incident is not None
+    assert state.incident.onset_after_step == 34
+    state, _ = decide(state, Tick(at, restore.seq), CFG)
+    after, decisions = decide(state, sim.checkpoint(0, 35, at + S), CFG)
+    assert [d.code for d in decisions if isinstance(d, Rejected)] == ["stale_generation"]
+    assert after is state
+    state, decisions = run(
+        [
+            sim.checkpoint(0, 33, at + 2 * S),
+            sim.checkpoint(1, 33, at + 2 * S, data_version="v2"),
+            *(sim.lifecycle(r, "finished", at + 3 * S) for r in range(2)),
+        ],
+        state,
+        CFG,
+    )
+    [mismatch] = kinds(decisions, "checkpoint_mismatch")
+    assert "disagree on the data version" in mismatch.reason
+    assert state.phase == "finished"
+    assert of_type(decisions, Committed) == []
+    assert state.committed[-1].snapshot_id == "job/g0/s30"

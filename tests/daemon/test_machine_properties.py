@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.daemon.machine_scenarios import (
+    ACTIONS,
     JOB,
     T0,
     S,
@@ -161,6 +163,91 @@ def test_at_most_one_restore_per_incident(steps: list[tuple[str, int, int]]) -> 
     assert len(aborts) == len(of_type(everything, JobFailed)) == (state.phase == "failed")
     if aborts:
         assert isinstance(everything[-1], JobFailed)
+
+
+LATE = ("late_shard", "late_finish")
+
+
+@st.composite
+def late_bursts(draw: st.DrawFn) -> list[tuple[str, int, int, int]]:
+    """What generation 0's ranks sent after the restore, in any order: some ranks' shards of
+    steps 25 (before the target), 33, 35 and 36, some ranks' ``finished``. Each report is
+    ``(what, rank, step, tenths of a second since the previous input)``."""
+    reports = [
+        ("late_shard", r, step)
+        for step in (25, 33, 35, 36)
+        for r in sorted(draw(st.sets(st.integers(0, 3)), label=f"shards of {step}"))
+    ]
+    reports += [("late_finish", r, 36) for r in sorted(draw(st.sets(st.integers(0, 3))))]
+    order = draw(st.permutations(reports), label="arrival order")
+    return [(*report, draw(st.integers(0, 30))) for report in order]
+
+
+late_reports = st.tuples(
+    st.sampled_from(LATE), st.integers(0, 3), st.sampled_from((33, 36)), st.integers(0, 150)
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    burst=late_bursts(),
+    then=st.lists(
+        st.one_of(
+            st.tuples(st.sampled_from(ACTIONS), st.integers(0, 3), st.integers(0, 150)),
+            late_reports,
+        ),
+        max_size=30,
+    ),
+)
+def test_late_cuts_commit_only_with_a_void_restore_and_are_never_targets(
+    burst: list[tuple[str, int, int, int]], then: list[tuple[Any, ...]]
+) -> None:
+    """Shards and ``finished`` reports of generation 0 after its restore (to s30), before and
+    among any behaviour of the restore's processes: no restore ever targets a step after s30;
+    a step of generation 0 commits after the restore only in the input whose late finish
+    voids it (the job is finished), and then the job's newest snapshot is at least as new as
+    every step after s30 whose shards every rank had reported while nobody had joined the
+    restore; once an event of a newer generation was accepted, every late report is stale and
+    changes nothing."""
+    sim, state, first = killed_job()
+    assert first.target is not None
+    assert first.target.step == 30
+    old = Sim(world_size=sim.world_size)  # generation 0's processes, their pids as before
+    restores = [first]
+    joined = False
+    sent: dict[int, set[int]] = {}
+    for what, rank, *rest in [*burst, *then]:
+        if what not in LATE:
+            state, trace = play(sim, state, [(what, rank, *rest)])
+            for item, decisions in trace:
+                restores += issued(decisions, Restore)
+                assert of_type(decisions, Committed) == []
+                accepted = isinstance(item, Observed) and not of_type(decisions, Rejected)
+                joined |= accepted and item.event.generation >= 1  # type: ignore[union-attr]
+            continue
+        step, tenths = rest
+        at = state.clock_ns + tenths * S // 10
+        if what == "late_shard":
+            item = old.checkpoint(rank, step, at)
+        else:
+            item = old.lifecycle(rank, "finished", at, step=step)
+        before = state
+        state, decisions = decide(state, item, CFG)
+        if joined or before.phase != "restoring":
+            assert state is before
+            assert all(isinstance(d, Rejected) for d in decisions)
+            continue
+        if what == "late_shard" and step > 30:
+            sent.setdefault(step, set()).add(rank)
+        committed = of_type(decisions, Committed)
+        if state.phase == "finished":
+            assert what == "late_finish"
+            complete = [s for s, ranks in sent.items() if len(ranks) == sim.world_size]
+            assert state.committed[-1].step >= max(complete, default=30)
+            assert all(c.manifest.generation == 0 and c.manifest.step > 30 for c in committed)
+        else:
+            assert committed == []
+    assert all(r.target is None or r.target.step <= 30 for r in restores)
 
 
 @settings(max_examples=40, deadline=None)

@@ -41,6 +41,7 @@ from trainguard.daemon._machine import decide
 from trainguard.daemon._state import (
     Incident,
     JobState,
+    Left,
     RankState,
     Spike,
     Trend,
@@ -259,6 +260,8 @@ def features(state: JobState) -> set[str]:
         "supervisor sender": any(rank is None for rank, _, _ in state.senders),
         "left": state.left is not None,
         "left finished": state.left is not None and bool(state.left.finished),
+        "left pending": state.left is not None and bool(state.left.pending),
+        "left cuts": state.left is not None and bool(state.left.cuts),
     }
     return found | {name for name, present in checks.items() if present}
 
@@ -348,9 +351,14 @@ def held_after_an_outage() -> Folding:
 
 def finished_before_its_restore() -> Folding:
     """A job restored after its rank 1 was killed, whose rank 0's ``finished`` of the
-    generation the restore left arrives before anyone joined the restore."""
+    generation the restore left arrives before anyone joined the restore, after both ranks'
+    shards of step 22 (a late cut) and rank 0's of step 25; rank 1's shard of step 24 came
+    before the restore (both steps pending in the generation left)."""
     sim = Sim(world_size=2)
-    inputs = [*sim.start(T0), *sim.train(range(20), start=T0 + S), sim.kill(1, T0 + 21 * S)]
+    inputs = [*sim.start(T0), *sim.train(range(20), start=T0 + S)]
+    inputs += [sim.checkpoint(1, 24, T0 + 21 * S), sim.kill(1, T0 + 21 * S)]
+    inputs += [sim.checkpoint(r, 22, T0 + 22 * S) for r in range(2)]
+    inputs += [sim.checkpoint(0, 25, T0 + 22 * S)]
     inputs.append(sim.lifecycle(0, "finished", T0 + 22 * S, step=19))
     return record(inputs, CFG)
 
@@ -384,7 +392,7 @@ def test_every_kind_of_value_round_trips() -> None:
     expected |= {"progress timeout", "loss level", "straggling", "dead rank", "long phase"}
     expected |= {"supervisor sender", "ack cursor", "after restore", "positions", "acted", "held"}
     expected |= {"settle window", "restore held", "held evidence", "held restart"}
-    expected |= {"left", "left finished"}
+    expected |= {"left", "left finished", "left pending", "left cuts"}
     assert expected - seen == set()
 
 
@@ -722,8 +730,14 @@ BEFORE_LEFT = Path(__file__).with_name("data") / "jobstate-ef5317866765d48d.json
 without ``JobState.left``)."""
 
 
+BEFORE_CUTS = Path(__file__).with_name("data") / "jobstate-0c4b9a05468dc2f8.json"
+"""The same state written by the build before the late-cut rule (layout 0c4b9a05468dc2f8,
+without ``Left.pending`` and ``Left.cuts``): its ``left`` is set (the restore left generation 0)."""
+
+
 def old_layout_inputs() -> list[Input]:
-    """The inputs the states of :data:`OLD_LAYOUT` and :data:`BEFORE_LEFT` were folded from."""
+    """The inputs the states of :data:`OLD_LAYOUT`, :data:`BEFORE_LEFT` and :data:`BEFORE_CUTS`
+    were folded from."""
     sim = Sim(world_size=2)
     return [*sim.start(T0), *sim.train(range(12), start=T0 + S), sim.kill(1, T0 + 13 * S)]
 
@@ -747,6 +761,25 @@ def test_a_document_of_an_earlier_layout_decodes_with_the_new_fields_at_their_de
     folded = folded._replace(left=None)
     assert state == folded
     assert encode_state(state) == encode_state(folded)
+
+
+def test_a_document_of_the_layout_before_late_cuts_decodes_with_an_empty_left_record() -> None:
+    """A snapshot written before ``Left`` gained ``pending`` and ``cuts`` reads back as the
+    state this build folds from the same inputs (which pend no shard when the restore leaves
+    generation 0): the generation left, no shard of it pending, no cut; a ``left`` that
+    already has one of the new fields is not of that layout."""
+    data = BEFORE_CUTS.read_bytes()
+    document = orjson.loads(data)
+    assert document["layout"] != LAYOUT
+    assert document["layout"] in READABLE_LAYOUTS
+    assert set(document["state"]["left"]) == {"generation", "finished"}
+    state = decode_state(data)
+    assert state.left == Left(generation=0, finished=(), pending=HashTrieMap(), cuts=())
+    folded, _ = run(old_layout_inputs())
+    assert state == folded
+    assert encode_state(state) == encode_state(folded)
+    document["state"]["left"]["cuts"] = []
+    assert refused(document).path == "state.left.cuts"
 
 
 def test_a_document_of_the_old_layout_with_the_new_fields_is_refused() -> None:

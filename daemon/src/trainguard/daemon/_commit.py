@@ -9,6 +9,11 @@ steps are restore targets.
 Ranks whose data cursors disagree at one step (seed, epoch, data version or offset; from
 shards or data-cursor events) can never commit: :func:`disagreement` finds the first such
 pair as the cursor arrives, and the machine fails the job with it (``docs/recovery.md``).
+
+Late cuts (:func:`late_shard`): while a restore nobody joined is pending, shards of the
+generation it left (``JobState.left``) still form that generation's steps, which commit only if
+the job turns out to have finished there (``docs/recovery.md``, "A job that finished is never
+restored").
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from rpds import HashTrieMap
 from trainguard.schemas import Checkpoint, DataCursor, Manifest, Shard
 
 from ._config import MachineConfig
+from ._decisions import Anomaly, Decision
 from ._evidence import Measures
 from ._recovery import Failure
 from ._state import JobState
@@ -99,6 +105,81 @@ def commit(
         metadata=first.metadata,
         parent=first.parent,
     )
+
+
+def late_shard(
+    state: JobState, event: Checkpoint, config: MachineConfig
+) -> tuple[JobState, tuple[Decision, ...]] | None:
+    """Judge a checkpoint shard of an older generation than the job's (otherwise stale).
+
+    It counts when the job is ``restoring``, no event of the current generation has been
+    accepted (``senders`` empty: no process joined the restore), and it is a shard of the
+    generation the ranks last ran in (``JobState.left``) for the job's world size, at a step
+    after the restore's target (any step for a restore to the initial state) and after that
+    generation's newest late cut, at or before the incident's last known-good step when it
+    has one (a later step may hold the state the incident restores away from), and its rank
+    has no shard of that step yet. Then it joins its step's shards in ``Left.pending`` (a
+    ``late_checkpoint`` anomaly says so); the shard that completes the step makes it a cut
+    (``Left.cuts``, the newest ``keep_snapshots``) when the shards agree, as :func:`commit`
+    judges (else a ``checkpoint_mismatch`` anomaly, and the step is dropped). A cut is no
+    restore target: the restore was issued, and its retries choose among the committed
+    snapshots as before. :func:`trainguard.daemon._outage.late_finish` commits the cuts when
+    the job finishes in that generation (the restore void); once a process joins the restore
+    they are off the job's timeline and never commit. The clock is the caller's to move (the
+    event's time, before this), as for any input; the ranks' records, senders and detectors
+    of the current generation are untouched.
+
+    Returns:
+        The new state and its decisions, or ``None`` when the rule does not apply (the event
+        is then stale, as before).
+    """
+    left, incident, world_size = state.left, state.incident, state.world_size
+    if (
+        left is None
+        or incident is None
+        or world_size is None
+        or state.phase != "restoring"
+        or state.senders
+        or event.generation != left.generation
+        or event.world_size != world_size
+        or not 0 <= event.rank < world_size
+    ):
+        return None
+    target, onset, step = incident.target, incident.onset_after_step, event.step
+    floor = -1 if target is None else target.step
+    if left.cuts:
+        floor = max(floor, left.cuts[-1].step)
+    if step <= floor or (onset is not None and step > onset):
+        return None
+    shards = left.pending.get(step, HashTrieMap())
+    if event.rank in shards:
+        return None
+    shards = shards.insert(event.rank, event)
+    restore = (
+        f"the restore of {incident.incident_id} to generation {state.generation} (attempt "
+        f"{incident.attempt})"
+    )
+    generation = left.generation
+    noted = Anomaly(
+        kind="late_checkpoint",
+        reason=f"rank {event.rank} on host {event.host} (pid {event.pid}) reported its shard of "
+        f"step {step} in generation {generation} after {restore} was issued, before any rank "
+        f"joined it: {len(shards)} of {world_size} shards of step {step}; the step commits "
+        f"only if every rank of generation {generation} finishes before anyone joins the "
+        f"restore",
+        ranks=(event.rank,),
+        hosts=(event.host,),
+    )
+    if len(shards) < world_size:
+        left = left._replace(pending=left.pending.insert(step, shards))
+        return state._replace(left=left), (noted,)
+    pending = HashTrieMap((s, v) for s, v in left.pending.items() if s > step)
+    result = commit(state.job_id, generation, step, world_size, shards, state.clock_ns)
+    if isinstance(result, str):
+        mismatch = Anomaly(kind="checkpoint_mismatch", reason=result)
+        return state._replace(left=left._replace(pending=pending)), (noted, mismatch)
+    cuts = (*left.cuts, result)[-config.keep_snapshots :]
+    return state._replace(left=left._replace(pending=pending, cuts=cuts)), (noted,)
 
 
 def disagreement(

@@ -46,6 +46,7 @@ AnomalyKind: TypeAlias = Literal[
     "bus_gap",
     "restore_held",
     "late_finish",
+    "late_checkpoint",
 ]
 """Something reported and recorded but not by itself acted on (``checkpoint_mismatch``, a
 step that can never commit, is also logged at error level and counted). ``bus_gap``: the job's
@@ -53,7 +54,9 @@ inputs stopped for longer than ``bus_gap_s`` (the bus or the daemon was away), a
 across the gap; ``restore_held``: a failure while the bus settles after a gap, whose restore
 waits for the settle deadline (``docs/recovery.md``); ``late_finish``: a rank's ``finished`` of
 the generation a restore left, arriving before anyone joined the restore (``docs/recovery.md``,
-"A job that finished is never restored")."""
+"A job that finished is never restored"); ``late_checkpoint``: a rank's checkpoint shard of that
+generation, arriving then, held until the job finishes there (it then commits) or someone joins
+the restore (it never does)."""
 
 IncidentOutcome: TypeAlias = Literal["resumed", "failed", "finished", "stopped"]
 

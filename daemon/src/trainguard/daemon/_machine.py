@@ -9,7 +9,9 @@ Order of work for an observed event:
 1. in a ``finished``, ``failed`` or ``stopped`` job, change nothing (the state is final);
 2. screen it (wrong job, stale or future generation, duplicate ``seq``, world-size conflict,
    rank out of range): a rejected event leaves the state untouched and yields one
-   :class:`Rejected`;
+   :class:`Rejected` (but a ``finished`` or a checkpoint shard of the generation a restore
+   nobody joined yet left, which :func:`~trainguard.daemon._outage.late_finish` and
+   :func:`~trainguard.daemon._commit.late_shard` judge);
 3. when it ends a gap of more than ``bus_gap_s`` in the job's inputs (the bus or the daemon
    was away), stop time across the gap (:mod:`trainguard.daemon._outage`); then fold it (one
    handler per event type, running the detectors that event feeds), then settle
@@ -48,7 +50,7 @@ from trainguard.schemas import (
     Resume,
 )
 
-from ._commit import commit, disagreement, note_position
+from ._commit import commit, disagreement, late_shard, note_position
 from ._config import MachineConfig
 from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Issue, Rejected, Transition
 from ._divergence import judge_checksum, judge_lag, judge_loss, nan_loss, note_data_version
@@ -119,7 +121,9 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
                     return _settled(state, config, bridged + decisions if bridged else decisions)
             rejected = _screen(state, event) or _from_the_future(event, at_ns, config)
             if rejected is not None:
-                if rejected.code == "stale_generation" and isinstance(event, Lifecycle):
+                if rejected.code == "stale_generation" and isinstance(
+                    event, Lifecycle | Checkpoint
+                ):
                     return _late(state, event, at_ns, config) or (state, (rejected,))
                 return state, (rejected,)
             state, bridged = _bridged(state, at_ns, config)
@@ -147,16 +151,21 @@ def _bridged(state: JobState, at_ns: int, config: MachineConfig) -> tuple[JobSta
 
 
 def _late(
-    state: JobState, event: Lifecycle, at_ns: int, config: MachineConfig
+    state: JobState, event: Lifecycle | Checkpoint, at_ns: int, config: MachineConfig
 ) -> tuple[JobState, Decisions] | None:
-    """A ``finished`` of the generation a restore nobody joined left (:func:`late_finish`),
-    taken in like a tick (gap rule, clock, deadlines), or ``None``: the event is stale."""
+    """A ``finished`` (:func:`late_finish`) or a checkpoint shard (:func:`late_shard`) of the
+    generation a restore nobody joined left, taken in like a tick (gap rule, clock,
+    deadlines), or ``None``: the event is stale."""
     bridged_state, bridged = _bridged(state, at_ns, config)
-    judged = late_finish(bridged_state, event)
+    moved = _advance(bridged_state, at_ns)
+    if isinstance(event, Checkpoint):
+        judged = late_shard(moved, event, config)
+    else:
+        judged = late_finish(moved, event, config)
     if judged is None:
         return None
     state, decisions = judged
-    return _expire(_advance(state, at_ns), config, bridged + decisions)
+    return _expire(state, config, bridged + decisions)
 
 
 def _settled(
@@ -782,19 +791,12 @@ def _add_shard(
         return state._replace(pending=pending), (
             Anomaly(kind="checkpoint_mismatch", reason=result),
         )
-    committed = (*state.committed, result)[-config.keep_snapshots :]
-    kept = {m.snapshot_id for m in committed}
-    # Forget the abandoned timeline's bad snapshots, never the job's initial state's.
-    bad = tuple(
-        (sid, why) for sid, why in state.bad_snapshots if sid in kept or not state.owns(sid)
-    )
     reason = (
         f"all {world_size} ranks reported their shard of step {event.step} in generation "
         f"{state.generation} (data version {result.data_version!r})"
     )
-    return state._replace(pending=pending, committed=committed, bad_snapshots=bad), (
-        Committed(manifest=result, reason=reason),
-    )
+    state = state._replace(pending=pending).committing((result,), config.keep_snapshots)
+    return state, (Committed(manifest=result, reason=reason),)
 
 
 def _on_lifecycle(

@@ -21,8 +21,10 @@ A job that finished while the bus was away can still be taken for a failed one: 
 supervisor was signalled while it waited for the bus, and the next one forwards them later).
 The rule of :func:`late_finish`: while nobody has joined the restore's generation, a
 ``finished`` of the generation the ranks last ran in (``JobState.left``) is no stale event;
-once every rank of that generation has finished, the job is finished and the restore void
-(``docs/recovery.md``, "A job that finished is never restored").
+once every rank of that generation has finished, the job is finished and the restore void,
+and the steps of that generation whose shards arrived in the same burst, held meanwhile
+(:func:`trainguard.daemon._commit.late_shard`), commit (``docs/recovery.md``, "A job that
+finished is never restored").
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from rpds import HashTrieMap
 from trainguard.schemas import Lifecycle
 
 from ._config import MachineConfig
-from ._decisions import Anomaly, Decision, IncidentClosed, Transition
+from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Transition
 from ._evidence import Measures, ranks_text, seconds_text
 from ._state import JobState, RankState
 
@@ -132,7 +134,9 @@ def _later(at_ns: int, gap: int) -> int:
     return at_ns + gap if at_ns else 0
 
 
-def late_finish(state: JobState, event: Lifecycle) -> tuple[JobState, tuple[Decision, ...]] | None:
+def late_finish(
+    state: JobState, event: Lifecycle, config: MachineConfig
+) -> tuple[JobState, tuple[Decision, ...]] | None:
     """Judge a ``finished`` of an older generation than the job's (otherwise a stale event).
 
     It counts when the job is ``restoring``, no event of the current generation has been
@@ -140,9 +144,12 @@ def late_finish(state: JobState, event: Lifecycle) -> tuple[JobState, tuple[Deci
     ``finished`` of the generation the ranks last ran in (``JobState.left``), not counted yet.
     Then the rank is recorded as finished in that generation (a ``late_finish`` anomaly says
     so); once all ``world_size`` ranks of it are, the job is ``finished``: the restore is
-    void, its incident closes with outcome ``finished``, and no command is issued (the
-    restore's ranks never joined; a supervisor that rejoins finds the same on the log). The
-    clock is the caller's to move, as for any input.
+    void, the steps of that generation whose shards completed after the restore
+    (``Left.cuts``, :func:`trainguard.daemon._commit.late_shard`) are committed, oldest
+    first (a ``Committed`` each, ``keep_snapshots`` kept), its incident closes with outcome
+    ``finished``, and no command is issued (the restore's ranks never joined; a supervisor
+    that rejoins finds the same on the log). The clock is the caller's to move, as for any
+    input.
 
     Returns:
         The new state and its decisions, or ``None`` when the rule does not apply (the event
@@ -181,8 +188,21 @@ def late_finish(state: JobState, event: Lifecycle) -> tuple[JobState, tuple[Deci
         f"({ranks_text(finished[-1:])}) after {restore} was issued and before any rank joined "
         f"it: the job is finished and the restore void"
     )
+    # The generation the ranks finished in is the job's timeline after all: the steps it
+    # completed after the restore commit now, as they would have without the outage.
+    committed = tuple(
+        Committed(
+            manifest=cut,
+            reason=f"all {world_size} ranks reported their shard of step {cut.step} in "
+            f"generation {left.generation} (data version {cut.data_version!r}) after {restore} "
+            f"was issued; committed as the restore is void",
+        )
+        for cut in left.cuts
+    )
+    state = state.committing(left.cuts, config.keep_snapshots)
     return state._replace(phase="finished", incident=None, held=None), (
         noted,
+        *committed,
         Transition(old="restoring", new="finished", generation=state.generation, reason=reason),
         IncidentClosed(
             incident_id=incident.incident_id,

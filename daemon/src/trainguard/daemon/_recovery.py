@@ -33,7 +33,9 @@ reason names those incidents and suspects an incomplete restore.
 Bus outages (:mod:`trainguard.daemon._outage`): while the bus settles after a gap in the job's
 inputs, an incident opens but its first restore is held (``JobState.held``) until the settle
 deadline, when :func:`release` issues it with the target chosen then; a failure meanwhile joins
-it, and a job that finishes or is stopped meanwhile is never restored.
+it, and a job that finishes or is stopped meanwhile is never restored. Shards of the generation
+a restore left that arrive after it (a late cut, :func:`trainguard.daemon._commit.late_shard`)
+never change an issued restore's target nor a retry's.
 
 ``docs/recovery.md`` states these rules.
 """
@@ -209,8 +211,9 @@ def _new_generation(
     state: JobState, *, incident: Incident, command_seq: int, incidents: int
 ) -> JobState:
     """Enter the next generation, restoring: nothing heard in it yet; the world size is carried
-    over as the expectation; pending shards and sender seqs of the old one can never matter;
-    the generation's detectors start afresh from the target's step."""
+    over as the expectation; sender seqs of the old one can never matter, and its pending
+    shards only to a late cut of it (``JobState.left``); the generation's detectors start
+    afresh from the target's step."""
     target = incident.target
     base = None if target is None else target.step
     left = state.left
@@ -218,7 +221,7 @@ def _new_generation(
         # Some process was heard in the generation this restore leaves: the ranks last ran in
         # it. A retry of a restore nobody joined keeps the generation they ran in.
         finished = sorted(r for r, rec in state.ranks.items() if rec.status == "finished")
-        left = Left(state.generation, tuple(finished))
+        left = Left(state.generation, tuple(finished), pending=state.pending)
     return _timeline(state, target)._replace(
         phase="restoring",
         generation=state.generation + 1,

@@ -349,17 +349,27 @@ class Held(NamedTuple):
 
 class Left(NamedTuple):
     """The generation the latest restore left, while no rank has joined the restore's
-    generation: what a late ``finished`` of it is judged against (``JobState.left``).
+    generation: what a late ``finished`` or checkpoint shard of it is judged against
+    (``JobState.left``; ``docs/recovery.md``, "A job that finished is never restored").
 
     Attributes:
         generation: the generation the ranks last ran in (the one before the first of the
             restores nobody has joined yet).
         finished: its ranks known to have finished, ascending: those that had reported
             ``finished`` before the restore, and those whose report arrived after it.
+        pending: step -> rank -> shard of that generation for steps no cut of it completed
+            yet: the generation's uncommitted shards when the restore left it, and shards of
+            it that arrived after the restore (only steps above the newest of ``cuts``).
+        cuts: manifests of the steps of that generation whose shards all arrived after the
+            restore (or completed a step then), oldest first, at most ``keep_snapshots``:
+            consistent cuts, committed only if the job finishes in that generation (the
+            restore void), else never.
     """
 
     generation: int
     finished: tuple[int, ...] = ()
+    pending: HashTrieMap[int, HashTrieMap[int, Checkpoint]] = HashTrieMap()
+    cuts: tuple[Manifest, ...] = ()
 
 
 class JobState(NamedTuple):
@@ -419,8 +429,8 @@ class JobState(NamedTuple):
             restore leaves a generation some process was heard in (kept by a retry nobody
             joined), or ``None`` before any restore. Read only while the job is ``restoring``
             and no event of the current generation was accepted (``senders`` empty): a
-            ``finished`` of that generation arriving then is no stale event
-            (``docs/recovery.md``, "A job that finished is never restored").
+            ``finished`` or a checkpoint shard of that generation arriving then is no stale
+            event (``docs/recovery.md``, "A job that finished is never restored").
     """
 
     job_id: str
@@ -456,6 +466,17 @@ class JobState(NamedTuple):
         job; a snapshot of another job a rank reports can only be the job's initial state
         (``init_from``)."""
         return snapshot_id.partition("/")[0] == self.job_id
+
+    def committing(self, manifests: tuple[Manifest, ...], keep: int) -> JobState:
+        """This state with ``manifests`` committed after ``committed`` (the newest ``keep``
+        kept); the bad snapshots no longer committed are forgotten (they belong to an
+        abandoned timeline), never the job's initial state's (another job's snapshot)."""
+        committed = (*self.committed, *manifests)[-keep:]
+        kept = {m.snapshot_id for m in committed}
+        bad = tuple(
+            (sid, why) for sid, why in self.bad_snapshots if sid in kept or not self.owns(sid)
+        )
+        return self._replace(committed=committed, bad_snapshots=bad)
 
     def restore_target(self, onset_after_step: int | None = None) -> Manifest | None:
         """The restore target: the newest committed snapshot not known bad whose step is

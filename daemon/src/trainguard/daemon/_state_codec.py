@@ -36,10 +36,10 @@ the same bytes, in any process. ``layout`` is a digest of the description of eve
 as this build defines them: a snapshot written by a build whose state classes differ (a field
 added, removed, renamed or retyped, a ``Literal`` value added) is refused as a whole rather
 than read into the wrong fields; the caller then folds the log instead. The exception are the
-earlier layouts in :data:`READABLE_LAYOUTS`: this build differs from them only by ``JobState``
-fields it added, and a document of such a layout is read with those fields at their defaults
-(an *upcaster* per layout adds them to the ``state`` object before it is decoded). Any other
-change of the document's form needs a new ``format``.
+earlier layouts in :data:`READABLE_LAYOUTS`: this build differs from them only by fields it
+added to ``JobState`` or to the ``Left`` record it holds, and a document of such a layout is
+read with those fields at their defaults (an *upcaster* per layout adds them to the ``state``
+object before it is decoded). Any other change of the document's form needs a new ``format``.
 
 Decoding is strict: a missing or unknown field, a value of the wrong JSON type, an integer
 outside the 64-bit range, a string that is not one of a ``Literal``'s values, a malformed map
@@ -573,16 +573,35 @@ def _added(**defaults: JSONValue) -> _Upcaster:
     return upcast
 
 
+def _left_added(**defaults: JSONValue) -> _Upcaster:
+    """An upcaster for a layout whose ``Left`` record (``JobState.left``) lacked the fields
+    ``defaults`` (their JSON values here); a ``left`` that has any of them is not of that
+    layout, and is refused. A ``left`` that is not an object is left to the decoder."""
+
+    def upcast(body: dict[str, Any]) -> dict[str, Any]:
+        left = body.get("left")
+        if type(left) is not dict:
+            return body
+        present = next((name for name in defaults if name in left), None)
+        if present is not None:
+            raise StateFormatError(f"left.{present}", "unknown field of Left in this layout")
+        return {**body, "left": {**left, **defaults}}
+
+    return upcast
+
+
 _UPCASTERS: Final[dict[str, _Upcaster]] = {
     # Before the bus-outage rule (settle window, held restore).
     "c35900be070fb0d2": _added(settle_until_ns=None, held=None, left=None),
     # Before the late-finish rule (the generation a restore left).
     "ef5317866765d48d": _added(left=None),
+    # Before the late-cut rule (the left generation's shards and cuts).
+    "0c4b9a05468dc2f8": _left_added(pending=[], cuts=[]),
 }
 
 READABLE_LAYOUTS: Final = frozenset({LAYOUT, *_UPCASTERS})
-"""The layouts this build reads: its own, and earlier ones it only added ``JobState`` fields
-to (read with those fields at their defaults)."""
+"""The layouts this build reads: its own, and earlier ones it only added fields to (read with
+those fields at their defaults)."""
 
 
 # -- public API -------------------------------------------------------------------------------
