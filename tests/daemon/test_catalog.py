@@ -230,8 +230,11 @@ def test_lookup_takes_a_key_itself_before_a_dotted_path() -> None:
 # -- abandoned snapshots --------------------------------------------------------------------------
 
 
-def restored(generation: int, target: tuple[int, int] | None, incident: str) -> Restored:
-    """The restore starting ``generation`` of job ``run`` to ``(generation, step)``."""
+def restored(
+    generation: int, target: tuple[int, int] | None, incident: str, *, at: int = 0
+) -> Restored:
+    """The restore starting ``generation`` of job ``run`` to ``(generation, step)``, decided
+    ``at`` seconds after ``T0``."""
     return Restored(
         incident_id=incident,
         generation=generation,
@@ -240,6 +243,7 @@ def restored(generation: int, target: tuple[int, int] | None, incident: str) -> 
         snapshot_id=None if target is None else f"run/g{target[0]}/s{target[1]}",
         mode="restart",
         at_ms=0,
+        ts=T0 + at * S,
     )
 
 
@@ -288,3 +292,29 @@ def test_a_restore_abandons_the_older_generations_snapshots_past_its_target() ->
     )
     verdict = compat(run[1], SeedRequest(), abandoned_by=first)
     assert verdict.refusals == (first.reason,)
+
+
+def test_a_restore_voided_by_a_late_finish_does_not_abandon_the_late_cuts() -> None:
+    """A job that finished while the bus was away was restored to s20 (a NaN after step 25)
+    at 35 s, and again at 36 s, before its late reports arrived: they voided the restore
+    (its incident closed ``finished``) and committed s40 and s50 of generation 0 after it.
+    Those are the job's last snapshots, not abandoned; s30, committed before the restore past
+    its target, still is (a closure alone, as a forged audit entry could write, exempts no
+    snapshot committed before the restore)."""
+    run = [manifest("run", s, at=s) for s in (20, 30, 40, 50)]
+    audit = AuditDigest()
+    audit.restores = {
+        1: restored(1, (0, 20), "run/i1", at=35),
+        2: restored(2, (0, 20), "run/i1", at=36),
+    }
+    audit.closed["run/i1"] = ("finished", 0)
+    catalog = Catalog.of(run, {"run": audit})
+    assert {sid: gone.generation for sid, gone in catalog.abandoned.items()} == {"run/g0/s30": 1}
+    gone = catalog.abandoned.get("run/g0/s50")
+    assert compat(run[-1], SeedRequest(), abandoned_by=gone).refusals == ()
+    audit.closed["run/i1"] = ("resumed", 0)
+    assert set(Catalog.of(run, {"run": audit}).abandoned) == {
+        "run/g0/s30",
+        "run/g0/s40",
+        "run/g0/s50",
+    }

@@ -15,7 +15,12 @@ restore" exact: a generation's snapshots all precede the restore that starts the
 restore R, which starts generation G with target step T (none: the job's initial state),
 abandons every snapshot of its job of a generation below G and a step above T. Such a snapshot
 may hold state the fault already corrupted, and its data cursor sits past samples the job
-then trained again: it is listed as ``abandoned``, and :func:`compat` refuses it.
+then trained again: it is listed as ``abandoned``, and :func:`compat` refuses it. The daemon
+commits a snapshot of a generation below G after R (its ``ts`` at or after R's) only as a late
+cut: a step of the generation R left whose shards arrived after R, committed because the job
+finished in that generation before any process joined R, which voided R and closed its incident
+with outcome ``finished`` (``docs/recovery.md``, "Late checkpoints of a finished job commit").
+The job's timeline runs through it: R does not abandon it.
 """
 
 from __future__ import annotations
@@ -139,7 +144,8 @@ def abandoned(
     manifests: Iterable[Manifest], audits: Mapping[str, AuditDigest]
 ) -> dict[str, Abandoned]:
     """The snapshots among ``manifests`` that a restore abandoned (module docstring), each with
-    the first restore (lowest generation) that did.
+    the first restore (lowest generation) that did; a late cut committed after a restore its
+    job's finish voided is not abandoned by it.
 
     Args:
         manifests: committed snapshots, of any jobs.
@@ -155,6 +161,9 @@ def abandoned(
             restore = audit.restores[generation]
             if manifest.generation >= generation:
                 continue
+            closed = audit.closed.get(restore.incident_id)
+            if closed is not None and closed[0] == "finished" and manifest.ts >= restore.ts:
+                continue  # a late cut, committed as the job finished and voided the restore
             if restore.target_step is not None and manifest.step <= restore.target_step:
                 continue
             opened = audit.opened.get(restore.incident_id)

@@ -63,7 +63,8 @@ class Opened:
 @dataclass(frozen=True, slots=True)
 class Restored:
     """A restore the daemon issued: its incident, the generation it starts, its target
-    (``None`` fields: a restart from scratch), mode, and when it was decided (or sent)."""
+    (``None`` fields: a restart from scratch), mode, when it was decided (or sent), and its
+    ``ts`` (the daemon's clock when it decided it, ns: what manifests' ``ts`` compare with)."""
 
     incident_id: str
     generation: int
@@ -72,6 +73,7 @@ class Restored:
     snapshot_id: str | None
     mode: str
     at_ms: int
+    ts: int
 
 
 @dataclass
@@ -180,6 +182,7 @@ def _read_command(audit: AuditDigest, command: Mapping[str, Any], at: int) -> No
             snapshot_id=None if target is None else target["snapshot_id"],
             mode=command.get("mode", "restart"),
             at_ms=at,
+            ts=int(command["ts"]),
         )
     elif schema.startswith("resume/"):
         audit.resumes.setdefault(generation, (int(command["step"]), at))
