@@ -20,6 +20,8 @@ from tests.daemon.service_support import JobEvents, eventually, read_all, runnin
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, Record, TopicPartition
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon import DaemonService, MachineConfig
+from trainguard.daemon._catalog import Catalog
+from trainguard.daemon._report_record import read_audit
 from trainguard.daemon._settings import DaemonConfig
 from trainguard.schemas import (
     Abort,
@@ -334,6 +336,36 @@ async def test_late_reports_of_a_finished_job_are_counted_not_parked(
     assert "has finished (generation 0)" in entry["reason"]
     assert orjson.loads(base64.b64decode(entry["value_b64"]))["pid"] == 900
     assert (late, ended) == (1.0, 1.0)
+
+
+async def test_the_last_shards_of_a_job_finished_before_its_restore_was_joined_commit(
+    bus_factory: BusFactory,
+) -> None:
+    """Issue 13, T3, on a real bus: the job is restored to s10 after rank 1's exit report;
+    then its ranks' shards of step 20 and their ``finished`` reports of generation 0 come
+    (forwarded late, as after an outage), before any process joined the restore. The job is
+    finished, the restore void, and s20 is committed: its manifest is on the bus, the
+    catalog's newest snapshot of the job, not abandoned. The old daemon rejected the shards as
+    stale: the job's last snapshot was s10."""
+    finished = [
+        Lifecycle(**EVENTS.head(4), rank=r, pid=100 + r, kind="finished", step=20) for r in (0, 1)
+    ]
+    config = daemon_config(bus_factory)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, started(0), started(1), beat(0, 1, 10), beat(1, 1, 10))
+        await publish(bus, shard(0, 2, 10), shard(1, 2, 10), killed(1))
+        async with running(DaemonService(config)) as service:
+            [restore] = await eventually(lambda: _restores(bus))
+            await publish(bus, shard(0, 3, 20), shard(1, 3, 20), *finished)
+            await eventually(lambda: _phase(service, "finished"))
+        manifests = [decode(v, expect=Manifest) for v in await read_all(bus, "manifests")]
+        entries = [orjson.loads(v) for v in await read_all(bus, "audit")]
+    assert restore.target is not None
+    assert restore.target.snapshot_id == f"{JOB}/g0/s10"
+    assert [m.snapshot_id for m in manifests] == [f"{JOB}/g0/s10", f"{JOB}/g0/s20"]
+    catalog = Catalog.of(manifests, {JOB: read_audit(entries)})
+    assert catalog.abandoned == {}
+    assert [m.snapshot_id for m in catalog.select(job=JOB)][-1] == f"{JOB}/g0/s20"
 
 
 async def _parked(bus: Bus) -> list[dict[str, Any]]:
