@@ -92,7 +92,10 @@ def test_generation_fencing(
     steps: list[tuple[str, int, int]], stale: tuple[str, int, int], redeliver: int
 ) -> None:
     """An event of an older generation, or one delivered again, leaves the state unchanged
-    (the very same object) and is rejected, wherever the job stands."""
+    (the very same object) and is rejected, wherever the job stands. (The stale events drawn
+    here are none the late-finish and late-cut rules take in, a ``finished`` or a shard after
+    the restore's target: ``test_late_cuts_commit_only_with_a_void_restore_and_are_never_targets``
+    has those.)"""
     sim, state, _ = killed_job()
     state, trace = play(sim, state, steps)
     kind, rank, offset = stale
