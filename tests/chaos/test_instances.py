@@ -187,6 +187,11 @@ def meaning(command: dict[str, Any]) -> bytes:
     )
 
 
+def last_lines(log: Path, count: int = 5) -> list[str]:
+    """The last ``count`` lines of ``log`` (a daemon's), for a failure message."""
+    return log.read_text(errors="replace").splitlines()[-count:]
+
+
 class Pauses:
     """SIGSTOPped instances, each SIGCONTed :data:`PAUSE_S` seconds after its pause by a
     timer thread (the pause's length is the scenario itself, not a wait for anything)."""
@@ -249,6 +254,7 @@ def test_three_instances_decide_every_incident_exactly_once(
     pauses = Pauses()
     events: list[str] = []
     killed: dict[str, int] = {}  # job -> the generation of its last killed rank
+    sigkilled: set[int] = set()  # daemon instances this test SIGKILLed
     try:
         for _ in range(INSTANCES):
             host.start_daemon()
@@ -275,6 +281,16 @@ def test_three_instances_decide_every_incident_exactly_once(
             # The instance that owns the job: its successor must decide the incident, and
             # a paused one must find itself fenced when it wakes up.
             owner = owner_pid(run, running)
+            # An instance ends only when this test SIGKILLs it: one that exits by itself
+            # (a bus error after a pause, say) is a lost instance.
+            lost = [
+                f"pid {d.pid} exit {d.returncode}: {last_lines(host.workdir / f'daemon-{i + 1}.log')}"
+                for i, d in enumerate(host.daemons)
+                if d.poll() is not None and d.pid not in sigkilled
+            ]
+            assert not lost, (
+                f"daemon instances exited on their own {lost} {host.describe()} {events}"
+            )
             live = [d for d in host.daemons if d.poll() is None and d.pid not in pauses.paused()]
             victim = next((d for d in live if d.pid == owner), None) or rng.choice(live)
             time.sleep(rng.uniform(0.0, GAP_S))  # a random moment of the job's training
@@ -286,6 +302,7 @@ def test_three_instances_decide_every_incident_exactly_once(
                     if pause:
                         pauses.pause(victim.pid)
                     else:
+                        sigkilled.add(victim.pid)
                         stop_process(victim, signal.SIGKILL)
                         host.start_daemon()
                 else:

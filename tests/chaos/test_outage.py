@@ -85,8 +85,10 @@ def outage(
     health: HealthPoller,
 ) -> Outage:
     """``begin()`` the outage; once C wrote two checkpoints in it, SIGKILL C's rank 1; ``end()``
-    it ``duration_s`` seconds after it began (the scenario's length, not a wait for anything);
-    check that ``/healthz`` said 503 from ``NOTICE_S`` after the start to the end."""
+    it ``duration_s`` seconds after it began (the scenario's length, not a wait for anything),
+    or later when C was slow: at least ``NOTICE_S / 2`` after the kill and 2 s past
+    ``NOTICE_S``; check that ``/healthz`` said 503 from ``NOTICE_S`` after the start to the
+    end."""
     before = set(checkpoints_on_disk(c.out, c.job, generation, WORLD_SIZE))
     began = time.monotonic()
     begin()
@@ -96,12 +98,13 @@ def outage(
 
     wait_until(f"{c.job} writes two checkpoints during the {what}", lambda: len(made()) >= 2)
     made_before_kill = made()
+    killed = time.monotonic()
     kill_worker(c.job, 1, generation)
-    remaining = began + duration_s - time.monotonic()
-    assert remaining > NOTICE_S / 2, (
-        f"the {what} was nearly over before C's rank was killed: size the job {c.describe()}"
-    )
-    time.sleep(remaining)  # the outage's length: the scenario itself
+    # The outage's length is the scenario itself; on a loaded machine C may take most of it to
+    # write its two checkpoints, and then the outage lasts longer, so that the daemon cannot
+    # hear of the kill before the bus is back and /healthz is polled for a while after NOTICE_S.
+    end_at = max(began + duration_s, killed + NOTICE_S / 2, began + NOTICE_S + 2)
+    time.sleep(end_at - time.monotonic())
     ending = time.monotonic()
     answers = health.between(began + NOTICE_S, ending)
     end()
