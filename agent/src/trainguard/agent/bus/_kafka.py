@@ -60,7 +60,7 @@ from aiokafka.errors import (
 )
 from aiokafka.helpers import create_ssl_context
 
-from trainguard.agent.bus._config import BusConfig
+from trainguard.agent.bus._config import KAFKA_FRAMING_BYTES, BusConfig
 from trainguard.agent.bus._errors import (
     BusClosed,
     BusError,
@@ -88,8 +88,6 @@ _T = TypeVar("_T")
 
 # Kafka protocol error code for CreateTopics on an existing topic (another process won the race).
 _TOPIC_ALREADY_EXISTS = 36
-# Room for record and batch headers on top of the largest value we accept.
-_FRAMING_BYTES = 64 * 1024
 # Kafka's transaction.timeout.ms for partition writers: a transaction open longer (its owner
 # paused, say) is aborted by the coordinator. Also how long a stalled owner's open transaction
 # can hold back read_committed readers of the topics it wrote to when no new owner fences it.
@@ -190,7 +188,7 @@ class KafkaBus(Bus):
             **self._client_kwargs(),
             acks="all",
             enable_idempotence=True,
-            max_request_size=self._config.max_message_bytes + _FRAMING_BYTES,
+            max_request_size=self._config.max_message_bytes + KAFKA_FRAMING_BYTES,
             linger_ms=opts.pop("linger_ms", 0),
             **opts,
         )
@@ -259,7 +257,7 @@ class KafkaBus(Bus):
         configs = {
             "cleanup.policy": "compact" if spec.compacted else "delete",
             "message.timestamp.type": "LogAppendTime",
-            "max.message.bytes": str(self._config.max_message_bytes + _FRAMING_BYTES),
+            "max.message.bytes": str(self._config.max_message_bytes + KAFKA_FRAMING_BYTES),
         }
         if spec.retention_ms is not None and not spec.compacted:
             configs["retention.ms"] = str(spec.retention_ms)
@@ -450,7 +448,7 @@ class KafkaBus(Bus):
             **self._client_kwargs(),
             transactional_id=transactional_id,
             transaction_timeout_ms=_TRANSACTION_TIMEOUT_MS,
-            max_request_size=self._config.max_message_bytes + _FRAMING_BYTES,
+            max_request_size=self._config.max_message_bytes + KAFKA_FRAMING_BYTES,
             linger_ms=opts.pop("linger_ms", 0),
             **opts,
         )
