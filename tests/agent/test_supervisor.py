@@ -654,6 +654,10 @@ async def test_a_job_that_ended_is_refused_without_continue(
         ({"command": ["no-such-program-xyz"]}, "not found"),
         ({"nproc_per_node": 0}, "nproc_per_node"),
         ({"nnodes": 2}, "master-port"),
+        ({"nnodes": 0}, "nnodes must be >= 1"),
+        ({"master_port": 99999}, "master_port must be 1..65535, got 99999"),
+        ({"master_port": 0}, "master_port must be 1..65535"),
+        ({"nnodes": 2, "master_port": 65000}, "master_port must be 1..64536 with several nodes"),
     ],
 )
 def test_bad_settings_fail_before_anything_starts(

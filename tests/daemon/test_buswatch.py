@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sqlite3
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
@@ -30,8 +32,8 @@ TIMEOUT_S = 1.0
 
 
 class Cut:
-    """A started bus whose ``end_offsets`` (the probe) can be made to go unanswered, as with a
-    broker stopped by SIGSTOP, or to fail, as with a broker that refuses connections."""
+    """A started bus whose probe can be made to go unanswered, as with a broker stopped by
+    SIGSTOP, or to fail, as with a broker that refuses connections."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
@@ -46,12 +48,12 @@ class Cut:
         self.mode = "up"
         self._back.set()
 
-    async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
+    async def probe(self, topic: str, timeout_s: float) -> dict[TopicPartition, int]:
         if self.mode == "silent":
             await self._back.wait()
         if self.mode == "failing":
             raise BusUnavailable("Kafka at 127.0.0.1:9: connection refused")
-        return await self.bus.end_offsets(topic)
+        return await self.bus.probe(topic, timeout_s)
 
 
 def value(metrics: DaemonMetrics, name: str, **labels: str) -> float | None:
@@ -204,6 +206,60 @@ async def test_lag_over_the_limit_is_a_reason_not_to_be_ready(tmp_path: Path) ->
         await eventually(lagging)
         assert watch.lag_reason(3) == "behind by 4 records (max_lag_records 3)"
         assert watch.lag_reason(4) is None
+
+
+def contend(path: Path, until_s: float) -> None:
+    """Another process's writer at its busiest: the write lock held 50 ms per transaction, each
+    committing, back to back, for ``until_s`` seconds (SQLite's busy handler then rarely
+    catches the lock free)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    deadline = time.monotonic() + until_s
+    n = 0
+    while time.monotonic() < deadline:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('contend', ?)", (n,))
+        time.sleep(0.05)
+        conn.execute("COMMIT")
+        n += 1
+    conn.close()
+
+
+async def test_a_bus_file_held_locked_is_an_outage_and_busy_writers_are_not(
+    tmp_path: Path,
+) -> None:
+    """Reads of the embedded bus's WAL file never wait for its write lock: the old probe (the
+    end offsets alone) answered while another process held the lock and nothing could be
+    written (``/healthz`` ready, no alert). Writers that keep taking the lock and committing
+    are contention, not an outage."""
+    path = tmp_path / "bus.db"
+    factory = BusFactory("sqlite", f"sqlite://{path}", "t.")
+    config = dataclasses.replace(
+        daemon_config(factory), probe_interval_s=0.05, probe_timeout_s=TIMEOUT_S
+    )
+    service = DaemonService(config)
+    with structlog.testing.capture_logs() as logs:
+        async with running(service):
+            await asyncio.wait_for(service.ready.wait(), 60)
+            await until(lambda: service.not_ready_reason() is None)
+            busy = threading.Thread(target=contend, args=(path, 4 * TIMEOUT_S))
+            busy.start()
+            while busy.is_alive():
+                assert service.not_ready_reason() is None
+                await asyncio.sleep(0.05)
+            assert not events_of(logs, "bus outage started")
+
+            locker = sqlite3.connect(path, isolation_level=None)
+            locker.execute("BEGIN EXCLUSIVE")
+            try:
+                await until(lambda: not service._watch.connected)
+                assert (service.not_ready_reason() or "").startswith("cannot reach the bus")
+            finally:
+                locker.execute("ROLLBACK")
+                locker.close()
+            await until(lambda: service.not_ready_reason() is None)
+    [started] = events_of(logs, "bus outage started")
+    assert "the bus file stayed locked by another process" in started["error"]
+    assert events_of(logs, "bus outage ended")
 
 
 class Stalls(DaemonService):

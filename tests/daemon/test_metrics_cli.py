@@ -85,4 +85,9 @@ def test_a_taken_metrics_port_is_a_clear_error(tmp_path: Path) -> None:
             timeout=60,
         )
     assert done.returncode == 2
-    assert f"cannot serve /metrics on 127.0.0.1:{port}" in done.stderr
+    assert f"port {port} on 127.0.0.1 is taken by another process" in done.stderr
+    assert "0 (any free port" in done.stderr
+    assert "-1 (no /metrics" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "no keys" not in done.stderr  # the error alone, before any other start-up line
+    assert not (tmp_path / "bus.db").exists()  # the bus was not touched

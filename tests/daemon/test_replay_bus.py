@@ -18,6 +18,7 @@ from tests.daemon import recorded
 from tests.daemon.recorded import JOB, record_job
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
 from trainguard.daemon import MachineConfig
+from trainguard.daemon._cli_replay import handover_text
 from trainguard.daemon._joblog import read_bus
 from trainguard.daemon._replay import replay, verify
 
@@ -99,9 +100,23 @@ def test_replay_prints_the_timeline_and_verifies(recorded_bus: BusFactory) -> No
     assert done.returncode == 0, done.stderr + done.stdout
     out = done.stdout
     assert "decided by 2 daemon runs" in out
+    # Two instances with one set of settings: a takeover, not a restart under another config.
+    assert "(daemon_id daemon-b) from offset" in out
+    assert "another daemon process took over, same settings" in out
+    assert "restarted" not in out
     assert "restore issued: generation 1" in out
     assert "resume issued: generation 1" in out
     assert "✓ the replay reproduces the recorded decisions" in out
+
+
+def test_a_handover_names_the_settings_that_changed() -> None:
+    a = {"daemon_id": "a", "heartbeat_timeout_s": 10.0, "restore_timeout_s": 60.0}
+    assert handover_text(a, {**a, "daemon_id": "b"}) == (
+        "another daemon process took over, same settings"
+    )
+    assert handover_text(a, {**a, "heartbeat_timeout_s": 20.0}) == (
+        "daemon_id a again, with different settings: heartbeat_timeout_s 10.0 -> 20.0"
+    )
 
 
 def test_replay_jsonl_is_one_object_per_input_and_a_verdict(recorded_bus: BusFactory) -> None:

@@ -124,7 +124,26 @@ BAD_VALUES = [
         "[service] 2 * pulse_s + poll_s + commit_interval_s must be below bus_gap_s (5 s)",
     ),
     ("[service]\nbus = 3", "[service]: unknown key(s) ['bus']"),
-    ("[bus]\nsend_timeout_s = -1", "[bus] send_timeout_s must be a finite number of seconds > 0"),
+    ("[bus]\nsend_timeout_s = -1", "[bus] send_timeout_s must be a number of seconds > 0"),
+    # Values the wire cannot carry (an aiokafka traceback, exit 1, once the bus was opened):
+    (
+        "[bus]\nsession_timeout_s = 1e10",
+        "[bus] session_timeout_s must be a number of seconds > 0 and at most 2147483",
+    ),
+    ("[bus]\nreplication_factor = 40000", "[bus] replication_factor must be 1..32767"),
+    ("[bus]\nmax_message_bytes = 4000000000", "[bus] max_message_bytes must be 1..2147418111"),
+    (
+        '[[bus.topics]]\nname = "events"\npartitions = 3000000000',
+        "[bus] topic 'events': partitions must be 1..2147483647",
+    ),
+    (
+        '[bus]\nurl = "kafka://h:99999"',
+        "[bus] url: bus URL 'kafka://h:99999': port 99999 of 'h:99999' is not 1..65535",
+    ),
+    (
+        '[bus]\nurl = "kafka://h:0"',
+        "[bus] url: bus URL 'kafka://h:0': port 0 of 'h:0' is not 1..65535",
+    ),
     ("[bus]\nkafka_options = 3", "[bus] kafka_options: expected a table, got 3 (an integer)"),
     ("[bus]\ntopics = [1]", "[bus] topics[0]: expected a table of TopicSpec fields, got 1"),
     (

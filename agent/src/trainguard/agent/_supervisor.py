@@ -193,7 +193,8 @@ class SupervisorConfig:
         master_addr: rendezvous host of rank 0 (launcher mode).
         master_port: rendezvous port; ``None`` picks a free port per generation on a single
             node (a port reused right after a kill can still be in TIME_WAIT). With several
-            nodes the port is ``master_port + generation % 1000`` so that all nodes agree.
+            nodes the port is ``master_port + generation % 1000`` so that all nodes agree
+            (so at most 64536 then; 65535 on a single node).
         ranks: plain mode: the ranks the command hosts, reported with its exit.
         grace_s: seconds between SIGTERM and SIGKILL when stopping workers.
         env: extra environment for the workers.
@@ -243,10 +244,21 @@ class SupervisorConfig:
             raise ConfigError(f"worker command {self.command[0]!r} not found")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ConfigError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise ConfigError(f"nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"node_rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError("several nodes need one agreed --master-port (and --master-addr)")
+        if self.master_port is not None:
+            # Several nodes use master_port + generation % 1000: every one must be a port.
+            highest = 65535 - (999 if self.nnodes > 1 else 0)
+            if not 1 <= self.master_port <= highest:
+                several = " with several nodes (generation g uses it + g % 1000)"
+                raise ConfigError(
+                    f"master_port must be 1..{highest}{several if self.nnodes > 1 else ''}, "
+                    f"got {self.master_port}"
+                )
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
         for name in ("daemon_timeout_s", "stop_timeout_s"):

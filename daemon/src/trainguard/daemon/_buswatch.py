@@ -1,12 +1,17 @@
 """The daemon's view of the bus: reachable or not, and how far behind its end the daemon is.
 
 :class:`BusWatch` runs as a task of its own next to the service's fold loop and probes the bus
-every ``probe_interval_s`` with one request, the end offsets of ``events``, bounded by
-``probe_timeout_s``. Only a bounded request tells: a broker stopped with SIGSTOP keeps its TCP
-connections open, so a client sees it connected while nothing is answered (measured on Kafka
-4.4 with aiokafka 0.14: a 2 s probe detected a SIGSTOP after 2.0-2.3 s), and consumers' polls
-return empty rather than fail. The fold loop never waits for a probe: during an outage it goes
-on polling (empty), and readiness, gauges and logs come from here.
+every ``probe_interval_s`` with one request, the end offsets of ``events``
+(:meth:`~trainguard.agent.bus.Bus.probe`), bounded by ``probe_timeout_s``. Only a bounded
+request tells: a broker stopped with SIGSTOP keeps its TCP connections open, so a client sees
+it connected while nothing is answered (measured on Kafka 4.4 with aiokafka 0.14: a 2 s probe
+detected a SIGSTOP after 2.0-2.3 s), and consumers' polls return empty rather than fail. On
+the embedded bus the probe also takes the file's write lock for a moment, waiting for it up to
+most of ``probe_timeout_s``: reads never wait for that lock, so a file another process keeps
+locked (a ``sqlite3`` shell in ``BEGIN EXCLUSIVE``, a process stopped inside a write) would
+answer every read while nothing can be written; the milliseconds an agent's or the daemon's
+own write holds it are waited out. The fold loop never waits for a probe: during an outage it
+goes on polling (empty), and readiness, gauges and logs come from here.
 
 What it keeps, and what shows it:
 
@@ -177,7 +182,7 @@ class BusWatch:
             bound = asyncio.timeout(self._timeout_s)
             try:
                 async with bound:
-                    ends = await bus.end_offsets(_TOPIC)
+                    ends = await bus.probe(_TOPIC, self._timeout_s)
             except Exception as exc:  # any failure of the probe is an outage
                 # BusUnavailable is a TimeoutError too: only the expired bound is "no answer".
                 self._failed(

@@ -267,13 +267,39 @@ def _print_header(
         )
         return
     console.print(
-        f"decided by {len(runs)} daemon runs under different configurations (a daemon restarted):"
+        f"decided by {len(runs)} daemon runs (one per daemon process that acted for the job: "
+        "a restart or another instance taking over starts the next):"
     )
+    previous: Mapping[str, Any] | None = None
     for config_id, offset in runs:
+        config = trail.configs[config_id]
+        handover = "" if previous is None else f": {handover_text(previous, config)}"
         console.print(
-            f"  {config_id} (daemon_id {trail.configs[config_id].get('daemon_id')}) from "
-            f"offset {offset}"
+            f"  {config_id} (daemon_id {config.get('daemon_id')}) from offset {offset}{handover}"
         )
+        previous = config
+
+
+def handover_text(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    """What the audit trail shows of one daemon run following another, from the two runs'
+    recorded configurations (``daemon_id`` and the machine settings).
+
+    A new ``daemon_id`` is another daemon process: the trail cannot tell a restart (the
+    default ``daemon_id`` is ``host-pid``) from another instance taking over, so it says
+    neither. Settings are compared without ``daemon_id``, which is why two instances with the
+    same settings have different configuration ids. Returns e.g. ``another daemon process took
+    over, same settings`` or ``daemon_id d1 again, with different settings:
+    heartbeat_timeout_s 10.0 -> 20.0``.
+    """
+    changed = [
+        f"{key} {before.get(key)} -> {after.get(key)}"
+        for key in sorted(before.keys() | after.keys())
+        if key != "daemon_id" and before.get(key) != after.get(key)
+    ]
+    settings = f"with different settings: {', '.join(changed)}" if changed else "same settings"
+    if before.get("daemon_id") == after.get("daemon_id"):
+        return f"daemon_id {after.get('daemon_id')} again, {settings}"
+    return f"another daemon process took over, {settings}"
 
 
 def _print_rows(console: Console, result: Replay, span: _Span, *, jsonl: bool, every: bool) -> None:

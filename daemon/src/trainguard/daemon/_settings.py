@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, load_kafka_security
+from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, load_kafka_security, parse_bus_url
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._config_check import build, check
 
@@ -250,6 +250,10 @@ def load_daemon_config(
     }
     # ``create`` says whether a command may create the embedded bus: the daemon always may.
     bus_config = build(f"{source}[bus]", BusConfig, bus_table, security=kafka_security, create=True)
+    try:
+        parse_bus_url(bus_config.url)  # now, not when the bus is opened after start-up
+    except ValueError as exc:
+        raise ValueError(f"{source}[bus] url: {exc}") from None
     security_config = build(f"{source}[security]", SecurityConfig, security_table)
     if security_config.keys_dir is not None:
         security_config = replace(security_config, keys_dir=security_config.keys_dir.expanduser())

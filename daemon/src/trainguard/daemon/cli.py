@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import os
 import signal
@@ -309,13 +310,6 @@ def daemon(
         raise typer.Exit(2) from exc
     if topic_prefix is not None:
         settings = replace(settings, bus=replace(settings.bus, prefix=topic_prefix))
-    if daemon_keys is None:
-        import structlog
-
-        structlog.get_logger("trainguard.daemon").warning(
-            "no keys: commands and manifests unsigned, events unauthenticated, no snapshots "
-            "(insecure; trainguard keys init, docs/security.md)"
-        )
     service = DaemonService(settings, keys=daemon_keys)
     with contextlib.ExitStack() as serving:
         if settings.metrics_port >= 0:
@@ -328,19 +322,43 @@ def daemon(
             try:
                 serving.enter_context(server)
             except OSError as exc:
-                where = f"{settings.metrics_host}:{settings.metrics_port}"
+                # Before the bus is opened: nothing was read or written.
                 typer.secho(
-                    f"error: cannot serve /metrics on {where} ({exc}); set [service] "
-                    "metrics_port or --metrics-port (0: any free port, -1: none)",
+                    f"error: {_unservable(settings.metrics_host, settings.metrics_port, exc)}",
                     fg=typer.colors.RED,
                     err=True,
                 )
                 raise typer.Exit(2) from exc
+        if daemon_keys is None:
+            import structlog
+
+            structlog.get_logger("trainguard.daemon").warning(
+                "no keys: commands and manifests unsigned, events unauthenticated, no "
+                "snapshots (insecure; trainguard keys init, docs/security.md)"
+            )
         try:
             asyncio.run(_until_signalled(functools.partial(service.run, standby=standby)))
         except BusError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from exc
+
+
+def _unservable(host: str, port: int, exc: OSError) -> str:
+    """Why ``/metrics`` and ``/healthz`` cannot be served on ``host:port``, and the settings
+    that serve them without that port."""
+    untouched = "The daemon did not start; the bus was not touched."
+    if exc.errno != errno.EADDRINUSE:
+        return (
+            f"cannot serve /metrics and /healthz on {host}:{port}: {exc}. Check [service] "
+            f"metrics_host, or give --metrics-port -1 (no /metrics and /healthz). {untouched}"
+        )
+    return (
+        f"port {port} on {host} is taken by another process (a second daemon, or another "
+        "exporter: OpenTelemetry's Prometheus exporter defaults to 9464 too). Give another "
+        "port with --metrics-port, TRAINGUARD_METRICS_PORT or [service] metrics_port, or a "
+        "value that needs no free port: 0 (any free port, logged as 'metrics server "
+        f"listening') or -1 (no /metrics and /healthz). {untouched}"
+    )
 
 
 @app.command(context_settings={"allow_interspersed_args": False})

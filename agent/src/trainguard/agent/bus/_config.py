@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +16,9 @@ from trainguard.agent.bus._port import TopicSpec
 __all__ = [
     "DEFAULT_BUS_URL",
     "DEFAULT_TOPICS",
+    "KAFKA_FRAMING_BYTES",
+    "MAX_MESSAGE_BYTES",
+    "MAX_TIMEOUT_S",
     "SECURITY_ENVIRONMENT",
     "BusConfig",
     "KafkaSecurity",
@@ -269,6 +271,17 @@ def _read_password(path: Path) -> str:
     return password
 
 
+MAX_TIMEOUT_S = 2_147_483
+"""Longest bus timeout, seconds: Kafka carries timeouts as signed 32-bit milliseconds (a
+longer one fails inside aiokafka's request encoding, after the bus was half opened)."""
+
+KAFKA_FRAMING_BYTES = 64 * 1024
+"""Room the Kafka adapter adds to ``max_message_bytes`` for record and batch headers."""
+
+MAX_MESSAGE_BYTES = 2**31 - 1 - KAFKA_FRAMING_BYTES
+"""Largest ``max_message_bytes``: Kafka's ``max.message.bytes`` is a signed 32-bit size."""
+
+
 @dataclass(frozen=True, slots=True)
 class BusConfig:
     """How to reach and shape the bus.
@@ -300,8 +313,10 @@ class BusConfig:
             error naming it. Kafka ignores it: its topics are created on start either way.
 
     Raises:
-        ValueError: a timeout or ``idle_poll_s`` not a finite number > 0, ``max_message_bytes``
-            or ``replication_factor`` below 1, a topic with fewer than 1 partition, a
+        ValueError: a timeout or ``idle_poll_s`` not a number > 0 and at most
+            :data:`MAX_TIMEOUT_S`, ``max_message_bytes`` outside 1..:data:`MAX_MESSAGE_BYTES`,
+            ``replication_factor`` outside 1..32767, a topic's partitions outside
+            1..2**31-1 (Kafka's 32-bit count), a
             ``retention_ms`` below -1, or two topics of one name.
     """
 
@@ -322,18 +337,27 @@ class BusConfig:
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "send_timeout_s", "session_timeout_s", "idle_poll_s"):
             value = getattr(self, name)
-            if not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-        if self.max_message_bytes < 1:
-            raise ValueError(f"max_message_bytes must be >= 1, got {self.max_message_bytes}")
-        if self.replication_factor is not None and self.replication_factor < 1:
-            raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
+            if not 0 < value <= MAX_TIMEOUT_S:
+                raise ValueError(
+                    f"{name} must be a number of seconds > 0 and at most {MAX_TIMEOUT_S} "
+                    f"(Kafka's 32-bit milliseconds), got {value!r}"
+                )
+        if not 1 <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes must be 1..{MAX_MESSAGE_BYTES} (a 32-bit size with room "
+                f"for Kafka's framing), got {self.max_message_bytes}"
+            )
+        if self.replication_factor is not None and not 1 <= self.replication_factor <= 32767:
+            raise ValueError(
+                f"replication_factor must be 1..32767 (Kafka's 16-bit count), "
+                f"got {self.replication_factor}"
+            )
         names = [spec.name for spec in self.topics]
         if len(set(names)) < len(names):
             raise ValueError(f"topics: a name is given twice in {names}")
         for spec in self.topics:
-            if spec.partitions < 1:
-                raise ValueError(f"topic {spec.name!r}: partitions must be >= 1")
+            if not 1 <= spec.partitions <= 2**31 - 1:
+                raise ValueError(f"topic {spec.name!r}: partitions must be 1..{2**31 - 1}")
             if spec.retention_ms is not None and spec.retention_ms < -1:
                 raise ValueError(f"topic {spec.name!r}: retention_ms must be >= -1 (-1: forever)")
 
@@ -380,7 +404,9 @@ def parse_bus_url(url: str) -> tuple[Literal["sqlite", "kafka"], str]:
             raise BusURLError(f"bus URL {url!r}: expected kafka://host:port[,host:port...]")
         for server in servers.split(","):
             host, sep, port = server.rpartition(":")
-            if not sep or not host or not port.isdigit():
+            if not sep or not host or not (port.isascii() and port.isdigit()):
                 raise BusURLError(f"bus URL {url!r}: {server!r} is not host:port")
+            if not 1 <= int(port) <= 65535:
+                raise BusURLError(f"bus URL {url!r}: port {port} of {server!r} is not 1..65535")
         return "kafka", servers
     raise BusURLError(f"bus URL {url!r}: scheme must be sqlite or kafka")

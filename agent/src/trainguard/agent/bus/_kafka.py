@@ -60,7 +60,7 @@ from aiokafka.errors import (
 )
 from aiokafka.helpers import create_ssl_context
 
-from trainguard.agent.bus._config import BusConfig
+from trainguard.agent.bus._config import KAFKA_FRAMING_BYTES, BusConfig
 from trainguard.agent.bus._errors import (
     BusClosed,
     BusError,
@@ -88,8 +88,6 @@ _T = TypeVar("_T")
 
 # Kafka protocol error code for CreateTopics on an existing topic (another process won the race).
 _TOPIC_ALREADY_EXISTS = 36
-# Room for record and batch headers on top of the largest value we accept.
-_FRAMING_BYTES = 64 * 1024
 # Kafka's transaction.timeout.ms for partition writers: a transaction open longer (its owner
 # paused, say) is aborted by the coordinator. Also how long a stalled owner's open transaction
 # can hold back read_committed readers of the topics it wrote to when no new owner fences it.
@@ -190,7 +188,7 @@ class KafkaBus(Bus):
             **self._client_kwargs(),
             acks="all",
             enable_idempotence=True,
-            max_request_size=self._config.max_message_bytes + _FRAMING_BYTES,
+            max_request_size=self._config.max_message_bytes + KAFKA_FRAMING_BYTES,
             linger_ms=opts.pop("linger_ms", 0),
             **opts,
         )
@@ -205,9 +203,8 @@ class KafkaBus(Bus):
         try:
             await self._bounded("connecting (producer)", producer.start(), timeout)
             await self._bounded("connecting (metadata)", meta.start(), timeout)
-        except BusError:
-            await _close_quietly(producer.stop(), timeout)
-            await _close_quietly(meta.stop(), timeout)
+        except BaseException:  # a cancelled start too: a client never stopped is left open
+            await _stop_all([producer.stop(), meta.stop()], timeout)
             raise
         self._producer, self._meta = producer, meta
 
@@ -259,24 +256,28 @@ class KafkaBus(Bus):
         configs = {
             "cleanup.policy": "compact" if spec.compacted else "delete",
             "message.timestamp.type": "LogAppendTime",
-            "max.message.bytes": str(self._config.max_message_bytes + _FRAMING_BYTES),
+            "max.message.bytes": str(self._config.max_message_bytes + KAFKA_FRAMING_BYTES),
         }
         if spec.retention_ms is not None and not spec.compacted:
             configs["retention.ms"] = str(spec.retention_ms)
         return NewTopic(self._full(spec.name), spec.partitions, replication, topic_configs=configs)
 
     async def close(self) -> None:
-        """Flush pending sends and disconnect, each step bounded by ``send_timeout_s``."""
+        """Flush pending sends and disconnect every client at once (consumers, producer,
+        metadata consumer), each bounded by ``send_timeout_s``.
+
+        At once, not one after another: a close cut short (a caller's grace after a signal,
+        with the broker away) has still begun to stop every client, so none is left open
+        (aiokafka logs ``Unclosed AIOKafkaProducer`` for each at exit).
+        """
         if self._closed:
             return
         self._closed = True
-        for consumer in list(self._consumers):
-            await consumer.close()
-        timeout = self._config.send_timeout_s
-        if self._producer is not None:
-            await _close_quietly(self._producer.stop(), timeout)
-        if self._meta is not None:
-            await _close_quietly(self._meta.stop(), timeout)
+        clients = [c for c in (self._producer, self._meta) if c is not None]
+        await asyncio.gather(
+            *(consumer.close() for consumer in list(self._consumers)),
+            _stop_all([c.stop() for c in clients], self._config.send_timeout_s),
+        )
 
     def _started_producer(self) -> AIOKafkaProducer:
         if self._closed:
@@ -428,7 +429,7 @@ class KafkaBus(Bus):
     ) -> _KafkaConsumer:
         try:
             await self._bounded("starting consumer", inner.start(), self._config.connect_timeout_s)
-        except BusError:
+        except BaseException:  # a cancelled start too (see start())
             await _close_quietly(inner.stop(), self._timeout)
             raise
         consumer = _KafkaConsumer(self, inner, group_id, listener)
@@ -450,7 +451,7 @@ class KafkaBus(Bus):
             **self._client_kwargs(),
             transactional_id=transactional_id,
             transaction_timeout_ms=_TRANSACTION_TIMEOUT_MS,
-            max_request_size=self._config.max_message_bytes + _FRAMING_BYTES,
+            max_request_size=self._config.max_message_bytes + KAFKA_FRAMING_BYTES,
             linger_ms=opts.pop("linger_ms", 0),
             **opts,
         )
@@ -460,7 +461,7 @@ class KafkaBus(Bus):
                 producer.start(),
                 self._config.connect_timeout_s,
             )
-        except BusError:
+        except BaseException:  # a cancelled start too (see start())
             await _close_quietly(producer.stop(), self._timeout)
             raise
         return _KafkaPartitionWriter(self, producer, group_id, partition, transactional_id)
@@ -893,6 +894,12 @@ class _KafkaPartitionWriter(PartitionWriter):
             self._ending.cancel()
         await _close_quietly(self._producer.stop(), self._bus._timeout)
         self._retrieve_end()  # a fatal error the sender hit while stopping
+
+
+async def _stop_all(stops: Sequence[Awaitable[Any]], timeout_s: float) -> None:
+    """:func:`_close_quietly` for each of ``stops``, all at once: every one begins within the
+    event loop's next turns, so a caller cut short after that has still begun them all."""
+    await asyncio.gather(*(_close_quietly(stop, timeout_s) for stop in stops))
 
 
 async def _close_quietly(aw: Awaitable[Any], timeout_s: float) -> None:

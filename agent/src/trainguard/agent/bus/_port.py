@@ -335,6 +335,18 @@ class Bus(abc.ABC):
     async def end_offsets(self, topic: str) -> dict[TopicPartition, int]:
         """Offset the next record appended to each partition of ``topic`` will get."""
 
+    async def probe(self, topic: str, timeout_s: float) -> dict[TopicPartition, int]:
+        """:meth:`end_offsets` of ``topic``, asked to learn whether the bus can be used now:
+        the daemon's bus watch takes no answer within ``timeout_s`` seconds (it bounds the
+        call), or an error, for an outage. An adapter for which reading tells too little
+        checks more, within ``timeout_s`` (the embedded bus: that its file can be written).
+
+        Raises:
+            BusUnavailable: the bus cannot be used now.
+            BusError: the bus failed otherwise.
+        """
+        return await self.end_offsets(topic)
+
     @abc.abstractmethod
     async def group_positions(self, group_id: str, topic: str) -> dict[TopicPartition, int]:
         """The committed positions of consumer group ``group_id`` on ``topic``, read without

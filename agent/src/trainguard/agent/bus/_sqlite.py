@@ -51,15 +51,20 @@ from trainguard.agent.bus._sqlite_db import (
     TopicMeta,
     load_topics,
     prepare,
+    take_write_lock,
     topic_names,
     translate,
 )
 from trainguard.agent.bus._sqlite_writer import SQLitePartitionWriter
 
-__all__ = ["MAX_BATCH", "SQLiteBus"]
+__all__ = ["MAX_BATCH", "PROBE_LOCK_SHARE", "SQLiteBus"]
 
 MAX_BATCH = 5000
 """Most records written in one transaction; bounds how long one process holds the lock."""
+
+PROBE_LOCK_SHARE = 0.8
+"""Share of a :meth:`SQLiteBus.probe`'s time given to waiting for the write lock: the probe
+ends naming the lock before its caller's bound expires with no reason."""
 
 _log = structlog.get_logger(__name__)
 
@@ -110,6 +115,9 @@ class SQLiteBus(Bus):
         self._tombstone_retention_ms = int(tombstone_retention_s * 1000)
         self._writer = ConnectionThread("trainguard-bus-writer")
         self._reader = ConnectionThread("trainguard-bus-reader")
+        # The probe's connection, opened by the first probe() (only the daemon probes); a task,
+        # so that a probe cancelled by its caller's bound leaves the opening to finish.
+        self._prober: asyncio.Task[ConnectionThread] | None = None
         self._state = "new"
         self._topics: dict[str, TopicMeta] = {}
         self._names: dict[int, str] = {}
@@ -173,6 +181,12 @@ class SQLiteBus(Bus):
         if was_open:
             await self._writer.close()
             await self._reader.close()
+        prober, self._prober = self._prober, None
+        if prober is not None:
+            if not prober.done():
+                prober.cancel()  # an opening still under way closes its thread itself
+            elif not prober.cancelled() and prober.exception() is None:
+                await prober.result().close()
 
     async def partitions(self, topic: str) -> int:
         """See :meth:`Bus.partitions`. Raises :class:`BusError` for an unknown topic."""
@@ -301,6 +315,52 @@ class SQLiteBus(Bus):
             log.end_offsets, [(meta.topic_id, p) for p in range(meta.partitions)]
         )
         return {TopicPartition(topic, p): end for (_, p), end in sorted(ends.items())}
+
+    async def probe(self, topic: str, timeout_s: float) -> dict[TopicPartition, int]:
+        """See :meth:`Bus.probe`: the end offsets, then the file's write lock taken and given
+        back at once (:func:`._sqlite_db.take_write_lock`) on a connection of the probe's own,
+        opened by the first probe, so that it neither waits behind this bus's writes (a commit
+        waiting for the same lock) nor delays its reads.
+
+        Reads of a WAL file never wait for its write lock, so the end offsets alone answer
+        while another process holds the lock (a ``sqlite3`` shell in ``BEGIN EXCLUSIVE``, a
+        process stopped inside a write transaction) and nothing can be written. The lock is
+        waited for up to :data:`PROBE_LOCK_SHARE` of ``timeout_s``, which a write
+        transaction of an agent or of this bus (milliseconds, at most :data:`MAX_BATCH`
+        records) never holds it for, and a stream of them, each committing, counts as a lock
+        that moves: normal contention is waited out, never an outage.
+
+        Raises:
+            BusUnavailable: the lock stayed held that long, and nobody committed meanwhile.
+            BusError: for an unknown topic, or the file failed otherwise.
+            BusClosed: after :meth:`close`.
+        """
+        deadline = time.monotonic() + PROBE_LOCK_SHARE * timeout_s
+        ends = await self.end_offsets(topic)
+        opening = self._prober
+        if opening is None or (opening.done() and (opening.cancelled() or opening.exception())):
+            opening = self._prober = asyncio.get_running_loop().create_task(
+                self._open_prober(deadline), name="trainguard-bus-probe-open"
+            )
+        try:
+            prober = await asyncio.shield(opening)
+            await prober.run(take_write_lock, deadline)
+        except sqlite3.Error as exc:
+            raise translate(exc, "taking the write lock") from exc
+        return ends
+
+    async def _open_prober(self, deadline: float) -> ConnectionThread:
+        """The probe's connection to the file, opened before ``deadline`` (monotonic seconds).
+
+        Raises :class:`sqlite3.Error` or :class:`BusError` as :meth:`ConnectionThread.open`.
+        """
+        prober = ConnectionThread("trainguard-bus-probe")
+        try:
+            await prober.open(self._path, deadline, create=False)
+        except BaseException:
+            await prober.close()
+            raise
+        return prober
 
     async def group_positions(self, group_id: str, topic: str) -> dict[TopicPartition, int]:
         """See :meth:`Bus.group_positions`: the group's stored offsets (``group_offsets``).

@@ -54,6 +54,7 @@ __all__ = [
     "now_ms",
     "prepare",
     "read_transaction",
+    "take_write_lock",
     "topic_names",
     "translate",
     "write_transaction",
@@ -204,6 +205,33 @@ def write_transaction(conn: sqlite3.Connection, deadline: float) -> Iterator[Non
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+
+
+def take_write_lock(conn: sqlite3.Connection, deadline: float) -> None:
+    """Take the file's write lock (``BEGIN IMMEDIATE``) and give it back at once (``ROLLBACK``:
+    nothing written, nothing synced), waiting for another process's lock until ``deadline``
+    (``time.monotonic()`` seconds; one wait of SQLite's busy handler, so it ends then rather
+    than up to :data:`BUSY_TIMEOUT_S` later).
+
+    A lock still held at the deadline is a file stuck locked only if no other connection
+    committed meanwhile (``PRAGMA data_version``): SQLite's busy handler is not fair, so under
+    a steady stream of short writes it may never catch the lock free, yet the lock moves and
+    every writer gets its turn. Raises the busy :class:`sqlite3.Error` when the lock was held
+    until the deadline with no commit by anyone (a ``sqlite3`` shell in ``BEGIN EXCLUSIVE``, a
+    process stopped inside a write transaction).
+    """
+    before = conn.execute("PRAGMA data_version").fetchone()[0]
+    wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+    conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.Error as exc:
+        if not is_busy(exc) or conn.execute("PRAGMA data_version").fetchone()[0] == before:
+            raise
+    else:
+        conn.execute("ROLLBACK")
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
 
 @contextmanager
