@@ -100,12 +100,12 @@ def test_a_daemon_waits_for_a_bus_it_cannot_reach_and_sigterm_ends_the_wait(
         def until(check: Callable[[], _T | None], what: str) -> _T:
             deadline = time.monotonic() + 120
             while True:
+                # Alive first: an exit (the old daemon's 2) is the failure to report.
+                exited = proc.poll()
+                assert exited is None, f"exited {exited} before {what}:\n{log.read_text()}"
                 got = check()
                 if got:
                     return got
-                assert proc.poll() is None, f"exited {proc.returncode} before {what}:\n" + (
-                    log.read_text()
-                )
                 assert time.monotonic() < deadline, f"no {what}:\n{log.read_text()}"
                 time.sleep(0.05)
 
