@@ -49,6 +49,12 @@ past the committed position were never committed (aborted by the new writer's op
 deriving them again sends nothing twice; a command already on the bus is still recognised
 (same or newer generation in the job's latest command) and not sent again.
 
+A bus that cannot be reached never ends the service: at the start, and when a call of the loop
+fails for longer than the bus's timeouts (a retriable ``BusError``), it drops everything it
+held and waits for the bus with the supervisor's helper
+(:func:`~trainguard.agent.bus.patiently`; readiness says ``cannot reach the bus``), then serves
+again from scratch, as a new instance: the restart rule below applies unchanged.
+
 Authentication (with keys, :mod:`trainguard.daemon._security`): every command and committed
 manifest is signed, every tick MACed with its job's event key, and intake refuses events whose
 MAC is missing or wrong (dead-lettered, counted, and recorded on ``audit`` so that a replay
@@ -348,7 +354,6 @@ class DaemonService:
                     raise
                 failed = exc
             self._drop_everything()
-            self._watch.unreachable(f"{type(failed).__name__}: {failed}")
             if stop.is_set():  # the bus failed as the loop wound down: nothing to wait for
                 log.error(
                     "daemon stopped: the bus failed as it wound down",
@@ -435,6 +440,11 @@ class DaemonService:
                     await self._write_snapshots()
                     self._update_gauges()
                     self._reload_keys()
+            except BusError as exc:
+                if exc.retriable:  # readiness says so from now on, through the cleanup below
+                    await self._watch.close()
+                    self._watch.unreachable(f"{type(exc).__name__}: {exc}")
+                raise
             finally:
                 await self._watch.close()
                 await self._commit(force=True)
