@@ -53,7 +53,7 @@ A bus that cannot be reached never ends the service: at the start, and when a ca
 fails for longer than the bus's timeouts (a retriable ``BusError``), it drops everything it
 held and waits for the bus with the supervisor's helper
 (:func:`~trainguard.agent.bus.patiently`; readiness says ``cannot reach the bus``), then serves
-again from scratch, as a new instance: the restart rule below applies unchanged.
+again from scratch, as a new instance: the restart rule above applies unchanged.
 
 Authentication (with keys, :mod:`trainguard.daemon._security`): every command and committed
 manifest is signed, every tick MACed with its job's event key, and intake refuses events whose
