@@ -21,9 +21,15 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.agent._outage import until
-from trainguard.agent._bus_wait import Signalled, patiently
 from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor, SupervisorConfig
-from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, BusError, BusUnavailable
+from trainguard.agent.bus import (
+    DEFAULT_TOPICS,
+    BusConfig,
+    BusError,
+    BusUnavailable,
+    Signalled,
+    patiently,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

@@ -1,7 +1,9 @@
 """The daemon during a Kafka outage, on a broker of this module's own that the tests pause
 (SIGSTOP, SIGCONT) and restart (``kafka-dev stop``, ``start``): ``/healthz`` and the gauges
 tell the truth throughout, the outage is logged once when it starts and once when it ends, no
-tick is written while the bus is away, and the consumer lag jumps to the backlog and falls.
+tick is written while the bus is away, and the consumer lag jumps to the backlog and falls. A
+daemon started while the broker is stopped or paused waits for it, saying so, and serves once
+it is back (issue 13: it exited 2).
 
 Pauses are kept short (8 s, enough to show detection); the long outages under real jobs are
 the chaos tests'."""
@@ -216,6 +218,85 @@ async def test_a_restarted_broker_is_an_outage_and_the_daemon_is_ready_again(
         logging.getLogger().removeHandler(client_lines)
     assert once(logs, "bus outage started")["log_level"] == "error"
     assert once(logs, "bus outage ended")["log_level"] == "warning"
+
+
+async def test_a_daemon_started_while_the_broker_is_down_waits_and_serves_once_it_is_up(
+    broker: Broker, unique_prefix: str
+) -> None:
+    """The old daemon raised ``BusUnavailable`` out of its start (``trainguard daemon`` exited
+    2, which systemd and Kubernetes never restart)."""
+    config = dataclasses.replace(outage_config(broker, unique_prefix), warn_every_s=1.0)
+    job = JobEvents("late-broker-job")
+    service = DaemonService(config)
+    with structlog.testing.capture_logs() as logs:
+        broker.stop()
+        try:
+            async with serving(service) as server, running(service):
+                body = await until_health(server, lambda b: "cannot reach the bus" in b, 60)
+                assert body.startswith("not ready: cannot reach the bus for ")
+                assert await gauge(server, "trainguard_bus_connected") == 0
+                await eventually(lambda: _logged(logs, "bus outage goes on"), 60)
+                # In a thread: the daemon goes on trying while the broker boots.
+                await asyncio.to_thread(broker.start)
+                await until_health(server, lambda b: b == "ready\n", 120)
+                async with BusFactory("kafka", config.bus.url, unique_prefix).open(
+                    topics=DEFAULT_TOPICS
+                ) as bus:
+                    await publish(bus, job.started(0), job.started(1), job.beat(0, 1, 3))
+
+                async def folded() -> bool:
+                    state = service.jobs.get(job.job_id)
+                    return state is not None and state.ranks[0].step == 3
+
+                await eventually(folded, 60)
+        finally:
+            if not (broker.run_dir / "kafka.pid").exists():
+                broker.start()
+    [began] = [e for e in logs if str(e["event"]).startswith("bus outage: reaching the bus")]
+    assert began["log_level"] == "warning"
+    assert began["bus"] == config.bus.url
+    assert await _logged(logs, "bus outage over: reaching the bus succeeded")
+
+
+async def test_a_daemon_started_while_the_broker_is_paused_says_it_cannot_reach_the_bus(
+    broker: Broker, unique_prefix: str
+) -> None:
+    """The old daemon said ``no partition of events assigned to this instance`` while its
+    first connection hung on the paused broker (and then exited 2). Its connect timeout is
+    short here, so that attempts fail and are retried during the pause."""
+    config = outage_config(broker, unique_prefix)
+    config = dataclasses.replace(
+        config, bus=dataclasses.replace(config.bus, connect_timeout_s=2.0), warn_every_s=1.0
+    )
+    service = DaemonService(config)
+    said: list[str] = []  # /healthz from its first answer about the bus on
+    with structlog.testing.capture_logs() as logs:
+        async with serving(service) as server:
+            os.kill(broker.pid, signal.SIGSTOP)
+            try:
+                async with running(service):
+
+                    async def retried() -> bool:
+                        # Before the service's task first runs, nothing is assigned yet.
+                        body = await health(server)
+                        if said or "the bus" in body:
+                            said.append(body.partition(" for ")[0])
+                        return await _logged(logs, "bus outage goes on")
+
+                    await eventually(retried, 60)
+                    body = await health(server)
+                    assert body.startswith("not ready: cannot reach the bus for "), body
+                    assert set(said) <= {"not ready: connecting to the bus\n",
+                                         "not ready: cannot reach the bus"}, said  # fmt: skip
+                    os.kill(broker.pid, signal.SIGCONT)
+                    await until_health(server, lambda b: b == "ready\n", 120)
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+    assert await _logged(logs, "bus outage over: reaching the bus succeeded")
+
+
+async def _logged(logs: list[MutableMapping[str, Any]], prefix: str) -> bool:
+    return any(str(e["event"]).startswith(prefix) for e in logs)
 
 
 class _Count(logging.Handler):

@@ -320,3 +320,44 @@ def _lag(metrics: DaemonMetrics) -> Mapping[str, float]:
         if family.name == "trainguard_consumer_lag_records"
         for sample in family.samples
     }
+
+
+async def test_reaching_the_bus_is_told_before_the_first_probe(tmp_path: Path) -> None:
+    """The service tells the watch while it reaches the bus (issue 13, T7: a daemon started
+    during a broker pause said ``no partition of events assigned``): ``connecting to the bus``
+    for ``timeout_s``, then ``cannot reach the bus for N s`` (N counted from the first attempt
+    when the bus never answered), at once after a failed attempt, which is an outage like an
+    unanswered probe (counted and logged once); connecting ends it."""
+    now = [100.0]
+    metrics = DaemonMetrics()
+    watch = BusWatch(metrics, dict, interval_s=0.02, timeout_s=TIMEOUT_S, clock=lambda: now[0])
+    assert watch.outage_reason() is None  # not serving yet (a standby waiting for its lock)
+    with structlog.testing.capture_logs() as logs:
+        watch.connecting()
+        assert watch.outage_reason() == "connecting to the bus"
+        assert value(metrics, "trainguard_bus_connected") == 0
+        now[0] += TIMEOUT_S
+        assert watch.outage_reason() == "cannot reach the bus for 1 s"
+        now[0] += 2.0
+        watch.unreachable("BusUnavailable: Kafka at 127.0.0.1:9: connecting failed")
+        watch.connecting()  # the next attempt: the outage goes on
+        watch.unreachable("BusUnavailable: Kafka at 127.0.0.1:9: connecting failed")
+        assert watch.outage_reason() == "cannot reach the bus for 3 s"
+        assert value(metrics, "trainguard_bus_connected") == 0
+        assert value(metrics, "trainguard_bus_outages_total") == 1
+        assert value(metrics, "trainguard_bus_last_contact_seconds") == 3.0
+        now[0] += 4.0
+        factory = BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
+        async with factory.open(topics=DEFAULT_TOPICS) as bus:
+            watch.start(bus)
+            try:
+                assert watch.connected
+                assert watch.outage_reason() is None
+                assert value(metrics, "trainguard_bus_connected") == 1
+            finally:
+                await watch.close()
+    [started] = events_of(logs, "bus outage started")
+    assert started["probe"] == "reaching the bus"
+    assert started["error"].startswith("BusUnavailable")
+    [ended] = events_of(logs, "bus outage ended")
+    assert ended["duration_s"] == 7.0  # from the first attempt: the bus never answered before

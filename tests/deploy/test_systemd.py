@@ -16,8 +16,9 @@ from tests.deploy.support import DEPLOY, parse_cli
 
 UNIT = DEPLOY / "systemd" / "trainguard-daemon.service"
 REFUSED = 2
-"""`trainguard daemon`'s exit status for a bad setting or another daemon serving the embedded
-bus file (daemon/cli.py, typer.Exit(2)); tests/daemon/test_embedded_lock.py runs it."""
+"""`trainguard daemon`'s exit status for a bad setting, a bus that cannot work or another daemon
+serving the embedded bus file (daemon/cli.py, typer.Exit(2)); tests/daemon/test_embedded_lock.py
+and tests/daemon/test_bus_wait.py run it. A bus that is away is waited for, never an exit."""
 
 
 def unit() -> dict[str, dict[str, list[str]]]:

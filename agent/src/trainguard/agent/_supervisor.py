@@ -66,7 +66,7 @@ a signal ends that wait (a supervisor that was signalled before waits at most
 ``stop_timeout_s``), and the spools of undelivered workers stay on disk: the next supervisor
 of the job on this node forwards them before anything else. Its own calls on the bus
 (connecting, reading the job's state, sending a report or request) wait out an outage, logged
-when it begins, while it lasts and when it ends (:mod:`._bus_wait`): a supervisor started
+when it begins, while it lasts and when it ends (:func:`~trainguard.agent.bus.patiently`): a supervisor started
 during an outage waits for the bus and starts nothing meanwhile. A signal ends every wait on
 the bus at once, whatever the bus's timeouts; only a bus that cannot work (not retriable:
 a bad URL, refused credentials) fails the run.
@@ -95,14 +95,6 @@ from typing import Literal, TypeVar
 
 import structlog
 
-from trainguard.agent._bus_wait import (
-    ABANDON_GRACE_S,
-    Signalled,
-    abandon,
-    or_stop,
-    patiently,
-    quietly,
-)
 from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
 from trainguard.agent._courier import Courier
 from trainguard.agent._daemon_watch import DaemonWatch, poll_interval_s
@@ -120,12 +112,16 @@ from trainguard.agent.bus import (
     Consumer,
     Delivery,
     Record,
+    Signalled,
     TopicPartition,
     default_state_dir,
     open_bus,
     parse_bus_url,
+    patiently,
+    started,
 )
 from trainguard.agent.bus._partitioner import partition_for
+from trainguard.agent.bus._wait import abandon, or_stop, quietly
 from trainguard.schemas import (
     Abort,
     Checkpoint,
@@ -504,27 +500,19 @@ class Supervisor:
             await quietly(bus.close(), self._interrupted)
 
     async def _started_bus(self) -> Bus:
-        """A new connection to the bus, started (closed again if it fails to start).
+        """A new connection to the bus, started (closed again if it fails to start:
+        :func:`~trainguard.agent.bus.started`).
 
         Raises:
             BusError: the bus cannot be reached or used.
         """
-        bus = open_bus(self._c.bus)
-        try:
-            await bus.start()
-        except BaseException:
-            closing = asyncio.ensure_future(bus.close())
-            # A close that hangs on a broker that is away is given up after a grace.
-            if not (await asyncio.wait({closing}, timeout=ABANDON_GRACE_S))[0]:
-                await abandon(closing)
-            raise
-        return bus
+        return await started(open_bus(self._c.bus))
 
     async def _patiently(
         self, what: str, call: Callable[[], Awaitable[_T]], stop: asyncio.Event
     ) -> _T:
         """``call()`` until the bus answers it, logging the outage; a signal ends the wait
-        (:func:`._bus_wait.patiently`).
+        (:func:`~trainguard.agent.bus.patiently`).
 
         Raises:
             Signalled: ``stop`` was set.

@@ -29,6 +29,15 @@ Log lines, each once per outage: ``bus outage started`` (error: what failed, sec
 last contact), ``bus outage ended`` (warning: how long), ``caught up after outage`` (info:
 records folded since, seconds taken).
 
+Before the probes, the service reaches the bus (connecting, joining its consumer group) and
+tells the watch: :meth:`BusWatch.connecting` when it begins, :meth:`BusWatch.unreachable` when
+an attempt fails (or the bus failed under its fold loop, which then serves again from scratch),
+:meth:`BusWatch.start` once it is connected. A failed attempt is an outage like an unanswered
+probe (the same gauges and log lines), and so is a first attempt that has gone unanswered for
+``timeout_s`` as far as readiness is concerned (``cannot reach the bus for N s``; a broker
+paused with SIGSTOP lets a connection attempt hang for the bus's whole ``connect_timeout_s``).
+Before it has ever reached the bus, the seconds count from the first attempt.
+
 A broker coming back often answers one probe and then fails the next (leaders still being
 elected, metadata not yet current). A probe that fails within ``2 * (interval_s + timeout_s)``
 of an outage's end is the same outage *resumed* (``bus outage resumed``, warning): readiness and
@@ -99,7 +108,8 @@ class BusWatch:
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._clock = clock
-        self._last_contact: float | None = None  # None: not started
+        self._last_contact: float | None = None  # None: never reached the bus
+        self._connecting: float | None = None  # since when the service tries to reach it
         self._outage_started: float | None = None  # None: no outage
         self._ended: tuple[float, float] | None = None  # (start, end) of the last outage
         self._lag: Mapping[int, int] = {}
@@ -109,11 +119,33 @@ class BusWatch:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
+    def connecting(self) -> None:
+        """The service begins to reach the bus (at its start, or again after the bus failed
+        under its loop): not connected until :meth:`start`."""
+        if self._connecting is None:
+            self._connecting = self._clock()
+        self._metrics.bus_connected(False)
+
+    def unreachable(self, error: str) -> None:
+        """An attempt of the service to reach the bus failed, or the bus failed under its fold
+        loop (``error`` says how): an outage, logged and counted once, as an unanswered probe
+        starts one."""
+        self._failed(self._clock(), error, what="reaching the bus")
+
     def start(self, bus: Bus) -> None:
-        """Start probing ``bus`` (a started bus: that start was the first contact) from a task
-        of the running event loop. Call :meth:`close` when done."""
-        self._last_contact = self._clock()
+        """Start probing ``bus`` (a started bus: that start was a contact) from a task of the
+        running event loop, with nothing known of the service's partitions yet; an outage in
+        progress ends (``bus outage ended``). Call :meth:`close` when done."""
+        now = self._clock()
+        if self._outage_started is not None:
+            self._ended = (self._outage_started, now)
+            log.warning("bus outage ended", duration_s=round(self.last_contact_age_s(), 3))
         self._outage_started = None
+        self._connecting = None
+        self._last_contact = now
+        self._catchup = None
+        self._lag = {}
+        self._metrics.observe_lag(self._lag)
         self._metrics.bus_connected(True)
         self._task = asyncio.get_running_loop().create_task(self._run(bus), name="bus-watch")
 
@@ -130,20 +162,32 @@ class BusWatch:
 
     @property
     def connected(self) -> bool:
-        """Whether the latest probe was answered (``False`` before :meth:`start`)."""
-        return self._last_contact is not None and self._outage_started is None
+        """Whether the bus is reached and the latest probe was answered (``False`` before
+        :meth:`start`)."""
+        return (
+            self._connecting is None
+            and self._last_contact is not None
+            and self._outage_started is None
+        )
 
     def last_contact_age_s(self) -> float:
-        """Seconds since the bus last answered (0 before :meth:`start`)."""
-        if self._last_contact is None:
+        """Seconds since the bus last answered; before it ever did, since the service began
+        to reach it (0 before that)."""
+        since = self._last_contact if self._last_contact is not None else self._connecting
+        if since is None:
             return 0.0
-        return max(0.0, self._clock() - self._last_contact)
+        return max(0.0, self._clock() - since)
 
     def outage_reason(self) -> str | None:
-        """``cannot reach the bus for N s`` (seconds since its last answer) while the latest
-        probe went unanswered, else ``None``."""
+        """Why the bus is not reached, else ``None``: ``cannot reach the bus for N s``
+        (:meth:`last_contact_age_s`) during an outage, or while the service has been trying to
+        reach it for ``timeout_s`` or longer, ``connecting to the bus`` while it has not yet."""
+        connecting = self._connecting
         if self._outage_started is None:
-            return None
+            if connecting is None:
+                return None
+            if self._clock() - connecting < self._timeout_s:
+                return "connecting to the bus"
         return f"cannot reach the bus for {int(self.last_contact_age_s())} s"
 
     def lag_reason(self, max_lag_records: int) -> str | None:
@@ -209,7 +253,7 @@ class BusWatch:
         self._lag = {p: max(0, ends.get(p, 0) - pos) for p, pos in positions.items()}
         self._metrics.observe_lag(self._lag)
 
-    def _failed(self, began: float, error: str) -> None:
+    def _failed(self, began: float, error: str, *, what: str = f"end offsets of {_TOPIC}") -> None:
         if self._outage_started is not None:
             return  # logged and counted once per outage
         self._metrics.bus_connected(False)
@@ -223,6 +267,6 @@ class BusWatch:
         log.error(
             "bus outage started",
             error=error,
-            probe=f"end offsets of {_TOPIC}",
+            probe=what,
             since_contact_s=round(self.last_contact_age_s(), 3),
         )

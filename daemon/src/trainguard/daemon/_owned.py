@@ -60,6 +60,14 @@ class Books:
             self.acted_ticks.pop(job, None)
             self.audited.discard(job)
 
+    def clear(self) -> None:
+        """Drop everything, :attr:`loaded_commands` too (the service serves again from
+        scratch)."""
+        self.forget(set(self.jobs))
+        for book in (self.job_partition, self.sent_commands, self.acted_ticks, self.audited):
+            book.clear()
+        self.loaded_commands.clear()
+
 
 @dataclass(frozen=True)
 class Checkpoint:

@@ -49,6 +49,12 @@ past the committed position were never committed (aborted by the new writer's op
 deriving them again sends nothing twice; a command already on the bus is still recognised
 (same or newer generation in the job's latest command) and not sent again.
 
+A bus that cannot be reached never ends the service: at the start, and when a call of the loop
+fails for longer than the bus's timeouts (a retriable ``BusError``), it drops everything it
+held and waits for the bus with the supervisor's helper
+(:func:`~trainguard.agent.bus.patiently`; readiness says ``cannot reach the bus``), then serves
+again from scratch, as a new instance: the restart rule above applies unchanged.
+
 Authentication (with keys, :mod:`trainguard.daemon._security`): every command and committed
 manifest is signed, every tick MACed with its job's event key, and intake refuses events whose
 MAC is missing or wrong (dead-lettered, counted, and recorded on ``audit`` so that a replay
@@ -83,10 +89,14 @@ from trainguard.agent.bus import (
     Fenced,
     PartitionWriter,
     Record,
+    Signalled,
     TopicPartition,
     TransactionExpired,
     TransactionInDoubt,
+    close_soon,
     open_bus,
+    patiently,
+    started,
 )
 from trainguard.agent.bus._sqlite_lock import serving_lock
 from trainguard.daemon._audit import config_entry, config_id, decision_entry, refusal_entry
@@ -195,8 +205,9 @@ class DaemonService:
         ValueError: ``config.security.require_auth`` without a ``DaemonKeys``.
 
     ``await service.run(stop)`` returns after ``stop`` is set (and the consumed positions are
-    committed). Raises :class:`~trainguard.agent.bus.BusError` if the bus fails for longer
-    than its configured timeouts.
+    committed). A bus that cannot be reached, at the start or for longer than its timeouts
+    later, is waited for (:meth:`run`); only a bus that cannot work raises
+    :class:`~trainguard.agent.bus.BusError`.
     """
 
     def __init__(
@@ -289,24 +300,114 @@ class DaemonService:
         On the embedded bus the instance first takes the bus file's daemon lock and holds it
         until it returns: one daemon per file (:mod:`trainguard.agent.bus._sqlite_lock`).
 
+        A bus that cannot be reached is waited for, at the start and whenever it fails under
+        the loop for longer than its own timeouts (a retriable
+        :class:`~trainguard.agent.bus.BusError`): :meth:`_serve_through_outages`.
+
         Args:
-            stop: set to wind down (positions committed, snapshots written).
+            stop: set to wind down (positions committed, snapshots written); while the
+                instance waits for the bus it returns at once.
             standby: embedded bus: wait for the lock instead of refusing (returns at once when
                 ``stop`` is set while waiting). Kafka: no effect.
 
         Raises:
             DaemonLockHeld: embedded bus, not ``standby``, and another daemon holds the lock;
                 nothing was read or written.
-            BusError: the bus cannot be opened or fails.
+            BusError: the bus cannot work (not retriable: a malformed URL, credentials the
+                broker refuses, topics the cluster refuses to create).
         """
         async with serving_lock(self._c.bus, standby=standby, stop=stop) as serving:
             if serving:
-                await self._serve(stop)
+                await self._serve_through_outages(stop)
 
-    async def _serve(self, stop: asyncio.Event) -> None:
-        """:meth:`run` once this instance may serve the bus."""
-        async with open_bus(self._c.bus) as bus:
-            consumer = await bus.subscribe(["events"], self._c.group)
+    async def _serve_through_outages(self, stop: asyncio.Event) -> None:
+        """:meth:`run` once this instance may serve the bus. Reach the bus (connect, join the
+        consumer group), waiting out an outage
+        (:func:`~trainguard.agent.bus.patiently`: back-off 0.1-2 s, ``bus outage: ...`` logged
+        when it begins, every ``warn_every_s`` while it lasts, ``bus outage over`` when it
+        ends; ``/healthz`` says ``cannot reach the bus``), then serve. When the bus fails under
+        the loop (a retriable error), everything this instance held is dropped and it waits
+        for the bus and serves again from scratch, as a new instance would: new consumer and
+        writers, jobs rebuilt from the committed positions and snapshots.
+        """
+        failed: BusError | None = None
+        while True:
+            self._watch.connecting()
+            try:
+                bus, consumer = await patiently(
+                    "reaching the bus",
+                    self._connect,
+                    stop,
+                    warn_every_s=self._c.warn_every_s,
+                    failed=failed,
+                    bus=self._c.bus.url,
+                    group=self._c.group,
+                )
+            except Signalled:
+                log.info("daemon stopped while waiting for the bus", bus=self._c.bus.url)
+                return
+            try:
+                await self._serve(bus, consumer, stop)
+                return
+            except BusError as exc:
+                if not exc.retriable:
+                    raise
+                failed = exc
+            self._drop_everything()
+            if stop.is_set():  # the bus failed as the loop wound down: nothing to wait for
+                log.error(
+                    "daemon stopped: the bus failed as it wound down",
+                    bus=self._c.bus.url,
+                    error=str(failed),
+                )
+                return
+
+    async def _connect(self) -> tuple[Bus, Consumer]:
+        """One attempt to reach the bus: a started bus and a member of the daemon's consumer
+        group on ``events``. A failed attempt closes what it opened; one the bus may answer
+        later is an outage for :class:`BusWatch`.
+
+        Raises:
+            BusError: the bus cannot be reached (retriable) or cannot work.
+        """
+        try:
+            bus = await started(open_bus(self._c.bus))
+            try:
+                return bus, await bus.subscribe(["events"], self._c.group)
+            except BaseException:
+                await close_soon(bus)
+                raise
+        except BusError as exc:
+            if exc.retriable:
+                self._watch.unreachable(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _drop_everything(self) -> None:
+        """Forget every partition and job (their writers and consumer are closed): the
+        instance holds nothing until it serves again."""
+        if self._snapshots is not None:
+            self._snapshots.forget(list(self.jobs))
+        self._books.clear()
+        self._partitions = {}
+        self._last_tick_ns.clear()
+        self._consumer = None
+        self._resync_needed = False
+        self._rejoin_now = False
+        self._dropping.clear()
+        self._pulse = Pulse(self._c.pulse_s)
+        self._commit_failures.keep(())
+        self.ready.clear()
+        self.metrics.observe_assignment(0, ())
+        self.metrics.observe_lag({})
+
+    async def _serve(self, bus: Bus, consumer: Consumer, stop: asyncio.Event) -> None:
+        """Serve ``bus`` from ``consumer`` (a new member of the group) until ``stop`` is set;
+        ``bus`` and ``consumer`` are closed on return.
+
+        Raises:
+            BusError: the bus failed under the loop.
+        """
+        try:
             self._consumer = consumer
             self._watch.start(bus)
             log.info("daemon started", group=self._c.group, bus=self._c.bus.url)
@@ -339,14 +440,23 @@ class DaemonService:
                     await self._write_snapshots()
                     self._update_gauges()
                     self._reload_keys()
+            except BusError as exc:
+                if exc.retriable:  # readiness says so from now on, through the cleanup below
+                    await self._watch.close()
+                    self._watch.unreachable(f"{type(exc).__name__}: {exc}")
+                raise
             finally:
                 await self._watch.close()
                 await self._commit(force=True)
                 if stop.is_set():  # a clean stop: the next start reads little of the log
                     await self._write_snapshots(force=True)
                 await self._close_writers()
-                await consumer.close()
-                log.info("daemon stopped", folded=self.counters["folded"])
+                if self._consumer is not None:
+                    await self._consumer.close()
+                if stop.is_set():
+                    log.info("daemon stopped", folded=self.counters["folded"])
+        finally:
+            await bus.close()
 
     # -- partitions --------------------------------------------------------------------------
 

@@ -92,6 +92,9 @@ class DaemonConfig:
             (``/healthz`` not ready, ``trainguard_bus_connected`` 0, ``bus outage started``
             logged); no tick is written until the bus answers again and the daemon has folded
             what was appended meanwhile.
+        warn_every_s: while the daemon cannot reach the bus (at its start, or after the bus
+            failed under its loop), it waits for it and logs ``bus outage goes on`` this often,
+            seconds.
         max_lag_records: ``/healthz`` is not ready while the owned partitions are behind
             their end offsets by more records than this, in total (as of the last probe).
         commit_interval_s: longest time, seconds, between two commits of a partition's
@@ -114,7 +117,7 @@ class DaemonConfig:
 
     Raises:
         ValueError: ``metrics_port`` outside -1..65535, ``poll_s``, ``pulse_s``,
-            ``probe_interval_s`` or ``probe_timeout_s`` not > 0, ``tick_interval_s``,
+            ``probe_interval_s``, ``probe_timeout_s`` or ``warn_every_s`` not > 0, ``tick_interval_s``,
             ``commit_interval_s`` or ``snapshot_interval_s`` negative, ``commit_interval_s``
             above :data:`MAX_COMMIT_INTERVAL_S`, a duration not finite,
             ``2 * pulse_s + poll_s + commit_interval_s`` not below the machine's
@@ -130,6 +133,7 @@ class DaemonConfig:
     pulse_s: float = 1.0
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 2.0
+    warn_every_s: float = 30.0
     max_lag_records: int = 10_000
     commit_interval_s: float = 0.1
     metrics_host: str = "127.0.0.1"
@@ -138,7 +142,7 @@ class DaemonConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
-        for name in ("poll_s", "pulse_s", "probe_interval_s", "probe_timeout_s"):
+        for name in ("poll_s", "pulse_s", "probe_interval_s", "probe_timeout_s", "warn_every_s"):
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")

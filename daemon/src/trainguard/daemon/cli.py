@@ -277,8 +277,11 @@ def daemon(
     """Run the daemon: fold every job's events, detect failures, coordinate restores.
 
     Serves Prometheus metrics on /metrics and readiness on /healthz (docs/operations.md).
-    Stops cleanly on SIGTERM or SIGINT (consumed positions committed). One daemon per
-    embedded bus file: a second exits 2 naming the first, unless --standby.
+    Stops cleanly on SIGTERM or SIGINT (consumed positions committed; exit 0). A bus that
+    cannot be reached, at the start or later, is waited for (not ready meanwhile), and a
+    signal ends that wait at once; exit 2 only for a bad setting or a bus that cannot work
+    (a malformed URL, credentials the broker refuses, topics it refuses to create). One daemon
+    per embedded bus file: a second exits 2 naming the first, unless --standby.
     """
     from trainguard.agent._keystore import KeyStoreError
     from trainguard.daemon._http import HealthServer

@@ -1,7 +1,10 @@
 """The message bus every trainguard party talks through: a port and two adapters.
 
 ``open_bus(BusConfig(url))`` (or ``open_bus("sqlite:///bus.db")``) returns an unstarted
-:class:`Bus`; use it as ``async with open_bus(...) as bus:``.
+:class:`Bus`; use it as ``async with open_bus(...) as bus:``. A process that must outlive an
+outage of the bus waits for it with :func:`patiently` (``await patiently("connecting to the
+bus", lambda: started(open_bus(config)), stop, warn_every_s=30.0)``), which a signal ends
+(:class:`Signalled`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from trainguard.agent.bus._port import (
     TopicPartition,
     TopicSpec,
 )
+from trainguard.agent.bus._wait import Signalled, close_soon, patiently, started
 
 __all__ = [
     "DEFAULT_BUS_URL",
@@ -56,16 +60,20 @@ __all__ = [
     "KafkaSecurity",
     "PartitionWriter",
     "Record",
+    "Signalled",
     "TopicPartition",
     "TopicSpec",
     "TransactionExpired",
     "TransactionInDoubt",
+    "close_soon",
     "default_bus_url",
     "default_state_dir",
     "load_kafka_security",
     "open_bus",
     "parse_bus_url",
+    "patiently",
     "sqlite_url",
+    "started",
     "topic_prefixes",
 ]
 
