@@ -5,12 +5,16 @@ ranks made during the outage commit first and are the target.
 
 Traces model the outage as the bus does (``traces.outage``): everything sent while the broker
 was away is appended, in order, when it returns; the daemon's own ticks too (``drive``'s
-``outages``).
+``outages``). Simulated jobs can also cross one as their agents' links deliver it
+(``traces.Away``): only the newest heartbeats survive the outage, every shard does, and a slow
+return takes them one round trip each.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -28,7 +32,20 @@ from tests.daemon.machine_scenarios import (
     run,
     two_ranks_training,
 )
-from tests.daemon.traces import drive, every, healthy_jobs, opened, outage, simulate
+from tests.daemon.traces import (
+    Away,
+    Faults,
+    Job,
+    Pace,
+    drive,
+    every,
+    healthy_jobs,
+    opened,
+    outage,
+    paces,
+    progress_bound_ns,
+    simulate,
+)
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import (
     Anomaly,
@@ -43,7 +60,7 @@ from trainguard.daemon._decisions import (
 from trainguard.daemon._inputs import Input, Observed, Tick
 from trainguard.daemon._machine import decide, next_deadline
 from trainguard.daemon._state import JobState
-from trainguard.schemas import Restore, Resume
+from trainguard.schemas import Checkpoint, Heartbeat, Restore, Resume
 
 CFG = config()
 
@@ -538,3 +555,185 @@ def test_late_shards_past_the_incident_s_onset_or_disagreeing_form_no_cut() -> N
     assert state.phase == "finished"
     assert of_type(decisions, Committed) == []
     assert state.committed[-1].snapshot_id == "job/g0/s30"
+
+
+# -- the agents' outbox across an outage and a slow return --------------------------------------
+
+
+def paused(job: Job, start_s: float, length_s: float, trip_s: float) -> tuple[Job, Away]:
+    """``job`` with the bus away ``length_s`` from ``start_s`` and one round trip per record
+    taking ``trip_s`` for the first 60 s after it (a broker catching up at load 45)."""
+    away = Away(start_s=start_s, length_s=length_s, round_trip_s=trip_s, catch_up_s=60.0)
+    return replace(job, away=away), away
+
+
+#: The variant of the chaos test that saw the false restore once: 2-rank charlm, 0.2 s steps,
+#: heartbeats every 0.5 s (16 of them kept: the last 8 s), a shard every 20 steps.
+CHARLM = Job(
+    world_size=2,
+    steps=600,
+    pace=Pace(base_s=0.2),
+    heartbeat_s=0.5,
+    jitter_s=0.05,
+    delay_s=0.005,
+    init_s=3.0,
+    first_step_s=1.0,
+    checkpoint_every=20,
+    checkpoint_write_s=0.05,
+    tail_s=2.0,
+    seed=13,
+)
+
+
+def test_a_slow_return_delivering_shards_one_by_one_is_no_stall() -> None:
+    """The broker paused 60 s from step 78 on: each agent kept its last 16 heartbeats and all
+    15 shards made meanwhile, and sends the shards first, one per 0.5 s round trip. The old
+    code took the 6 s without a heartbeat showing a new step for a stall, 5.5 s after the
+    return ("ranks 0, 1 ... kept heartbeating without completing a step for up to 6 s ... at
+    steps 78-79"): a shard of a later step is progress."""
+    job, away = paused(CHARLM, 20.0, 60.0, 0.5)
+    trace = simulate(job)
+    start, end = away.window
+    burst = [i for i in trace.inputs if i.at_ns >= end]
+    first_beat = next(
+        n for n, i in enumerate(burst) if isinstance(i, Observed) and type(i.event) is Heartbeat
+    )
+    shards = [i for i in burst[:first_beat] if isinstance(i, Observed)]
+    assert all(isinstance(i.event, Checkpoint) for i in shards[2:]), "shards come first"
+    assert burst[first_beat].at_ns - end > CFG.progress_floor_ns + CFG.heartbeat_interval_ns
+    state, folded = drive(trace.inputs, cfg=CFG, outages=[away.window], until=trace.end_ns)
+    decisions = every(folded)
+    assert opened(folded) == [], [d.reason for _, d in opened(folded)]
+    [gap] = kinds(decisions, "bus_gap")
+    assert gap.measures["to_ns"] == end
+    made = [k for k in range(20, 600, 20) if start <= trace.ends[k] < end]
+    committed = {c.manifest.step for c in of_type(decisions, Committed)}
+    assert set(made) <= committed
+    assert state.phase == "finished"
+
+
+def test_a_shard_of_a_later_step_is_progress_dated_at_the_rank_s_previous_event() -> None:
+    """Its event does not say when the step completed: not before the rank last spoke, the
+    earliest a heartbeat can date it, so a stall is never found later than from heartbeats."""
+    sim = Sim(world_size=2)
+    state, _ = run(two_ranks_training(sim, 30), cfg=CFG)
+    before = state.ranks[0]
+    at = state.clock_ns + 2 * S
+    state, _ = decide(state, sim.checkpoint(0, 40, at), CFG)
+    rec = state.ranks[0]
+    assert (rec.step, rec.step_advanced_ns, rec.last_heard_ns) == (40, before.last_heard_ns, at)
+    state, _ = decide(state, sim.cursor(0, 45, at + S), CFG)
+    assert (state.ranks[0].step, state.ranks[0].step_advanced_ns) == (45, at)
+
+
+def test_a_shard_of_an_earlier_step_shows_no_progress() -> None:
+    """A background write announced after the heartbeats went on: the stall after it is found
+    when it would be without the shard."""
+    sim = Sim(world_size=2)
+    inputs = two_ranks_training(sim, 33)
+    state, _ = run(inputs, cfg=CFG)
+    hung = state.clock_ns
+    late = [sim.checkpoint(r, 32, hung + S + r) for r in range(2)]
+    beats = [sim.heartbeat(r, 33, hung + k * S + r) for k in range(2, 12) for r in range(2)]
+    with_shards, decisions = run([*late, *beats[:2]], state, CFG)
+    without, _ = run(beats[:2], state, CFG)
+    assert 32 in {c.manifest.step for c in of_type(decisions, Committed)}
+    for r in range(2):
+        assert with_shards.ranks[r].step == 33
+        assert with_shards.ranks[r].step_advanced_ns == without.ranks[r].step_advanced_ns
+    _, folded = drive([*late, *beats], state, CFG, first_incident=True)
+    _, plain = drive(beats, state, CFG, first_incident=True)
+    [(at, incident)] = opened(folded)
+    assert incident.cause == "progress_timeout"
+    assert [at] == [at for at, _ in opened(plain)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    job=healthy_jobs(),
+    where=st.floats(0.0, 1.0),
+    length_s=st.floats(6.0, 600.0),
+    trip_s=st.floats(0.0, 2.0),
+)
+def test_an_outage_delivered_as_the_agents_send_it_never_creates_an_incident(
+    job: Job, where: float, length_s: float, trip_s: float
+) -> None:
+    """Invariant: a healthy job with the bus away for longer than ``bus_gap_s`` at any
+    moment once every rank was heard, its agents keeping only their newest heartbeats and
+    every shard, and the broker taking each record up to 2 s for a minute after its return,
+    opens no incident."""
+    plain = simulate(job)
+    # A job that starts during an outage is left out: a rank's first heartbeats, all late,
+    # set its delay floor, so the step-lag allowance cannot see how late they are.
+    beats = [i for i in plain.inputs if isinstance(i, Observed) and isinstance(i.event, Heartbeat)]
+    first = max(min(i.at_ns for i in beats if i.event.rank == r) for r in range(job.world_size))
+    last = plain.inputs[-1].at_ns
+    start_s = (first - T0 + where * (last - first)) / S
+    job, away = paused(job, start_s, length_s, trip_s)
+    trace = simulate(job)
+    until = trace.inputs[-1].at_ns + 2 * S
+    _, folded = drive(trace.inputs, cfg=CFG, outages=[away.window], until=until)
+    assert opened(folded) == [], [d.reason for _, d in opened(folded)]
+
+
+def first_shown(inputs: list[Input], rank: int, step: int) -> int:
+    """The append time (ns) of the first input showing that ``rank`` completed ``step``: a
+    training heartbeat of that step or later, or a shard of it or a later one."""
+    return next(
+        i.at_ns
+        for i in inputs
+        if isinstance(i, Observed)
+        and isinstance(i.event, Heartbeat | Checkpoint)
+        and i.event.rank == rank
+        and i.event.step >= step
+        and not (isinstance(i.event, Heartbeat) and i.event.phase == "init")
+    )
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    pace=paces(low_s=0.05, high_s=5.0),
+    world_size=st.integers(1, 4),
+    lead_s=st.floats(-6.0, 0.0) | st.floats(0.0, 300.0),
+    length_s=st.floats(6.0, 300.0),
+    trip_s=st.floats(0.0, 2.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_hang_around_an_outage_is_caught_within_its_bound_not_counting_the_gap(
+    pace: Pace, world_size: int, lead_s: float, length_s: float, trip_s: float, seed: int
+) -> None:
+    """Every rank stops at a step shortly before or during the outage (``lead_s`` after it
+    began), the agents heartbeat on: one progress timeout, naming every rank, within the
+    usual bound from the first record showing that step (of the backlog, for a hang during
+    the outage), not counting the gap. The backlog's shards of earlier steps postpone
+    nothing, and nothing but the gap is added (no settle time)."""
+    hang = max(60, math.ceil(120 / pace.base_s))
+    job = Job(
+        world_size=world_size,
+        steps=hang + 20,
+        pace=pace,
+        heartbeat_s=0.5,
+        first_step_s=pace.base_s,
+        checkpoint_every=5,
+        faults=Faults(hang_after=hang),
+        seed=seed,
+    )
+    ends = simulate(job).ends
+    stopped = ends[hang]
+    lead = min(lead_s, 0.95 * length_s)
+    # The adaptive timeout is known when the bus leaves (samples come from heartbeats, and
+    # the outage drops most of them).
+    known = max(ends[20], ends[1] + 30 * S)
+    start_s = (max(known, stopped - round(lead * S)) - T0) / S
+    job, away = paused(replace(job, tail_s=length_s + 120.0), start_s, length_s, trip_s)
+    trace = simulate(job)
+    start = away.window[0]
+    _, folded = drive(trace.inputs, cfg=CFG, outages=[away.window], first_incident=True)
+    [(at, incident)] = opened(folded)
+    assert incident.cause == "progress_timeout"
+    assert incident.ranks == tuple(range(world_size))
+    gaps = [g.measures["gap_s"] for g in kinds(every(folded), "bus_gap")]
+    shown = min(first_shown(trace.inputs, r, hang) for r in range(world_size))
+    if shown < start and gaps:
+        shown += round(float(gaps[0]) * S)  # time stopped across the gap
+    assert at <= shown + progress_bound_ns(job, CFG)

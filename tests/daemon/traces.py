@@ -6,8 +6,11 @@ would fold: every rank heartbeats every ``heartbeat_s`` with jitter (reporting i
 completed step, how long ago it completed, that step's time as the agent measures it, loss,
 phase; step 0 in phase ``init`` until its ``ready()``), sends an immediate heartbeat when it
 calls ``ready()``, declares a phase or computes a parameter checksum, and announces checkpoint
-shards; records reach the bus after a delivery delay, in order per sender.
-:func:`drive` folds them like the daemon's shell, ticking at :func:`next_deadline`.
+shards; records reach the bus after a delivery delay, in order per sender. With a bus outage
+(:class:`Away`) they reach it as the agents' links deliver them: each rank's outbox is the
+agent's own (:class:`~trainguard.agent._outbox.Outbox`, its heartbeat ring included), sent one
+event per round trip when the bus returns. :func:`drive` folds them like the daemon's shell,
+ticking at :func:`next_deadline`.
 
 Times are nanoseconds (``S`` is a second); ``T0`` is the job's start.
 """
@@ -20,12 +23,14 @@ import itertools
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal, TypedDict
 
 from hypothesis import strategies as st
 
 from tests.daemon.machine_scenarios import JOB, T0, S, config, host_of
+from trainguard.agent._config import AgentConfig
+from trainguard.agent._outbox import Kind, Outbox, Queued
 from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import Decision, IncidentOpened
 from trainguard.daemon._inputs import Input, Observed, Tick
@@ -130,6 +135,43 @@ class Faults:
     restart_from_zero: tuple[int, int] | None = None
 
 
+def _agent_default(name: str) -> int:
+    default = next(f.default for f in fields(AgentConfig) if f.name == name)
+    assert isinstance(default, int)
+    return default
+
+
+RING = _agent_default("heartbeat_queue")
+"""The agent's heartbeat ring by default (``AgentConfig.heartbeat_queue``): the newest
+heartbeats kept while the bus is away."""
+
+
+@dataclass(frozen=True)
+class Away:
+    """The bus away from ``start_s`` to ``start_s + length_s`` (seconds after ``T0``), and slow
+    for ``catch_up_s`` after its return: every send's round trip takes ``round_trip_s`` then
+    (a broker catching up under load), else up to the job's ``delay_s``.
+
+    The ranks' links deliver as the agent's does (:mod:`trainguard.agent._link`): events
+    leave in ``seq`` order, checkpoint and lifecycle events one per round trip, a run of
+    heartbeats together in one; while the bus is away only the newest ``ring`` heartbeats
+    wait (the others are dropped), every other event is kept; a send under way when the bus
+    left is appended when it returns.
+    """
+
+    start_s: float
+    length_s: float
+    round_trip_s: float = 0.0
+    catch_up_s: float = 0.0
+    ring: int = RING
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """The outage's ``(start, end)``, bus times (ns), for :func:`drive`'s ``outages``."""
+        start = T0 + _ns(self.start_s)
+        return start, start + _ns(self.length_s)
+
+
 @dataclass(frozen=True)
 class Job:
     """A simulated job. Durations in seconds.
@@ -157,6 +199,7 @@ class Job:
         tail_s: how long the simulation runs after the last step; a job that completed
             every step reports ``finished`` 1 s after it, a hung one heartbeats on.
         seed: randomness of step times, jitter, delays and noise.
+        away: a bus outage, delivered as the agents' links deliver (``None``: none).
     """
 
     world_size: int = 4
@@ -176,6 +219,7 @@ class Job:
     faults: Faults = field(default_factory=Faults)
     tail_s: float = 30.0
     seed: int = 0
+    away: Away | None = None
 
 
 @dataclass
@@ -427,6 +471,8 @@ class _Simulation:
     def _deliver(self) -> list[Input]:
         """Number each sender's events in send order and deliver them in that order."""
         self.events.sort(key=lambda e: (e[0], e[1]))
+        if self.job.away is not None:
+            return self._deliver_through(self.job.away)
         numbered: dict[int, int] = {}
         delivered: dict[int, int] = {}
         arrivals: list[tuple[int, int, Input]] = []
@@ -435,6 +481,44 @@ class _Simulation:
             arrive = max(delivered.get(rank, 0), at + _ns(self.rng.uniform(0, self.job.delay_s)))
             delivered[rank] = arrive
             arrivals.append((arrive, order, Observed(arrive, None, replace(event, seq=seq))))
+        arrivals.sort(key=lambda e: (e[0], e[1]))
+        return [item for _, _, item in arrivals]
+
+    def _deliver_through(self, away: Away) -> list[Input]:
+        """Each rank's events, sent in order by its link across the outage ``away``."""
+        start, end = away.window
+        slow_until = end + _ns(away.catch_up_s)
+        arrivals: list[tuple[int, int, Input]] = []
+        for rank in range(self.job.world_size):
+            own = [(at, e) for at, r, e in self.events if r == rank]
+            sent = [replace(e, seq=n) for n, (_, e) in enumerate(own)]
+            submitted = [at for at, _ in own]
+            outbox = Outbox(100_000, away.ring)
+            t, i = 0, 0
+            while i < len(sent) or len(outbox):
+                if not len(outbox):
+                    t = max(t, submitted[i])
+                while i < len(sent) and submitted[i] <= t:
+                    kind: Kind = "heartbeat" if isinstance(sent[i], Heartbeat) else "event"
+                    outbox.add(Queued(i, b"", kind))
+                    i += 1
+                if start <= t < end:
+                    t = end  # the link waits for the bus; the ring drops old heartbeats
+                    continue
+                batch = outbox.take_heartbeats()
+                if not batch:
+                    outbox.take()
+                    batch = [outbox.done()]
+                trip = (
+                    _ns(away.round_trip_s)
+                    if end <= t < slow_until
+                    else _ns(self.rng.uniform(0, self.job.delay_s))
+                )
+                t += trip
+                if start <= t < end:
+                    t = end  # under way when the bus left: appended when it returns
+                for item in batch:
+                    arrivals.append((t, len(arrivals), Observed(t, None, sent[item.seq])))
         arrivals.sort(key=lambda e: (e[0], e[1]))
         return [item for _, _, item in arrivals]
 

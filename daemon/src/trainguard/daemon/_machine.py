@@ -669,11 +669,14 @@ def _touch(
     step: int | None = None,
     status: RankStatus | None = None,
     restarted: bool = False,
+    advanced_ns: int | None = None,
 ) -> JobState:
     """Record that ``rank`` spoke at the current clock (any event but a heartbeat).
 
     ``restarted``: the rank (re)starts from ``step`` in this generation (its restore
     acknowledgement): its start-up steps and progress timeout count from here.
+    ``advanced_ns``: when ``step`` advances the rank's, the daemon clock (ns) its progress is
+    dated (default: the current clock).
     """
     clock = state.clock_ns
     prev = state.ranks.get(rank)
@@ -699,7 +702,9 @@ def _touch(
             status=status or prev.status,
             last_heard_ns=clock,
             step=prev.step if step is None else step,
-            step_advanced_ns=clock if advanced else prev.step_advanced_ns,
+            step_advanced_ns=(clock if advanced_ns is None else advanced_ns)
+            if advanced
+            else prev.step_advanced_ns,
             first_step=step if restarted else prev.first_step,
         )
         newly_finished = record.status == "finished" and prev.status != "finished"
@@ -709,6 +714,25 @@ def _touch(
         silence_floor_ns=clock if state.silence_floor_ns is None else state.silence_floor_ns,
         watch=rank_changed(state.watch, prev, record, clock, state.trend, config),
     )
+
+
+def _shown(state: JobState, rank: int, step: int) -> tuple[int, int] | tuple[None, None]:
+    """``(step, since)`` when ``step`` lies beyond ``rank``'s last reported step, else
+    ``(None, None)``: a shard or a data cursor of a later step shows that the rank completed it.
+
+    That is progress, as a heartbeat saying so would show it, counted when the event is
+    folded: the heartbeats in between may never arrive. While the bus is away an agent keeps
+    only its newest heartbeats (``heartbeat_queue``) but every shard and cursor, and sends them
+    in order when the bus returns, one per round trip; a slow return then brings nothing but
+    shards for longer than the progress timeout (``docs/detection.md``, "Bus outages"). The
+    event does not say when the step completed: it is dated ``since``, the rank's previous
+    event, the earliest a heartbeat's ``step_age_s`` can date it (so a stall is never found
+    later than from the heartbeats). A shard or cursor of an earlier step (a background write
+    announced after the heartbeats went on) shows nothing new."""
+    rec = state.ranks.get(rank)
+    if rec is None or rec.step is None or step <= rec.step:
+        return None, None
+    return step, rec.last_heard_ns
 
 
 def _on_cursor(
@@ -732,7 +756,8 @@ def _on_data_cursor(
     """Fold a data-cursor event: its data version, then (outside a restore) whether it agrees
     with what other ranks reported for its step; a disagreement fails the job."""
     generation = state.generation
-    state = _touch(state, event.rank, event.host, event.pid, config)
+    step, since = _shown(state, event.rank, event.step)
+    state = _touch(state, event.rank, event.host, event.pid, config, step=step, advanced_ns=since)
     state, noted = _on_cursor(state, event.rank, event.cursor.data_version, event.step, config)
     if state.generation != generation or state.phase in (*TERMINAL_PHASES, "restoring"):
         return state, noted
@@ -750,7 +775,8 @@ def _on_checkpoint(
     (ranks of an in-process restore still short of its step), a shard may hold the state the
     restore abandons: it is never committed."""
     generation = state.generation
-    state = _touch(state, event.rank, event.host, event.pid, config)
+    step, since = _shown(state, event.rank, event.step)
+    state = _touch(state, event.rank, event.host, event.pid, config, step=step, advanced_ns=since)
     state, noted = _on_cursor(state, event.rank, event.data_version, event.step, config)
     if state.generation != generation or state.phase in TERMINAL_PHASES:
         return state, noted  # the data version opened an incident or failed the job

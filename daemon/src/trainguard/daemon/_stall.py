@@ -6,11 +6,12 @@ Each alive rank that has heartbeated has a *stall deadline*:
 * in a declared phase (``init``, ``checkpoint``, ``eval``, ``data``): the time it was first
   seen in that phase plus the phase's limit;
 * training, while no rank is in a declared phase: the latest of the time its step last
-  advanced, the time it was first seen training, and the time the last declared phase of any
-  rank ended, plus its progress timeout: the start-up allowance during its first
-  ``startup_steps`` steps in the generation (or while the job has too few step-time samples),
-  else the job's adaptive timeout (:mod:`trainguard.daemon._trend`), plus one heartbeat
-  interval (a step's end is seen only when the next heartbeat reports it);
+  advanced (shown by a heartbeat, or by a shard or data cursor of a later step:
+  ``RankState.step_advanced_ns``), the time it was first seen training, and the time the
+  last declared phase of any rank ended, plus its progress timeout: the start-up allowance
+  during its first ``startup_steps`` steps in the generation (or while the job has too few
+  step-time samples), else the job's adaptive timeout (:mod:`trainguard.daemon._trend`), plus
+  one heartbeat interval (a step's end is seen only when the next heartbeat reports it);
 * training while some rank is in a declared phase: none (the others may be waiting for it in
   a collective; the phase's own limit bounds the wait);
 * training but silent since that time: none (a rank that stopped talking is the heartbeat

@@ -80,12 +80,14 @@ class RankState(NamedTuple):
         phase: the phase its last heartbeat declared, or ``None`` before its first heartbeat.
         last_heard_ns: daemon clock (ns) at its last event of any kind; heartbeat timeouts
             count from here.
-        step: last step it reported (heartbeat or restore acknowledgement), or ``None``. In
+        step: last step it reported (heartbeat, lifecycle event such as a restore
+            acknowledgement, or a shard or data cursor of a later step), or ``None``. In
             phase ``init`` the step it will start from (0 until its ``ready()``), no step
             trained.
         step_advanced_ns: daemon clock (ns) when ``step`` last increased, or ``None``: the
             append time of the heartbeat that showed it, less the step's age when the
-            heartbeat states it (``step_age_s``), but not before the rank's previous event.
+            heartbeat states it (``step_age_s``), but not before the rank's previous event;
+            the rank's previous event when a shard or data cursor showed it.
         phase_since_ns: daemon clock (ns) when ``phase`` was first reported in its current run
             (declared phases are limited from here), or of the rank's first event.
         first_step: the step the rank (re)started from in this generation: the step of its
