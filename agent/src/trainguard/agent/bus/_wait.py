@@ -188,6 +188,27 @@ async def close_soon(bus: Bus) -> None:
 
 async def quietly(call: Awaitable[Any], stop: asyncio.Event) -> None:
     """``await call`` for a bus call whose failure changes nothing (closing a connection):
-    its :class:`~trainguard.agent.bus.BusError` is dropped, and ``stop`` abandons it."""
-    with contextlib.suppress(BusError, Signalled):
-        await or_stop(call, stop)
+    its :class:`~trainguard.agent.bus.BusError` is dropped. Once ``stop`` is set (before or
+    during the call) the call gets :data:`ABANDON_GRACE_S` more, then is abandoned: a close
+    cancelled before it began would leave its clients open (aiokafka logs ``Unclosed
+    AIOKafkaProducer`` for each at exit), one given a moment has at least begun to stop them.
+
+    Raises:
+        Exception: whatever ``call`` raises other than a ``BusError``.
+    """
+    task = asyncio.ensure_future(call)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            await asyncio.wait({task}, timeout=ABANDON_GRACE_S)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        stopped.cancel()
+    if not task.done():
+        await abandon(task)
+        return
+    with contextlib.suppress(BusError, asyncio.CancelledError):
+        task.result()
