@@ -440,11 +440,13 @@ def finished(rank: int, generation: int) -> bytes:
 @pytest.mark.parametrize(
     ("latest", "generation"), [(None, 0), ("resume", 1)], ids=["committed", "resumed"]
 )
-async def test_a_restarted_supervisor_whose_ranks_finished_posts_nothing(
+async def test_a_restarted_supervisor_whose_ranks_finished_has_nothing_to_do(
     tmp_path: Path, latest: str | None, generation: int
 ) -> None:
-    """Rerunning a finished job: this node's ranks finished in the job's generation, so none is
-    gone: the supervisor refuses without reporting them (the daemon would ignore the report)."""
+    """A supervisor restarted (systemd, Kubernetes) after this node's ranks finished in the
+    job's generation: none is gone, so it reports nothing (the daemon would ignore the report),
+    starts nothing, says so and exits 0 like its predecessor. The old one exited 2, the status
+    of a bad setting, which a pod failure policy takes for the end of the whole job."""
     async with open_bus(bus_config(tmp_path)) as bus:
         await bus.publish("manifests", JOB, encode(manifest(step=30)))
         if latest == "resume":
@@ -456,9 +458,34 @@ async def test_a_restarted_supervisor_whose_ranks_finished_posts_nothing(
         for rank in (0, 1):
             await bus.publish("events", JOB, finished(rank, generation))
         before = await events(bus)
-        with pytest.raises(JobNotJoinable, match=rf"\[0, 1\] finished in generation {generation}"):
-            await Supervisor(config(tmp_path, "exit", nproc_per_node=2)).run()
+        with structlog.testing.capture_logs() as logs:
+            assert await Supervisor(config(tmp_path, "exit", nproc_per_node=2)).run() == 0
         assert await events(bus) == before  # nothing posted
+    assert not list((tmp_path / "out").iterdir())
+    [said] = [e for e in logs if "nothing to do" in e["event"]]
+    assert said["event"].startswith(
+        f"this node's ranks finished in generation {generation}; nothing to do"
+    )
+    assert said["log_level"] == "info"
+    assert not [e for e in logs if e["log_level"] in ("warning", "error")]
+
+
+async def test_trainguard_run_of_a_node_whose_ranks_finished_exits_0(tmp_path: Path) -> None:
+    """The same through ``trainguard run``, whose exit status the orchestrator reads."""
+    cfg = config(tmp_path, "exit", nproc_per_node=2)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        await bus.publish("manifests", JOB, encode(manifest(step=30)))
+        for rank in (0, 1):
+            await bus.publish("events", JOB, finished(rank, 0))
+    run = await asyncio.create_subprocess_exec(
+        *CLI, "run", "--job", JOB, "--bus", cfg.bus.url, "--nproc-per-node", "2",
+        "--daemon-timeout", "0", "--", *cfg.command,
+        env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(run.communicate(), 60)
+    assert run.returncode == 0, err.decode()
+    assert "this node's ranks finished in generation 0; nothing to do" in err.decode()
     assert not list((tmp_path / "out").iterdir())
 
 

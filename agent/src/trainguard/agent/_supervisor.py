@@ -557,7 +557,7 @@ class Supervisor:
             if await self._patiently(
                 "reading the job's snapshots", lambda: self._has_committed(bus), stop
             ):
-                self._rejoin(0, 0, "it has committed snapshots in generation 0")
+                await self._rejoin(bus, stop, 0, 0, "it has committed snapshots in generation 0")
             return
         self._generation = latest.generation
         self._baseline = (latest.generation, latest.seq)
@@ -594,14 +594,19 @@ class Supervisor:
                 )
                 self._plan = "finished"
             return
-        self._rejoin(
+        await self._rejoin(
+            bus,
+            stop,
             latest.generation,
             latest.seq,
             "the daemon resumed it" if isinstance(latest, Resume) else "it restores in process",
         )
 
-    def _rejoin(self, generation: int, seq: int, why: str) -> None:
-        """Begin by reporting this node's previous workers gone in ``generation``."""
+    async def _rejoin(
+        self, bus: Bus, stop: asyncio.Event, generation: int, seq: int, why: str
+    ) -> None:
+        """Begin by reporting this node's previous workers gone in ``generation``, unless they
+        all finished there (:meth:`_node_finished`: nothing to do)."""
         if not self._c.local_ranks():
             raise JobNotJoinable(
                 f"job {self._c.job_id!r} runs in generation {generation} ({why}): this "
@@ -610,6 +615,9 @@ class Supervisor:
             )
         self._generation = generation
         self._baseline = (generation, seq)
+        if await self._node_finished(bus, stop):
+            self._plan = "finished"
+            return
         self._plan = "rejoin"
         log.warning(
             f"job runs in generation {generation} ({why}): this node's previous workers are "
@@ -707,7 +715,6 @@ class Supervisor:
             return
         self._failed = True  # nothing runs here until the daemon orders a restore
         if self._plan == "rejoin":
-            await self._refuse_if_finished(bus, stop)
             data, sent = self._report_gone(), "report that this node's ranks are gone"
             what = f"this node's report that its ranks are gone (generation {self._generation})"
         else:
@@ -734,22 +741,26 @@ class Supervisor:
             key=self._c.keys.event,
         )
 
-    async def _refuse_if_finished(self, bus: Bus, stop: asyncio.Event) -> None:
-        """Raise :class:`JobNotJoinable` if every rank of this node reported ``finished`` in
-        the current generation (the job's events, as the daemon counts finished ranks): none
-        is gone, and the job has ended or ends without this node."""
+    async def _node_finished(self, bus: Bus, stop: asyncio.Event) -> bool:
+        """Whether every rank of this node reported ``finished`` in the current generation (the
+        job's events, as the daemon counts finished ranks), logged if so: none is gone, the
+        job has ended or ends without this node, and this supervisor has nothing to do (it
+        posts nothing and exits 0, as its predecessor did or would have)."""
         finished = await self._patiently(
             "reading the job's events",
             lambda: _finished_ranks(bus, self._c.job_id, self._generation),
             stop,
         )
         ranks = self._c.local_ranks()
-        if set(ranks) <= finished:
-            raise JobNotJoinable(
-                f"job {self._c.job_id!r}: this node's ranks {list(ranks)} finished in "
-                f"generation {self._generation}; nothing to rejoin (for a new run, use a new "
-                "job id)"
-            )
+        if not set(ranks) <= finished:
+            return False
+        log.info(
+            f"this node's ranks finished in generation {self._generation}; nothing to do "
+            "(for a new run, use a new job id)",
+            job_id=self._c.job_id,
+            ranks=list(ranks),
+        )
+        return True
 
     def _report_gone(self) -> bytes:
         """This node's ranks ``exited`` (SIGKILL) in the current generation, as this
