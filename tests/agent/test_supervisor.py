@@ -310,6 +310,40 @@ async def test_a_second_signal_does_not_wait_for_the_confirmation(tmp_path: Path
         assert await asyncio.wait_for(task, 30) == EXIT_SIGNALLED
 
 
+async def test_the_stop_timeout_bounds_the_workers_grace(tmp_path: Path) -> None:
+    """A signalled supervisor exits ``stop_timeout_s`` after the signal, however long its
+    workers' grace: a worker that ignores SIGTERM is killed at that deadline. The old one
+    gave it the whole grace first, then waited ``stop_timeout_s`` on top."""
+    cfg = config(tmp_path, "stubborn", nproc_per_node=1, grace_s=120.0, stop_timeout_s=1.0)
+    stop = asyncio.Event()
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run(stop))
+        [started] = await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        await asyncio.sleep(0.5)  # let the worker install its SIGTERM handler
+        stop.set()
+        assert await asyncio.wait_for(task, 30) == EXIT_SIGNALLED
+        [exited] = [e for e in await lifecycles(bus) if e.kind == "exited"]
+        assert exited.signal == signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.kill(started.pid, 0)
+
+
+async def test_a_second_signal_does_not_wait_for_the_workers_grace(tmp_path: Path) -> None:
+    """The old supervisor heard a second signal only once its workers had ended: one that
+    ignores SIGTERM held it for the whole grace."""
+    cfg = config(tmp_path, "stubborn", nproc_per_node=1, grace_s=120.0, stop_timeout_s=600.0)
+    stop = asyncio.Event()
+    with structlog.testing.capture_logs() as logs:
+        async with open_bus(bus_config(tmp_path)) as bus:
+            task = asyncio.ensure_future(Supervisor(cfg).run(stop))
+            await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+            await asyncio.sleep(0.5)  # let the worker install its SIGTERM handler
+            stop.set()
+            await until(lambda: any(e["event"].startswith("signalled:") for e in logs))
+            stop.set()
+            assert await asyncio.wait_for(task, 30) == EXIT_SIGNALLED
+
+
 async def test_an_abort_that_stops_the_job_exits_stopped(tmp_path: Path) -> None:
     """``trainguard stop`` from elsewhere: the daemon's abort says ``stopped``."""
     cfg = config(tmp_path, "sleep", nproc_per_node=1)

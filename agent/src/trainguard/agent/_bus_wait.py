@@ -14,7 +14,6 @@ non-retriable error (a bad URL, a topic the cluster refuses) is raised at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -23,7 +22,7 @@ import structlog
 
 from trainguard.agent.bus import BusError
 
-__all__ = ["ABANDON_GRACE_S", "Signalled", "abandon", "or_stop", "patiently", "quietly"]
+__all__ = ["ABANDON_GRACE_S", "Signalled", "abandon", "or_stop", "patiently"]
 
 T = TypeVar("T")
 
@@ -139,10 +138,3 @@ async def patiently(
                 **context,
             )
         return result
-
-
-async def quietly(call: Awaitable[Any], stop: asyncio.Event) -> None:
-    """``await call`` for a bus call whose failure changes nothing (closing a connection):
-    its :class:`~trainguard.agent.bus.BusError` is dropped, and ``stop`` abandons it."""
-    with contextlib.suppress(BusError, Signalled):
-        await or_stop(call, stop)
