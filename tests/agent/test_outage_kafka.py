@@ -11,13 +11,16 @@ import gc
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -33,9 +36,19 @@ from tests.agent._outage import (
 )
 from tests.kafka_dev import KAFKA_DEV_STOP_TIMEOUT_S, dev_broker, kafka_dev
 from trainguard.agent._link import Link
+from trainguard.agent._spool import read_journal
 from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor
-from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, DeliveryFailed, open_bus
-from trainguard.schemas import Heartbeat, Lifecycle, decode
+from trainguard.agent.bus import (
+    DEFAULT_TOPICS,
+    Bus,
+    BusConfig,
+    DeliveryFailed,
+    TopicPartition,
+    open_bus,
+)
+from trainguard.agent.bus._partitioner import partition_for
+from trainguard.daemon._rehearsal import read_job_record, start_daemon, stop_process, supervise
+from trainguard.schemas import Heartbeat, JobRequest, Lifecycle, decode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(600)]
 
@@ -264,3 +277,143 @@ async def test_a_signal_ends_a_supervisor_whose_job_ended_while_the_broker_is_pa
     del supervisor, run
     gc.collect()  # aiokafka's clients log it from __del__
     assert not [r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage()]
+
+
+# A real agent that trains until it is killed (SIGTERM: Python's default, it dies at once).
+TRAINING = """
+import time
+from trainguard.agent import Agent
+with Agent() as agent:
+    agent.ready(0)
+    step = 0
+    while True:
+        step += 1
+        agent.step(step, loss=1.0, samples=8)
+        time.sleep(0.05)
+"""
+
+STOP_TIMEOUT_S = 8.0
+"""The supervisor's ``--stop-timeout``: the old one took twice that and more under a paused
+broker (waiting for the daemon's confirmation, then as long again for its outbox)."""
+
+
+async def until_the_daemon_read(bus: Bus, group: str, job: str, timeout_s: float = 120.0) -> None:
+    """Wait until ``group`` has read ``job``'s partition of ``events`` up to its end now."""
+    tp = TopicPartition("events", partition_for(job, await bus.partitions("events")))
+    end = (await bus.end_offsets("events"))[tp]
+    deadline = time.monotonic() + timeout_s
+    while (await bus.group_positions(group, "events")).get(tp, -1) < end:
+        assert time.monotonic() < deadline, "the daemon did not read the job's events"
+        await asyncio.sleep(0.2)
+
+
+def test_a_signal_while_the_broker_is_paused_ends_in_time_and_the_stop_still_arrives(
+    own_broker: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Issue 13, T4: ``trainguard run`` of a running 2-rank job is sent SIGTERM while the broker
+    is paused. It exits 143 within ``--stop-timeout`` (plus closing), leaving its stop request
+    and its workers' exit reports, in that order, in the node's spool folder (its journal).
+    When the broker is back, the next ``trainguard run`` of the job on the node forwards them
+    before anything else and waits for the daemon to read them: the daemon ends the job
+    ``stopped`` (no restore), and the new supervisor, finding it stopped, starts nothing. The
+    old supervisor took 2 x the stop timeout + 1 s and kept nothing on disk: the stop arrived
+    only if the paused broker's socket happened to hold it already."""
+    bootstrap, run_dir = own_broker
+    bus = kafka(bootstrap)
+    job = "stop-in-outage"
+    state = tmp_path / "state"
+    script = tmp_path / "train.py"
+    script.write_text(TRAINING)
+    asyncio.run(_created(bus))
+    (tmp_path / "daemon.toml").write_text("[bus]\nsession_timeout_s = 6\n")
+    daemon = start_daemon(
+        bus.url,
+        prefix=bus.prefix,
+        log_path=tmp_path / "daemon.log",
+        args=["--config", str(tmp_path / "daemon.toml")],
+    )
+
+    def supervisor(log: str) -> subprocess.Popen[bytes]:
+        return supervise(
+            job, [sys.executable, str(script)], bus_url=bus.url, prefix=bus.prefix,
+            nproc_per_node=2, log_path=tmp_path / log, grace_s=2.0,
+            env={"XDG_STATE_HOME": str(state), "TRAINGUARD_HEARTBEAT_INTERVAL": "0.2"},
+            args=["--stop-timeout", str(STOP_TIMEOUT_S)],
+        )  # fmt: skip
+
+    first = supervisor("supervisor-1.log")
+    second = None
+    try:
+
+        async def training() -> None:
+            async with open_bus(bus) as reader:
+                await wait_for_events_of(reader, job, both_ranks_beat)
+                await until_the_daemon_read(reader, f"{bus.prefix}daemon", job)
+
+        asyncio.run(training())
+        with paused(run_dir):
+            time.sleep(0.5)  # the outage under way: the supervisor's sends now wait
+            began = time.monotonic()
+            first.send_signal(signal.SIGTERM)
+            code = first.wait(120)
+            took = time.monotonic() - began
+            assert code == EXIT_SIGNALLED, (tmp_path / "supervisor-1.log").read_text()[-3000:]
+            assert took < STOP_TIMEOUT_S + 4.0, f"exited {took:.1f} s after SIGTERM"
+            [journal] = state.glob("trainguard/spool/*/*.outbox")
+            left = [decode(d) for d in read_journal(journal)]
+        assert [type(m).__name__ for m in left] == ["JobRequest", "Lifecycle", "Lifecycle"]
+        request, *exits = left
+        assert isinstance(request, JobRequest)
+        assert (request.kind, request.generation) == ("stop", 0)
+        assert all(isinstance(e, Lifecycle) and e.kind == "exited" for e in exits)
+
+        second = supervisor("supervisor-2.log")
+        assert second.wait(120) == 2
+        said = (tmp_path / "supervisor-2.log").read_text()
+        assert "forwarding events a previous supervisor of this node could not deliver" in said
+        assert f"job {job!r} was stopped in generation 0" in " ".join(said.split())
+        assert not journal.exists()
+
+        async def outcome() -> tuple[list[Any], list[Any]]:
+            record = await read_job_record(bus.url, bus.prefix, job)
+            events = [s.message for s in record.events]
+            return events, [s.message for s in record.commands]
+
+        events, commands = asyncio.run(outcome())
+        assert [
+            (type(c).__name__, c.generation, getattr(c, "outcome", None)) for c in commands
+        ] == [("Abort", 0, "stopped")]
+        stops = [e for e in events if isinstance(e, JobRequest)]
+        assert {(s.kind, s.pid, s.seq) for s in stops} == {("stop", first.pid, request.seq)}
+        exited = [e for e in events if isinstance(e, Lifecycle) and e.kind == "exited"]
+        assert events.index(stops[0]) < events.index(exited[0])
+        # The second supervisor started no worker.
+        assert {e.pid for e in events if isinstance(e, Lifecycle) and e.kind == "started"} <= {
+            e.pid for e in exited
+        } | {first.pid}
+    finally:
+        for proc in (first, second, daemon):
+            if proc is not None:
+                stop_process(proc, signal.SIGKILL)
+
+
+async def _created(bus: BusConfig) -> None:
+    async with open_bus(bus):
+        pass  # topics created
+
+
+def both_ranks_beat(events: list[Any]) -> bool:
+    return {e.rank for e in events if isinstance(e, Heartbeat)} >= {0, 1}
+
+
+async def wait_for_events_of(
+    bus: Bus, job: str, done: Callable[[list[Any]], bool], timeout_s: float = 120.0
+) -> list[Any]:
+    """Poll ``job``'s records on ``events`` (decoded) until ``done(events)``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = [decode(v) for v in await values(bus, job)]
+        if done(events):
+            return events
+        assert time.monotonic() < deadline, f"events not as expected: {events}"
+        await asyncio.sleep(0.2)

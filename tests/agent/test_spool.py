@@ -1,6 +1,7 @@
 """The spool (``trainguard.agent._spool``): what a worker's agent writes, and what its supervisor
 reads back after the worker ended: the unsettled events, in ``seq`` order; torn or damaged
-lines skipped with a warning, never a crash."""
+lines skipped with a warning, never a crash. And the supervisor's journal, read back in the
+order its events were put."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from trainguard.agent._spool import Spool, read_spool
-from trainguard.schemas import Lifecycle, encode
+from trainguard.agent._spool import Spool, read_journal, read_spool
+from trainguard.schemas import JobRequest, Lifecycle, encode
 
 
 def event(seq: int, kind: str = "started") -> bytes:
@@ -98,3 +99,31 @@ def test_a_missing_or_unreadable_spool_reads_as_empty(tmp_path: Path) -> None:
     with capture_logs() as logs:
         assert read_spool(tmp_path) == []
     assert [e["event"] for e in logs] == ["spool file not readable: its events are lost"]
+
+
+def test_a_journal_is_read_back_in_the_order_its_events_were_put(tmp_path: Path) -> None:
+    """A supervisor's journal holds events of several senders (its own request and reports,
+    its workers' events it forwards): it keeps the order they were put in, not ``seq``'s."""
+    request = encode(
+        JobRequest(job_id="j", generation=0, ts=1, seq=0, host="h", pid=1, kind="stop")
+    )
+    worker = event(41, "finished")
+    report = encode(
+        Lifecycle(
+            job_id="j", generation=0, ts=1, seq=1, rank=None, host="h", pid=1, kind="exited",
+            ranks=(0,), signal=15,
+        )
+    )  # fmt: skip
+    journal = Spool(tmp_path, "supervisor-1-1.outbox")
+    for number, data in enumerate([event(40), request, worker, report]):
+        journal.add(number, data)
+    journal.settled(0)
+    with journal.path.open("ab") as f:
+        f.write(b"e 9 {not json}\n")
+    with capture_logs() as logs:
+        assert read_journal(journal.path) == [request, worker, report]
+    assert [e["line"] for e in logs] == [6]
+    assert read_spool(tmp_path) == []  # no agent's spool file
+    journal.settled(3)
+    journal.close()
+    assert read_journal(journal.path) == []  # removed: everything was delivered

@@ -310,6 +310,40 @@ async def test_a_second_signal_does_not_wait_for_the_confirmation(tmp_path: Path
         assert await asyncio.wait_for(task, 30) == EXIT_SIGNALLED
 
 
+async def test_the_stop_timeout_bounds_the_workers_grace(tmp_path: Path) -> None:
+    """A signalled supervisor exits ``stop_timeout_s`` after the signal, however long its
+    workers' grace: a worker that ignores SIGTERM is killed at that deadline. The old one
+    gave it the whole grace first, then waited ``stop_timeout_s`` on top."""
+    cfg = config(tmp_path, "stubborn", nproc_per_node=1, grace_s=120.0, stop_timeout_s=1.0)
+    stop = asyncio.Event()
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run(stop))
+        [started] = await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        await asyncio.sleep(0.5)  # let the worker install its SIGTERM handler
+        stop.set()
+        assert await asyncio.wait_for(task, 30) == EXIT_SIGNALLED
+        [exited] = [e for e in await lifecycles(bus) if e.kind == "exited"]
+        assert exited.signal == signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.kill(started.pid, 0)
+
+
+async def test_a_second_signal_does_not_wait_for_the_workers_grace(tmp_path: Path) -> None:
+    """The old supervisor heard a second signal only once its workers had ended: one that
+    ignores SIGTERM held it for the whole grace."""
+    cfg = config(tmp_path, "stubborn", nproc_per_node=1, grace_s=120.0, stop_timeout_s=600.0)
+    stop = asyncio.Event()
+    with structlog.testing.capture_logs() as logs:
+        async with open_bus(bus_config(tmp_path)) as bus:
+            task = asyncio.ensure_future(Supervisor(cfg).run(stop))
+            await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+            await asyncio.sleep(0.5)  # let the worker install its SIGTERM handler
+            stop.set()
+            await until(lambda: any(e["event"].startswith("signalled:") for e in logs))
+            stop.set()
+            assert await asyncio.wait_for(task, 30) == EXIT_SIGNALLED
+
+
 async def test_an_abort_that_stops_the_job_exits_stopped(tmp_path: Path) -> None:
     """``trainguard stop`` from elsewhere: the daemon's abort says ``stopped``."""
     cfg = config(tmp_path, "sleep", nproc_per_node=1)
@@ -440,11 +474,13 @@ def finished(rank: int, generation: int) -> bytes:
 @pytest.mark.parametrize(
     ("latest", "generation"), [(None, 0), ("resume", 1)], ids=["committed", "resumed"]
 )
-async def test_a_restarted_supervisor_whose_ranks_finished_posts_nothing(
+async def test_a_restarted_supervisor_whose_ranks_finished_has_nothing_to_do(
     tmp_path: Path, latest: str | None, generation: int
 ) -> None:
-    """Rerunning a finished job: this node's ranks finished in the job's generation, so none is
-    gone: the supervisor refuses without reporting them (the daemon would ignore the report)."""
+    """A supervisor restarted (systemd, Kubernetes) after this node's ranks finished in the
+    job's generation: none is gone, so it reports nothing (the daemon would ignore the report),
+    starts nothing, says so and exits 0 like its predecessor. The old one exited 2, the status
+    of a bad setting, which a pod failure policy takes for the end of the whole job."""
     async with open_bus(bus_config(tmp_path)) as bus:
         await bus.publish("manifests", JOB, encode(manifest(step=30)))
         if latest == "resume":
@@ -456,9 +492,34 @@ async def test_a_restarted_supervisor_whose_ranks_finished_posts_nothing(
         for rank in (0, 1):
             await bus.publish("events", JOB, finished(rank, generation))
         before = await events(bus)
-        with pytest.raises(JobNotJoinable, match=rf"\[0, 1\] finished in generation {generation}"):
-            await Supervisor(config(tmp_path, "exit", nproc_per_node=2)).run()
+        with structlog.testing.capture_logs() as logs:
+            assert await Supervisor(config(tmp_path, "exit", nproc_per_node=2)).run() == 0
         assert await events(bus) == before  # nothing posted
+    assert not list((tmp_path / "out").iterdir())
+    [said] = [e for e in logs if "nothing to do" in e["event"]]
+    assert said["event"].startswith(
+        f"this node's ranks finished in generation {generation}; nothing to do"
+    )
+    assert said["log_level"] == "info"
+    assert not [e for e in logs if e["log_level"] in ("warning", "error")]
+
+
+async def test_trainguard_run_of_a_node_whose_ranks_finished_exits_0(tmp_path: Path) -> None:
+    """The same through ``trainguard run``, whose exit status the orchestrator reads."""
+    cfg = config(tmp_path, "exit", nproc_per_node=2)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        await bus.publish("manifests", JOB, encode(manifest(step=30)))
+        for rank in (0, 1):
+            await bus.publish("events", JOB, finished(rank, 0))
+    run = await asyncio.create_subprocess_exec(
+        *CLI, "run", "--job", JOB, "--bus", cfg.bus.url, "--nproc-per-node", "2",
+        "--daemon-timeout", "0", "--", *cfg.command,
+        env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(run.communicate(), 60)
+    assert run.returncode == 0, err.decode()
+    assert "this node's ranks finished in generation 0; nothing to do" in err.decode()
     assert not list((tmp_path / "out").iterdir())
 
 

@@ -24,7 +24,7 @@ from tests.agent._outage import (
     wait_for_events,
 )
 from tests.agent.test_agent_link import write_locked
-from trainguard.agent._spool import read_spool
+from trainguard.agent._spool import read_journal, read_spool
 from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
 from trainguard.schemas import Restore, encode
@@ -71,9 +71,10 @@ async def test_a_signal_ends_a_waiting_supervisor_and_the_next_one_forwards_its_
     """The job finishes while the bus is away and its supervisor, waiting to deliver, is
     signalled; meanwhile the daemon, which heard nothing after the outage, restored the job
     (generation 1) at its settle deadline. The next supervisor of the job and node forwards
-    the spool before it reads the job, finds every rank of generation 0 finished before anyone
-    joined the restore (the daemon voids it by the same rule) and exits 0 without starting a
-    worker. The old one started the finished job again in generation 1."""
+    the first one's journal (everything its outbox held, in order, its own exit report
+    included) and the spool before it reads the job, finds every rank of generation 0 finished
+    before anyone joined the restore (the daemon voids it by the same rule) and exits 0
+    without starting a worker. The old one started the finished job again in generation 1."""
     bus = await created_bus(tmp_path)
     stop = asyncio.Event()
     config = supervised(tmp_path, bus)
@@ -89,7 +90,10 @@ async def test_a_signal_ends_a_waiting_supervisor_and_the_next_one_forwards_its_
             assert await asyncio.wait_for(run, 30.0) == EXIT_SIGNALLED
             (spool,) = [p for p in (tmp_path / "state" / "spool").glob("*/*") if p.is_dir()]
             left = [s.data for s in read_spool(spool)]
-    assert len(left) == 2  # the checkpoint and finished; the exit report was the supervisor's
+            (journal,) = (tmp_path / "state" / "spool").glob("*/*.outbox")
+            journaled = read_journal(journal)
+    assert len(left) == 2  # the checkpoint and finished
+    assert journaled == [*left, journaled[-1]]  # and the supervisor's exit report after them
     assert any(e["event"].startswith("exiting with 3 events") for e in logs)
     restore = Restore(
         job_id=JOB, generation=1, ts=time.time_ns(), seq=1, daemon_id="daemon",
@@ -103,8 +107,9 @@ async def test_a_signal_ends_a_waiting_supervisor_and_the_next_one_forwards_its_
         events = await job_events(reader)
     # The first supervisor's courier may have had its copy of the checkpoint in flight when it
     # was signalled: the daemon drops a second copy (same sender and seq), and so does this.
-    assert last_words_in_order(first_copies(events)) == ["checkpoint@3", "finished"]
+    assert last_words_in_order(first_copies(events)) == ["checkpoint@3", "finished", "exited(0)"]
     assert {e.generation for e in events} == {0}
     assert not [e for e in logs if e["event"] == "workers started"]
     assert any(e["event"].startswith("job finished: every rank of generation 0") for e in logs)
     assert not spool.exists()
+    assert not journal.exists()

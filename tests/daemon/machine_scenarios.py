@@ -26,6 +26,7 @@ from trainguard.schemas import (
     DataCursor,
     DataCursorEvent,
     Heartbeat,
+    JobRequest,
     Lifecycle,
     Manifest,
     Phase,
@@ -213,6 +214,17 @@ class Sim:
         return Observed(at, None, event)
 
     # -- faults as data ----------------------------------------------------------------------
+
+    def request(self, ranks: tuple[int, ...], kind: Any, at: int, reason: str = "") -> Observed:
+        """A job request (``stop``, ``continue``) from the supervisor hosting ``ranks``, which
+        numbers it with its reports (one ``seq`` per sender)."""
+        host = host_of(ranks[0])
+        pid = 50_000 + 1000 * self.generation + ranks[0]
+        event = JobRequest(
+            job_id=self.job_id, generation=self.generation, ts=at,
+            seq=self._next_seq(None, host, pid), host=host, pid=pid, kind=kind, reason=reason,
+        )  # fmt: skip
+        return Observed(at, None, event)
 
     def kill(self, rank: int, at: int, *, signal: int = 9) -> Observed:
         """The supervisor reports that ``rank``'s process died of ``signal``."""

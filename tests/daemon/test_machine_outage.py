@@ -737,3 +737,52 @@ def test_a_hang_around_an_outage_is_caught_within_its_bound_not_counting_the_gap
     if shown < start and gaps:
         shown += round(float(gaps[0]) * S)  # time stopped across the gap
     assert at <= shown + progress_bound_ns(job, CFG)
+
+
+def signalled_in_an_outage_reported_late(sim: Sim, late_at: int) -> list[Input]:
+    """Issue 13, T4: a 2-rank job trains; during the outage :data:`AWAY` (at 45 s) its node's
+    supervisor is signalled: it asks to stop the job, stops its workers (SIGTERM) and exits at
+    its deadline, its stop request and exit reports (in that order) left in its journal, which
+    the next supervisor of the node forwards at ``late_at``, after what the ranks' agents sent
+    during the outage (also spooled). Until then the job is silent."""
+    sent = two_ranks_training(sim, 43)
+    signalled = [
+        sim.request((0, 1), "stop", T0 + 45 * S, reason="trainguard run on host h0 was signalled"),
+        sim.supervisor((0, 1), "exited", T0 + 45 * S + 1, signal=15),
+    ]
+    before = [i for i in sent if i.at_ns < AWAY[0]]
+    during = [i for i in sent if i.at_ns >= AWAY[0]]
+    late = [i._replace(at_ns=late_at + n) for n, i in enumerate([*signalled, *during])]
+    return [*before, *late]
+
+
+@pytest.mark.parametrize(("late_s", "phase"), [(0, "stopped"), (60, "stopped"), (600, "failed")])
+def test_a_stop_made_in_an_outage_and_reported_late_ends_the_job_without_a_restore(
+    late_s: int, phase: str
+) -> None:
+    """The stop arrives with the broker (0 s: it was in flight), or only when the node's next
+    supervisor runs. Until then nothing tells the job's silence from a failure: the daemon
+    restores it at the settle deadline. Once the stop is folded the job is stopped, the
+    incident closed as stopped, and nothing is restored any more, whatever comes after it (the
+    SIGTERM exits, the ranks' late events). A stop that comes after the daemon gave up on its
+    restores (``max_restore_attempts`` of ``restore_timeout_s`` each) finds the job failed and
+    leaves it so."""
+    sim = Sim(world_size=2)
+    late_at = AWAY[1] + late_s * S
+    state, folded = drive(
+        signalled_in_an_outage_reported_late(sim, late_at),
+        cfg=CFG,
+        outages=[AWAY],
+        until=late_at + 3600 * S,
+    )
+    decisions = every(folded)
+    restores = issued(decisions, Restore)
+    assert state.phase == phase
+    assert next_deadline(state, CFG) is None
+    if late_s == 0:
+        assert (restores, opened(folded)) == ([], [])
+        return
+    assert [r.generation for r in restores] == ([1] if phase == "stopped" else [1, 2, 3])
+    assert all(at < late_at for at, _ in opened(folded))
+    closed = of_type(decisions, IncidentClosed)
+    assert [c.outcome for c in closed] == ["stopped" if phase == "stopped" else "failed"]

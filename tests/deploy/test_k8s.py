@@ -178,8 +178,15 @@ def test_the_job_ends_on_trainguards_failed_and_stopped_codes_and_runs_the_super
     assert "persistentVolumeClaim" in mounted(
         pod, supervisor, env["TRAINGUARD_CHECKPOINT_DIR"]["value"]
     )
-    grace = pod["terminationGracePeriodSeconds"]
-    assert grace > options["stop_timeout"] + options["grace"]
+    # The node's spool outlives its pod: a folder of its own per index, on the shared volume.
+    state = env["XDG_STATE_HOME"]["value"]
+    assert "$(NODE_RANK)" in state
+    assert list(env).index("XDG_STATE_HOME") > list(env).index("NODE_RANK")  # expanded
+    assert "persistentVolumeClaim" in mounted(pod, supervisor, state)
+    # A signalled supervisor exits by --stop-timeout, plus up to 2 s to close its connections;
+    # its workers get their --grace within it.
+    assert pod["terminationGracePeriodSeconds"] > options["stop_timeout"] + 2
+    assert options["grace"] < options["stop_timeout"]
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)

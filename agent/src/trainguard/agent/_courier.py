@@ -10,6 +10,11 @@ appended the event (a delivery in doubt), or a broken connection, makes the cour
 with a new producer and send the same bytes again (the daemon drops a copy that landed twice:
 same sender, ``seq`` not above the last). Pauses between attempts double from 0.1 s to 2 s.
 Nothing raises out of :meth:`Courier.run`: the courier keeps trying until it is stopped.
+
+With a journal (:mod:`._spool`: the supervisor's), every event is written to it when it is put
+and marked when the bus took it, so that what the courier holds when its process ends (a
+signal's deadline, a SIGKILL) stays on disk, in order, for the next supervisor of the node to
+forward. A journal that cannot be written is logged once and the courier goes on without it.
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
+from trainguard.agent._spool import Spool
 from trainguard.agent.bus import Bus, BusConfig, BusError, DeliveryFailed, open_bus
 
 __all__ = ["Courier"]
@@ -40,6 +49,7 @@ log = structlog.get_logger("trainguard.supervisor")
 class _Parcel:
     data: bytes
     then: Callable[[], None] | None
+    number: int  # its place in the journal
 
 
 class Courier:
@@ -50,12 +60,14 @@ class Courier:
     Args:
         bus_config: how to reach the bus; the courier opens its own connection.
         job_id: the key of every event.
+        journal: the journal file (module docstring), created at the first :meth:`put`;
+            ``None``: none.
 
     Attributes:
         last_error: the latest failure, as text, or ``None``.
     """
 
-    def __init__(self, bus_config: BusConfig, job_id: str) -> None:
+    def __init__(self, bus_config: BusConfig, job_id: str, journal: Path | None = None) -> None:
         self._config = bus_config
         self._job_id = job_id
         self._parcels: collections.deque[_Parcel] = collections.deque()
@@ -63,7 +75,15 @@ class Courier:
         self._empty = asyncio.Event()
         self._empty.set()
         self._stopped = False
+        self._numbers = itertools.count()
+        self._journal_path = journal
+        self._journal: Spool | None = None
         self.last_error: str | None = None
+
+    @property
+    def journal(self) -> Path | None:
+        """The journal file, if any (it may not exist yet, or any longer)."""
+        return self._journal_path
 
     @property
     def undelivered(self) -> int:
@@ -71,20 +91,48 @@ class Courier:
         return len(self._parcels)
 
     def put(self, data: bytes, *, then: Callable[[], None] | None = None) -> None:
-        """Queue the encoded event ``data``; ``then`` is called once the bus has it (it must
-        not raise)."""
-        self._parcels.append(_Parcel(data, then))
+        """Queue the encoded event ``data`` (and write it to the journal); ``then`` is called
+        once the bus has it (it must not raise)."""
+        number = next(self._numbers)
+        self._journaled(lambda journal: journal.add(number, data))
+        self._parcels.append(_Parcel(data, then, number))
         self._empty.clear()
         self._changed.set()
+
+    def _journaled(self, write: Callable[[Spool], None]) -> None:
+        """``write`` to the journal, opened first if need be; a failure (a full disk) is logged
+        and ends the journal: later events are kept in memory only."""
+        path = self._journal_path
+        if path is None:
+            return
+        try:
+            if self._journal is None:
+                self._journal = Spool(path.parent, path.name)
+            write(self._journal)
+        except OSError as exc:
+            log.warning(
+                "cannot write the supervisor's journal: events it cannot deliver are lost "
+                "when it exits",
+                journal=str(path),
+                error=str(exc),
+            )
+            self._journal_path = None
+            if self._journal is not None:
+                with contextlib.suppress(OSError):
+                    self._journal.close()
 
     async def delivered(self) -> None:
         """Return once every event put so far (and since) has been delivered."""
         await self._empty.wait()
 
     def stop(self) -> None:
-        """Have :meth:`run` end, leaving what is undelivered; cancel its task too (an event in
-        flight then gets ``_CLOSE_GRACE_S`` to go out)."""
+        """Have :meth:`run` end, leaving what is undelivered (in the journal, which is closed,
+        and removed if everything was delivered); cancel its task too (an event in flight then
+        gets ``_CLOSE_GRACE_S`` to go out)."""
         self._stopped = True
+        if self._journal is not None:
+            with contextlib.suppress(OSError):
+                self._journal.close()
 
     async def run(self) -> None:
         """Connect, deliver, and reconnect after failures, until :meth:`stop`."""
@@ -147,6 +195,7 @@ class Courier:
                 continue
             failures = 0
             self._parcels.popleft()
+            self._journaled(functools.partial(Spool.settled, seq=parcel.number))
             if not self._parcels:
                 self._empty.set()
             if parcel.then is not None:

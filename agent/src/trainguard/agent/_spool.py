@@ -20,6 +20,14 @@ fsynced: the page cache keeps what a killed process wrote (the node's death lose
 the node's other state). Once every spooled event is settled, the file is truncated, so it only
 grows while the bus is away. A line that does not parse (a torn tail after a crash, or damage)
 is skipped with a warning; reading never raises for the content.
+
+The supervisor keeps its own outbox in a spool file too, its **journal**
+(``supervisor-<ns>-<pid>.outbox`` in the node's spool folder, the parent of its workers'
+folders; :mod:`._courier`): every event it puts in its outbox (its reports and requests, and the
+worker events it forwards), numbered in the order they were put rather than by ``seq`` (they
+come from several senders), marked as the bus takes them, in the same line format.
+:func:`read_journal` reads back what it never delivered, in that order, for the next supervisor
+of the node to forward before anything else.
 """
 
 from __future__ import annotations
@@ -27,19 +35,25 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import structlog
 
-from trainguard.schemas import Event, SchemaError, decode
+from trainguard.schemas import Event, JobRequest, SchemaError, decode
 
-__all__ = ["SPOOL_DIR_ENV", "Spool", "Spooled", "read_spool"]
+__all__ = ["JOURNAL_SUFFIX", "SPOOL_DIR_ENV", "Spool", "Spooled", "read_journal", "read_spool"]
 
 SPOOL_DIR_ENV = "TRAINGUARD_SPOOL_DIR"
 """The environment variable by which a supervisor gives its worker a spool folder."""
 
 _SUFFIX = ".spool"
+
+JOURNAL_SUFFIX = ".outbox"
+"""How a supervisor's journal is named: ``supervisor-<time ns, 19 digits>-<pid>.outbox``, so that
+sorting the names sorts the journals by age."""
 
 _FILES = itertools.count()
 """Numbers the spool files of one process (a process may open several agents)."""
@@ -52,14 +66,16 @@ class Spool:
 
     Args:
         folder: the supervisor's spool folder for this worker (created if missing).
+        name: the file's name; default ``<pid>-<n>.spool`` (an agent's). A journal passes its
+            own name and numbers its events itself (module docstring).
 
     Raises:
         OSError: the folder or file cannot be created.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, name: str | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"{os.getpid()}-{next(_FILES)}{_SUFFIX}"
+        self.path = folder / (name or f"{os.getpid()}-{next(_FILES)}{_SUFFIX}")
         """The file."""
         self._fd: int | None = os.open(
             self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
@@ -132,11 +148,20 @@ def read_spool(folder: Path) -> list[Spooled]:
     found: list[Spooled] = []
     with contextlib.suppress(FileNotFoundError):
         for path in sorted(folder.glob(f"*{_SUFFIX}")):
-            found += _read_file(path)
+            found += _read_file(path, _is_event)
     return sorted(found, key=lambda s: s.seq)
 
 
-def _read_file(path: Path) -> list[Spooled]:
+def read_journal(path: Path) -> list[bytes]:
+    """The undelivered events of the supervisor's journal ``path``, in the order they were put
+    (module docstring). A missing file has none; damage is skipped with a warning as in
+    :func:`read_spool` (an entry must be an event or a job request)."""
+    if not path.exists():
+        return []
+    return [s.data for s in sorted(_read_file(path, _is_sent), key=lambda s: s.seq)]
+
+
+def _read_file(path: Path, valid: Callable[[bytes, int], bool]) -> list[Spooled]:
     try:
         content = path.read_bytes()
     except OSError as exc:
@@ -151,7 +176,7 @@ def _read_file(path: Path) -> list[Spooled]:
         log.warning("spool file ends in a torn line: skipped", path=str(path), line=len(lines))
     for number, line in enumerate(whole, start=1):
         match line.split(b" ", 2):
-            case [b"e", seq, data] if seq.isdigit() and _is_event(data, int(seq)):
+            case [b"e", seq, data] if seq.isdigit() and valid(data, int(seq)):
                 events[int(seq)] = data
             case [b"d", seq] if seq.isdigit():
                 settled = max(settled, int(seq))
@@ -167,3 +192,13 @@ def _is_event(data: bytes, seq: int) -> bool:
     except SchemaError:
         return False
     return isinstance(event, Event) and event.seq == seq
+
+
+def _is_sent(data: bytes, _: int) -> bool:
+    """Whether ``data`` decodes to what a supervisor sends: an event or a job request (a
+    journal numbers its entries itself)."""
+    try:
+        decode(data, expect=(*get_args(Event), JobRequest))
+    except SchemaError:
+        return False
+    return True

@@ -41,14 +41,16 @@ ran this node's ranks in a previous supervisor, whose workers died with it
 (``PR_SET_PDEATHSIG``): the supervisor reports them ``exited`` (SIGKILL) in that generation, so
 that the daemon restores the job at once, and starts its workers in the restore's generation
 with its target; unless every one of its ranks reported ``finished`` in that generation
-(nothing is gone: it refuses, posting nothing). A job that was stopped or failed (``abort``) is
-refused unless ``continue_job`` is set: then it asks the daemon to continue it (a
-``job-request`` ``continue``) and joins the restore that answers.
+(nothing is gone, nothing to do: it posts nothing and exits 0). A job that was stopped or
+failed (``abort``) is refused unless ``continue_job`` is set: then it asks the daemon to
+continue it (a ``job-request`` ``continue``) and joins the restore that answers.
 
 **Stopping**: a SIGTERM or SIGINT asks the daemon to stop the whole job (a ``job-request``
 ``stop``, queued in the outbox ahead of the exit reports) before this node's workers are
-stopped, so that their exits are no failure, and waits up to ``stop_timeout_s`` for the
-daemon's ``abort`` (outcome ``stopped``).
+stopped, so that their exits are no failure, and waits for the daemon's ``abort`` (outcome
+``stopped``). All of it within ``stop_timeout_s`` of the signal: the workers' grace is cut
+short at that deadline, and what the bus has not taken by then stays in the journal (below);
+a second signal ends it at once.
 
 **No daemon**: while no daemon reads the job's events for ``daemon_timeout_s``, a warning is
 logged every ``warn_every_s`` (:mod:`._daemon_watch`).
@@ -60,16 +62,19 @@ of a worker. Each worker gets a spool folder (``TRAINGUARD_SPOOL_DIR``, under th
 folder's ``spool``), in which its agents keep the events the bus has not taken yet
 (:mod:`._spool`). When a worker exits, the supervisor forwards those events, the same bytes,
 and then its exit report, through the same outbox: a rank's ``finished`` is on the bus before
-the supervisor's ``exited``, so a finished job is never taken for a failed one. Before it
-exits, the supervisor waits for its outbox to be delivered, logging every ``warn_every_s``;
-a signal ends that wait (a supervisor that was signalled before waits at most
-``stop_timeout_s``), and the spools of undelivered workers stay on disk: the next supervisor
-of the job on this node forwards them before anything else. Its own calls on the bus
-(connecting, reading the job's state, sending a report or request) wait out an outage, logged
-when it begins, while it lasts and when it ends (:func:`~trainguard.agent.bus.patiently`): a supervisor started
-during an outage waits for the bus and starts nothing meanwhile. A signal ends every wait on
-the bus at once, whatever the bus's timeouts; only a bus that cannot work (not retriable:
-a bad URL, refused credentials) fails the run.
+the supervisor's ``exited``, so a finished job is never taken for a failed one. The outbox is
+journaled (a file in the node's spool folder, :mod:`._spool`): everything in it is on disk, in
+order, until the bus took it. Before it exits, the supervisor waits for its outbox to be
+delivered, logging every ``warn_every_s``; a signal ends that wait (for a supervisor that was
+signalled before, the stop's deadline does), and its journal and the spools of undelivered
+workers stay on disk: the next supervisor of the job on this node forwards them before
+anything else, the journals first (and, if they held a stop request, waits up to
+``daemon_timeout_s`` for the daemon to read it, so that it finds the job stopped). Its own calls
+on the bus (connecting, reading the job's state, sending a report or request) wait out an
+outage, logged when it begins, while it lasts and when it ends
+(:func:`~trainguard.agent.bus.patiently`): a supervisor started during an outage waits for the bus and starts nothing meanwhile. A signal
+ends every wait on the bus at once, whatever the bus's timeouts; only a bus that cannot work
+(not retriable: a bad URL, refused credentials) fails the run.
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import structlog
 
@@ -103,7 +108,7 @@ from trainguard.agent._keystore import AgentKeys
 from trainguard.agent._manifests import read_manifests
 from trainguard.agent._node_slot import NodeSlot, NodeTaken
 from trainguard.agent._requests import encode_request
-from trainguard.agent._spool import SPOOL_DIR_ENV, read_spool
+from trainguard.agent._spool import JOURNAL_SUFFIX, SPOOL_DIR_ENV, read_journal, read_spool
 from trainguard.agent._step_file import STEP_FILE_ENV, read_step_file, reset_step_file
 from trainguard.agent.bus import (
     Bus,
@@ -121,7 +126,7 @@ from trainguard.agent.bus import (
     started,
 )
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.agent.bus._wait import abandon, or_stop, quietly
+from trainguard.agent.bus._wait import ABANDON_GRACE_S, abandon, or_stop
 from trainguard.schemas import (
     Abort,
     Checkpoint,
@@ -154,9 +159,10 @@ _T = TypeVar("_T")
 
 
 class JobNotJoinable(AgentError):
-    """The job was stopped or failed (and ``--continue`` was not given), has ended (this node's
-    ranks finished), or the daemon did not take this node's request to join it; the message
-    says which and what to do."""
+    """The job was stopped or failed (and ``--continue`` was not given), a rejoin needs the
+    node's ranks (plain mode without ``ranks``), or the daemon read this node's report or
+    request and ordered nothing (it rejected it); the message says which and what to do. (A
+    node whose ranks finished is no refusal: nothing to do, status 0.)"""
 
 
 EXIT_ABORTED = 3
@@ -168,8 +174,8 @@ or a signalled supervisor of the job) and the daemon confirmed it: the job can b
 
 EXIT_SIGNALLED = 128 + signal.SIGTERM
 """Exit status of ``trainguard run`` stopped by a signal without the daemon's confirmation of
-the job's stop (none within ``stop_timeout_s``, a second signal, or the request could not be
-sent); the shell's convention for SIGTERM."""
+the job's stop (none within ``stop_timeout_s``, a second signal, or the bus did not take the
+request in time: it stays in the node's spool); the shell's convention for SIGTERM."""
 
 _ANSWER_POLL_S = 1.0
 """Seconds between two looks at whether the daemon read a request this supervisor waits on."""
@@ -205,8 +211,11 @@ class SupervisorConfig:
         daemon_timeout_s: warn when no daemon has read the job's events for this many seconds;
             0: never.
         warn_every_s: seconds between two such warnings while it lasts (> 0).
-        stop_timeout_s: seconds a signalled supervisor waits for the daemon to confirm the
-            job's stop before it exits anyway (:data:`EXIT_SIGNALLED`).
+        stop_timeout_s: seconds from a signal (SIGTERM, SIGINT) to the exit of a supervisor
+            whose workers run: within them it stops its workers (``grace_s``, cut short),
+            delivers its stop request and exit reports and waits for the daemon's
+            confirmation; what the bus has not taken by then stays in the node's spool folder
+            (:data:`EXIT_SIGNALLED`). Closing its connections adds at most about 2 s.
         state_dir: the per-user state folder; the node slots' lock files
             (:mod:`._node_slot`) go to its ``supervisors`` folder. Default
             :func:`~trainguard.agent.bus.default_state_dir` of the environment.
@@ -229,7 +238,7 @@ class SupervisorConfig:
     daemon_group: str | None = None
     daemon_timeout_s: float = 30.0
     warn_every_s: float = 30.0
-    stop_timeout_s: float = 30.0
+    stop_timeout_s: float = 20.0
     state_dir: Path = field(default_factory=default_state_dir)
 
     def __post_init__(self) -> None:
@@ -333,15 +342,18 @@ class Supervisor:
         # _closing is set, never cancelled in the middle of a bus call.
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = asyncio.Event()
-        # The supervisor's outbox (module docstring, outages) and its workers' spool folders.
-        self._courier = Courier(config.bus, config.job_id)
-        self._courier_task: asyncio.Task[None] | None = None
+        # The supervisor's outbox (module docstring, outages), journaled in the node's spool
+        # folder, which also holds its workers' spool folders.
         self._spool_root = (
             config.state_dir
             / "spool"
             / NodeSlot.name(self._bus_identity(), config.job_id, config.node())
         )
-        self._signalled = False
+        journal = f"supervisor-{time.time_ns():019d}-{os.getpid()}{JOURNAL_SUFFIX}"
+        self._courier = Courier(config.bus, config.job_id, self._spool_root / journal)
+        self._courier_task: asyncio.Task[None] | None = None
+        # Once signalled to stop the job: the monotonic time by which it exits.
+        self._stop_by: float | None = None
         self._interrupted = asyncio.Event()  # set from the first signal on
 
     @property
@@ -356,8 +368,10 @@ class Supervisor:
         Setting ``stop`` (``trainguard run`` sets it on SIGTERM/SIGINT) asks the daemon to stop
         the job, stops the workers (SIGTERM, SIGKILL after the grace period), reports their
         exits, and returns :data:`EXIT_STOPPED` once the daemon confirmed the stop; setting it
-        again while waiting, or no confirmation within ``stop_timeout_s``, returns
-        :data:`EXIT_SIGNALLED`.
+        again, or no confirmation within ``stop_timeout_s`` of the first signal, returns
+        :data:`EXIT_SIGNALLED`. Everything after the signal (the workers' grace, delivering the
+        request and the exit reports, the daemon's confirmation) ends by that deadline; what
+        the bus has not taken then stays in the journal for the next supervisor of the node.
 
         Signalled while it waits for the bus (before its workers start), it returns
         :data:`EXIT_SIGNALLED` at once.
@@ -365,14 +379,17 @@ class Supervisor:
         Before it returns, it waits until the bus has taken its outbox (its reports and its
         exited workers' undelivered events; module docstring, outages), however long the bus is
         away; setting ``stop`` ends that wait and returns :data:`EXIT_SIGNALLED` (after a
-        stop, the wait lasts at most ``stop_timeout_s``).
+        stop, the wait ends at the stop's deadline).
+
+        Returns 0 without starting anything when this node's ranks finished in the job's
+        current generation, or every rank before a pending restore was joined (nothing to do).
 
         Raises:
             NodeTaken: another supervisor of the job runs on this node (it holds the node's
                 slot); nothing was read or posted, no worker started.
-            JobNotJoinable: the job was stopped or failed and ``continue_job`` is not set, or
-                the daemon read this node's report or request and ordered nothing (the job
-                has ended, or the request was refused).
+            JobNotJoinable: the job was stopped or failed and ``continue_job`` is not set, a
+                rejoin needs ``ranks`` (plain mode), or the daemon read this node's report or
+                request and ordered nothing (it was refused).
             ConfigError: the slot's lock file cannot be created.
             BusError: the bus cannot work (not retriable: a bad URL, refused credentials, a
                 topic the cluster refuses); a bus that is away is waited for.
@@ -413,20 +430,21 @@ class Supervisor:
             return status if await self._deliver_rest(stop) else EXIT_SIGNALLED
         finally:
             first.cancel()
+            self._courier.stop()
             if self._courier_task is not None:
-                self._courier.stop()
                 self._courier_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._courier_task
 
     async def _deliver_rest(self, stop: asyncio.Event) -> bool:
         """Wait until the outbox is delivered, logging every ``warn_every_s`` seconds; a
-        signal (``stop``) ends the wait, and so does ``stop_timeout_s`` for a supervisor that
-        was signalled before. Whether everything was delivered."""
+        signal (``stop``) ends the wait, and so does the stop's deadline (``stop_timeout_s``
+        after the signal) for a supervisor that was signalled before. Whether everything was
+        delivered; what was not stays in the journal."""
         c = self._c
         if not self._courier.undelivered:
             return True
-        deadline = time.monotonic() + c.stop_timeout_s if self._signalled else float("inf")
+        deadline = float("inf") if self._stop_by is None else self._stop_by
         delivered = asyncio.ensure_future(self._courier.delivered())
         signalled = asyncio.ensure_future(stop.wait())
         try:
@@ -435,9 +453,11 @@ class Supervisor:
                 if signalled.done() or left <= 0:
                     log.error(
                         f"exiting with {self._courier.undelivered} events the bus has not "
-                        "taken; the workers' undelivered events stay in their spools, which "
-                        "the next trainguard run of this job on this node forwards",
+                        "taken: they stay in this node's spool folder, and the next "
+                        "trainguard run of this job on this node forwards them first",
+                        job_id=c.job_id,
                         spool=str(self._spool_root),
+                        journal=str(self._courier.journal),
                         last_error=self._courier.last_error,
                     )
                     return False
@@ -457,22 +477,86 @@ class Supervisor:
             delivered.cancel()
             signalled.cancel()
 
-    async def _forward_leftovers(self) -> None:
-        """Forward the undelivered events of a previous supervisor's workers (their spools,
-        left when it was signalled or killed during an outage), and wait for the bus to take
-        them, before this supervisor reads the job's state."""
-        with contextlib.suppress(FileNotFoundError):
-            for folder in sorted(p for p in self._spool_root.iterdir() if p.is_dir()):
+    async def _forward_leftovers(self, bus: Bus) -> None:
+        """Forward what previous supervisors of the job on this node left undelivered (when
+        signalled or killed during an outage), and wait for the bus to take it, before this
+        supervisor reads the job's state: first their journals, oldest first, each in the
+        order its events were put (a stop request ahead of the exit reports it explains, a
+        rank's ``finished`` ahead of the exit report of its worker); then their workers'
+        spools (events no supervisor forwarded; those a journal holds too arrive twice, and
+        the daemon drops the second copy). A file or folder is removed once the bus has taken
+        everything in it. If a job request (a stop) was among them, wait until the daemon has
+        read it (:meth:`_until_read`), so that the job's state this supervisor reads next is
+        the daemon's answer to it."""
+        try:
+            entries = sorted(self._spool_root.iterdir())
+        except FileNotFoundError:
+            entries = []
+        requests = 0
+        for journal in entries:
+            if journal.suffix != JOURNAL_SUFFIX or journal == self._courier.journal:
+                continue
+            left = read_journal(journal)
+            requests += sum(_is_request(data) for data in left)
+            remove = functools.partial(_remove_file, journal)
+            if left:
+                log.warning(
+                    "forwarding events a previous supervisor of this node could not deliver",
+                    count=len(left),
+                    journal=str(journal),
+                )
+            for n, data in enumerate(left, start=1):
+                self._courier.put(data, then=remove if n == len(left) else None)
+            if not left:
+                remove()
+        for folder in entries:
+            if folder.is_dir():
                 self._forward(folder, None)
         await self._courier.delivered()
+        if requests:
+            await self._until_read(bus)
+
+    async def _until_read(self, bus: Bus) -> None:
+        """Wait until the daemon's group has read the job's partition of ``events`` up to its
+        end offset now (it acts on what it reads before it commits its position), polling
+        every ``_ANSWER_POLL_S``; at most ``daemon_timeout_s`` (not at all when 0: no daemon
+        is expected), then go on, saying so. A bus failure ends the wait, logged."""
+        c = self._c
+        if c.daemon_timeout_s <= 0:
+            return
+        deadline = time.monotonic() + c.daemon_timeout_s
+        try:
+            ends = await bus.end_offsets("events")
+            tp = TopicPartition("events", partition_for(c.job_id, len(ends)))
+            while True:
+                position = (await bus.group_positions(c.group, "events")).get(tp)
+                if position is not None and position >= ends[tp]:
+                    return
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "no daemon has read the stop request a previous supervisor of this node "
+                        f"left within {c.daemon_timeout_s:g} s: going on with the job as it "
+                        "stands; a daemon that reads it later stops the job",
+                        job_id=c.job_id,
+                        group=c.group,
+                    )
+                    return
+                await asyncio.sleep(_ANSWER_POLL_S)
+        except BusError as exc:
+            log.warning(
+                "cannot tell whether the daemon read the stop request a previous supervisor "
+                "of this node left",
+                error=str(exc),
+            )
 
     async def _run_on_bus(self, stop: asyncio.Event) -> int:
         # A bus that is away is waited for (module docstring, outages); one that is wrong
         # (a bad URL, a topic the cluster refuses) fails the run at once.
         bus = await self._patiently("connecting to the bus", self._started_bus, stop)
+        lingering: list[asyncio.Future[Any]] = []  # wound down with the bus's close
         try:
             self._courier_task = asyncio.ensure_future(self._courier.run())
-            await or_stop(self._forward_leftovers(), stop)
+            await or_stop(self._forward_leftovers(bus), stop)
             commands = await self._follow_commands(bus, stop)
             listener = asyncio.ensure_future(self._listen(commands))
             if self._c.nproc_per_node is not None:
@@ -487,17 +571,37 @@ class Supervisor:
                 with contextlib.suppress(asyncio.CancelledError):
                     await listener
                 if self._tasks:
-                    # Each finishes the bus call it is in (bounded by the bus's timeouts),
-                    # unless a signal came: then they are abandoned.
+                    # Each finishes the bus call it is in (bounded by the bus's timeouts)
+                    # before the connections close, unless a signal came: then they wind down
+                    # with them.
                     with contextlib.suppress(Signalled):
                         await or_stop(asyncio.wait(self._tasks), self._interrupted)
-                    await abandon(*(t for t in self._tasks if not t.done()))
-                await quietly(commands.close(), self._interrupted)
+                lingering += [t for t in self._tasks if not t.done()]
+                lingering.append(asyncio.ensure_future(commands.close()))
                 await self._stop_workers(report=False)
                 if self._step_dir is not None:
                     shutil.rmtree(self._step_dir, ignore_errors=True)
         finally:
-            await quietly(bus.close(), self._interrupted)
+            await self._wind_down(*lingering, asyncio.ensure_future(bus.close()))
+
+    async def _wind_down(self, *calls: asyncio.Future[Any]) -> None:
+        """Wait for the last bus calls (closing connections, a looker's last request), all
+        together; after a signal, :data:`ABANDON_GRACE_S` more, then abandon them (cancelled,
+        with another grace to unwind). Not cancelled at once: a close cancelled before it began
+        would leave its Kafka clients open (aiokafka logs ``Unclosed AIOKafkaProducer`` at
+        exit). Their bus errors are dropped (the connections are done with), any other failure
+        is logged: nothing here may change how the supervisor ends."""
+        with contextlib.suppress(Signalled):
+            await or_stop(asyncio.wait(calls), self._interrupted)
+        pending = [c for c in calls if not c.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=ABANDON_GRACE_S)
+        await abandon(*(c for c in pending if not c.done()))
+        for call in calls:
+            if call.done() and not call.cancelled():
+                failure = call.exception()
+                if failure is not None and not isinstance(failure, BusError):
+                    log.warning("closing the bus connections failed", error=repr(failure))
 
     async def _started_bus(self) -> Bus:
         """A new connection to the bus, started (closed again if it fails to start:
@@ -557,7 +661,7 @@ class Supervisor:
             if await self._patiently(
                 "reading the job's snapshots", lambda: self._has_committed(bus), stop
             ):
-                self._rejoin(0, 0, "it has committed snapshots in generation 0")
+                await self._rejoin(bus, stop, 0, 0, "it has committed snapshots in generation 0")
             return
         self._generation = latest.generation
         self._baseline = (latest.generation, latest.seq)
@@ -594,14 +698,19 @@ class Supervisor:
                 )
                 self._plan = "finished"
             return
-        self._rejoin(
+        await self._rejoin(
+            bus,
+            stop,
             latest.generation,
             latest.seq,
             "the daemon resumed it" if isinstance(latest, Resume) else "it restores in process",
         )
 
-    def _rejoin(self, generation: int, seq: int, why: str) -> None:
-        """Begin by reporting this node's previous workers gone in ``generation``."""
+    async def _rejoin(
+        self, bus: Bus, stop: asyncio.Event, generation: int, seq: int, why: str
+    ) -> None:
+        """Begin by reporting this node's previous workers gone in ``generation``, unless they
+        all finished there (:meth:`_node_finished`: nothing to do)."""
         if not self._c.local_ranks():
             raise JobNotJoinable(
                 f"job {self._c.job_id!r} runs in generation {generation} ({why}): this "
@@ -610,6 +719,9 @@ class Supervisor:
             )
         self._generation = generation
         self._baseline = (generation, seq)
+        if await self._node_finished(bus, stop):
+            self._plan = "finished"
+            return
         self._plan = "rejoin"
         log.warning(
             f"job runs in generation {generation} ({why}): this node's previous workers are "
@@ -707,7 +819,6 @@ class Supervisor:
             return
         self._failed = True  # nothing runs here until the daemon orders a restore
         if self._plan == "rejoin":
-            await self._refuse_if_finished(bus, stop)
             data, sent = self._report_gone(), "report that this node's ranks are gone"
             what = f"this node's report that its ranks are gone (generation {self._generation})"
         else:
@@ -734,22 +845,26 @@ class Supervisor:
             key=self._c.keys.event,
         )
 
-    async def _refuse_if_finished(self, bus: Bus, stop: asyncio.Event) -> None:
-        """Raise :class:`JobNotJoinable` if every rank of this node reported ``finished`` in
-        the current generation (the job's events, as the daemon counts finished ranks): none
-        is gone, and the job has ended or ends without this node."""
+    async def _node_finished(self, bus: Bus, stop: asyncio.Event) -> bool:
+        """Whether every rank of this node reported ``finished`` in the current generation (the
+        job's events, as the daemon counts finished ranks), logged if so: none is gone, the
+        job has ended or ends without this node, and this supervisor has nothing to do (it
+        posts nothing and exits 0, as its predecessor did or would have)."""
         finished = await self._patiently(
             "reading the job's events",
             lambda: _finished_ranks(bus, self._c.job_id, self._generation),
             stop,
         )
         ranks = self._c.local_ranks()
-        if set(ranks) <= finished:
-            raise JobNotJoinable(
-                f"job {self._c.job_id!r}: this node's ranks {list(ranks)} finished in "
-                f"generation {self._generation}; nothing to rejoin (for a new run, use a new "
-                "job id)"
-            )
+        if not set(ranks) <= finished:
+            return False
+        log.info(
+            f"this node's ranks finished in generation {self._generation}; nothing to do "
+            "(for a new run, use a new job id)",
+            job_id=self._c.job_id,
+            ranks=list(ranks),
+        )
+        return True
 
     def _report_gone(self) -> bytes:
         """This node's ranks ``exited`` (SIGKILL) in the current generation, as this
@@ -811,7 +926,8 @@ class Supervisor:
 
     async def _stop_job(self, stop: asyncio.Event) -> int:
         """Signalled: ask the daemon to stop the whole job, stop this node's workers (their
-        exits reported after the request, so no failure), and wait for the daemon's abort."""
+        exits reported after the request, so no failure), and wait for the daemon's abort;
+        all of it by ``stop_timeout_s`` after the signal, and at once on a second signal."""
         if self._plan == "continue" and not self._workers:
             log.warning(
                 "signalled while waiting for the continuation: the continue request stays on "
@@ -819,38 +935,42 @@ class Supervisor:
                 job_id=self._c.job_id,
             )
             return EXIT_SIGNALLED
-        self._signalled = True
-        log.warning("signalled: asking the daemon to stop the job", generation=self._generation)
+        self._stop_by = time.monotonic() + self._c.stop_timeout_s
+        stop.clear()  # from here on, a signal is the second one
+        again = asyncio.ensure_future(stop.wait())
+        log.warning(
+            "signalled: asking the daemon to stop the job",
+            generation=self._generation,
+            stop_timeout_s=self._c.stop_timeout_s,
+        )
         # Through the outbox, ahead of the workers' exit reports: the bus holds it before
-        # them however long it is away, and no wait on the bus delays stopping the workers.
+        # them however long it is away (the journal keeps it if this supervisor exits first),
+        # and no wait on the bus delays stopping the workers.
         self._courier.put(
             self._request("stop", f"trainguard run on host {self._c.host} was signalled")
         )
-        await self._stop_workers(report=True)
-        stop.clear()
-        deadline = time.monotonic() + self._c.stop_timeout_s
-        again = asyncio.ensure_future(stop.wait())
         try:
-            while (left := deadline - time.monotonic()) > 0:
+            await self._stop_workers(report=True, hurry=again)
+            while not again.done() and (left := self._stop_by - time.monotonic()) > 0:
                 order_task = asyncio.ensure_future(self._orders.get())
                 await asyncio.wait(
                     {order_task, again}, timeout=left, return_when=asyncio.FIRST_COMPLETED
                 )
                 if not order_task.done():
                     order_task.cancel()
-                    if again.done():
-                        log.warning("signalled again: not waiting for the daemon's confirmation")
-                        return EXIT_SIGNALLED
                     continue
                 order = order_task.result()
                 if isinstance(order, Abort):
                     return _ended(order)
+            if again.done():
+                log.warning("signalled again: not waiting for the bus or the daemon")
+                return EXIT_SIGNALLED
         finally:
             again.cancel()
         log.warning(
-            f"the daemon has not confirmed the stop within {self._c.stop_timeout_s:g} s; once "
-            "the request is on the bus (see below if it is not), the job ends stopped when a "
-            "daemon reads it",
+            f"the daemon has not confirmed the stop within {self._c.stop_timeout_s:g} s of "
+            "the signal; once the request is on the bus (see below if it is not), the job "
+            "ends stopped when a daemon reads it",
             job_id=self._c.job_id,
         )
         return EXIT_SIGNALLED
@@ -1045,22 +1165,29 @@ class Supervisor:
             step=step,
         )
 
-    async def _stop_workers(self, *, report: bool) -> None:
+    async def _stop_workers(
+        self, *, report: bool, hurry: asyncio.Future[Any] | None = None
+    ) -> None:
         """SIGTERM every worker's process group, SIGKILL after the grace period, reap them,
         forward what their agents never delivered.
 
         With ``report``, report each worker's exit (a restore order does not: the daemon
-        already moved on to a new generation)."""
+        already moved on to a new generation). The grace period ends early at the stop's
+        deadline (a signalled supervisor) and once ``hurry`` is done (a second signal)."""
         workers, self._workers = self._workers, []
         reported = [w for w in workers if w.proc.returncode is not None]  # their watchers did
         for w in workers:
             if w.watcher is not None:
                 w.watcher.cancel()
             _signal_group(w.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self._c.grace_s
-        for w in workers:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(w.proc.wait(), max(0.0, deadline - time.monotonic()))
+        grace = self._c.grace_s
+        if self._stop_by is not None:
+            grace = max(0.0, min(grace, self._stop_by - time.monotonic()))
+        if workers:
+            exited = asyncio.ensure_future(asyncio.gather(*(w.proc.wait() for w in workers)))
+            waits: set[asyncio.Future[Any]] = {exited} if hurry is None else {exited, hurry}
+            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            exited.cancel()
         for w in workers:
             # The group may hold grandchildren (torchrun's workers) even after the leader died.
             _signal_group(w.proc.pid, signal.SIGKILL)
@@ -1195,6 +1322,20 @@ def _die_with_parent() -> None:
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _is_request(data: bytes) -> bool:
+    """Whether the encoded message ``data`` is a job request (a stop, a continue)."""
+    try:
+        decode(data, expect=JobRequest)
+    except SchemaError:
+        return False
+    return True
+
+
+def _remove_file(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -425,9 +425,11 @@ def run(
     stop_timeout: Annotated[
         float,
         typer.Option(
-            help="On SIGTERM/Ctrl-C, seconds to wait for the daemon to confirm the job's stop."
+            help="On SIGTERM/Ctrl-C, seconds until exit (plus about 2 s to close connections): "
+            "stop the workers, deliver the stop request and exit reports, await the daemon's "
+            "confirmation; what the bus has not taken by then stays in this node's spool."
         ),
-    ] = 30.0,
+    ] = 20.0,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
     """Supervise this node's workers: start COMMAND, report exits, restart on restore orders.

@@ -16,7 +16,6 @@ fails, so that an attempt of :func:`patiently` leaves no connection behind.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -33,7 +32,6 @@ __all__ = [
     "close_soon",
     "or_stop",
     "patiently",
-    "quietly",
     "started",
 ]
 
@@ -184,31 +182,3 @@ async def close_soon(bus: Bus) -> None:
     closing.add_done_callback(_drop_outcome)
     if not (await asyncio.wait({closing}, timeout=ABANDON_GRACE_S))[0]:
         await abandon(closing)
-
-
-async def quietly(call: Awaitable[Any], stop: asyncio.Event) -> None:
-    """``await call`` for a bus call whose failure changes nothing (closing a connection):
-    its :class:`~trainguard.agent.bus.BusError` is dropped. Once ``stop`` is set (before or
-    during the call) the call gets :data:`ABANDON_GRACE_S` more, then is abandoned: a close
-    cancelled before it began would leave its clients open (aiokafka logs ``Unclosed
-    AIOKafkaProducer`` for each at exit), one given a moment has at least begun to stop them.
-
-    Raises:
-        Exception: whatever ``call`` raises other than a ``BusError``.
-    """
-    task = asyncio.ensure_future(call)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            await asyncio.wait({task}, timeout=ABANDON_GRACE_S)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        stopped.cancel()
-    if not task.done():
-        await abandon(task)
-        return
-    with contextlib.suppress(BusError, asyncio.CancelledError):
-        task.result()
