@@ -5,6 +5,7 @@ reports both as ``ProducerFenced``); a newer owner's writer gives a plain :class
 from __future__ import annotations
 
 import pytest
+from aiokafka.errors import ProducerFenced
 
 from tests.buses import TEST_TOPICS, BusFactory
 from tests.daemon.service_support import eventually
@@ -63,6 +64,40 @@ async def test_a_writer_fenced_by_a_newer_owner_is_fenced_not_expired(
         message = str(fenced.value)
         assert f"partition 1 (transactional id '{unique_prefix}daemon-1')" in message
         assert "a newer owner initialised the transactional id" in message
+        await old.close()
+        await new.close()
+        await consumer.close()
+
+
+async def test_a_fence_found_while_a_send_waits_for_metadata_is_fenced_not_a_crash(
+    kafka_bootstrap: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender task of the old owner's producer finds the fence while ``send`` awaits the
+    topic's metadata, after the writer's own check: aiokafka's ``send`` then raises
+    ``IllegalOperation``, a plain ``Exception``, which once escaped the daemon's loop and ended
+    the process (seen in the three-instance chaos test). The fence is simulated at that moment,
+    as the sender task records it (``fatal_error``)."""
+    factory = BusFactory("kafka", f"kafka://{kafka_bootstrap}", unique_prefix)
+    group = factory.group("fence-in-send")
+    async with factory.open() as bus_a, factory.open() as bus_b:
+        consumer = await bus_a.subscribe(["events"], group)
+        old = await bus_a.partition_writer(group, 2)
+        await old.send("commands", "job-z", b"zombie")
+        new = await bus_b.partition_writer(group, 2)
+        producer = old._producer  # type: ignore[attr-defined]  # the writer's aiokafka client
+        wait_on_metadata = producer.client._wait_on_metadata
+
+        async def fenced_meanwhile(topic: str) -> object:
+            result = await wait_on_metadata(topic)
+            producer._txn_manager.fatal_error(ProducerFenced())
+            return result
+
+        monkeypatch.setattr(producer.client, "_wait_on_metadata", fenced_meanwhile)
+        with pytest.raises(Fenced) as fenced:
+            await old.send("commands", "job-z", b"zombie again")
+        assert "a newer owner initialised the transactional id" in str(fenced.value)
+        with pytest.raises(Fenced):  # and for good
+            await old.commit({TopicPartition("events", 2): 1})
         await old.close()
         await new.close()
         await consumer.close()

@@ -52,6 +52,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.conn import create_conn
 from aiokafka.errors import (
     GroupCoordinatorNotAvailableError,
+    IllegalOperation,
     InvalidProducerEpoch,
     KafkaConnectionError,
     KafkaError,
@@ -672,6 +673,13 @@ class _KafkaConsumer(Consumer):
         await _close_quietly(self._inner.stop(), self._bus._timeout)
 
 
+_TXN_ERRORS = (KafkaError, AssertionError, IllegalOperation)
+"""What a transactional producer's calls raise when the transaction cannot go on. Besides
+aiokafka's errors and its transition ``assert``: ``IllegalOperation`` (a plain ``Exception``),
+which ``send`` raises when the sender task moved the transaction to an error state (a fence
+found, say) while ``send`` awaited metadata, after this writer's own check."""
+
+
 class _KafkaPartitionWriter(PartitionWriter):
     """A transactional producer for one owned partition (see :meth:`KafkaBus.partition_writer`).
 
@@ -768,6 +776,11 @@ class _KafkaPartitionWriter(PartitionWriter):
     def _failed(self, what: str, exc: BaseException) -> BusError:
         """The error for a failed call; marks the writer fenced or abortable."""
         txn = self._producer._txn_manager
+        if txn is not None and txn.is_fatal_error() and isinstance(exc, IllegalOperation):
+            # The sender task's fatal error is the cause: say it (a fence or an expiry).
+            waiter = txn.wait_for_transaction_end()
+            if waiter.done() and not waiter.cancelled():
+                exc = waiter.exception() or exc
         if (
             isinstance(exc, ProducerFenced | InvalidProducerEpoch)
             or isinstance(getattr(exc, "__cause__", None), ProducerFenced | InvalidProducerEpoch)
@@ -799,7 +812,7 @@ class _KafkaPartitionWriter(PartitionWriter):
                 f"{self._where()}: {what} not confirmed within {self._bus._timeout:g} s: the "
                 "transaction may yet commit or abort (in doubt)"
             ) from exc
-        except (KafkaError, AssertionError) as exc:
+        except _TXN_ERRORS as exc:
             self._ending = None
             what = "commit" if self._committing else "abort"
             raise self._failed(what, exc) from exc
@@ -812,7 +825,7 @@ class _KafkaPartitionWriter(PartitionWriter):
         if self._state == "ready":
             try:
                 await self._producer.begin_transaction()
-            except (KafkaError, AssertionError) as exc:
+            except _TXN_ERRORS as exc:
                 raise self._failed("begin", exc) from exc
             self._state = "open"
             self._opened_at = time.monotonic()
@@ -835,7 +848,7 @@ class _KafkaPartitionWriter(PartitionWriter):
             sent = await self._producer.send(
                 self._bus._full(topic), value, key=key.encode(), partition=partition
             )
-        except (KafkaError, AssertionError) as exc:
+        except _TXN_ERRORS as exc:
             raise self._failed(f"send to {topic!r}", exc) from exc
         # A failed delivery fails the transaction, which commit() reports; retrieve the
         # exception here so that asyncio does not log it as never retrieved.
@@ -873,7 +886,7 @@ class _KafkaPartitionWriter(PartitionWriter):
         if self._state in ("open", "abortable"):
             try:
                 self._ending = asyncio.ensure_future(self._producer.abort_transaction())
-            except (KafkaError, AssertionError) as exc:
+            except _TXN_ERRORS as exc:
                 raise self._failed("abort", exc) from exc
             self._committing = False
             self._state = "ending"
