@@ -84,6 +84,34 @@ async def test_status_folds_to_the_states_the_daemon_holds(sqlite_bus: BusFactor
     assert only.state == service.jobs[OTHER]
 
 
+@pytest.mark.anyio
+async def test_status_folds_under_the_daemons_settings_not_its_own(
+    sqlite_bus: BusFactory,
+) -> None:
+    """The daemon runs with a 6 s restore timeout (given to it alone, say ``--restore-timeout``):
+    JOB's unacknowledged restore is retried in generation 2. Status, with the default settings
+    (120 s), folds under the configuration the daemon recorded and says the same; folded under
+    its own, it said generation 1, restoring, for minutes after the daemon had moved on."""
+    await record_two_jobs(sqlite_bus)
+    config = daemon_config(sqlite_bus, restore_timeout_s=6.0)
+    service = DaemonService(config)
+    async with running(service):
+
+        async def retried() -> bool:
+            # ... and the retry's tick folded too (the daemon's transaction committed it)
+            return (
+                JOB in service.jobs
+                and service.jobs[JOB].generation == 2
+                and unacted_command(service.jobs[JOB]) is None
+            )
+
+        await eventually(retried, 60)
+    defaults = daemon_config(sqlite_bus).machine
+    assert defaults.restore_timeout_s != config.machine.restore_timeout_s
+    [job] = (await read_status(config.bus, defaults, JOB)).values()
+    assert job.state == service.jobs[JOB]
+
+
 def status(factory: BusFactory, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*CLI, "status", "--bus", factory.url, "--topic-prefix", factory.prefix, *args],

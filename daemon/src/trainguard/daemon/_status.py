@@ -105,7 +105,10 @@ async def read_status(
 
     Args:
         bus: how to reach the bus (its topic prefix included).
-        config: the state machine's settings (the daemon's ``[machine]`` table).
+        config: the state machine's settings (the daemon's ``[machine]`` table), for a job
+            the daemon has recorded no decision of yet; a job with decisions on ``audit`` is
+            folded under the configuration of its newest ones (the daemon's own, which folds
+            the log from offset 0 under it).
         job: only this job (only its partition is read), or ``None`` for every job.
 
     Returns:
@@ -130,19 +133,33 @@ async def read_status(
         for key, entries in entries_by_job(audit).items()
         if job is None or key == job
     }
+    # Each job under the configuration its daemon decides it with now: a daemon folds the
+    # log from offset 0 under its own settings (those of its newest decisions on the trail),
+    # which may differ from this command's (``--restore-timeout`` given to the daemon only).
+    machines = {key: _deciding(trail, config) for key, trail in trails.items()}
     jobs: dict[str, JobStatus] = {}
     refused: dict[str, int] = {}
     for record in events:
         trail: AuditTrail | None = trails.get(record.key) if record.key is not None else None
         taken = take(record, trail)
         if isinstance(taken, Taken):
-            _fold_one(jobs, taken.job_id, taken.input, config)
+            _fold_one(jobs, taken.job_id, taken.input, machines.get(taken.job_id, config))
         elif isinstance(taken, Refused) and taken.auth is not None and record.key is not None:
             refused[record.key] = refused.get(record.key, 0) + 1
     for key, count in refused.items():
         if key in jobs:
             jobs[key] = replace(jobs[key], refused=count)
     return jobs
+
+
+def _deciding(trail: AuditTrail, default: MachineConfig) -> MachineConfig:
+    """The configuration of the job's newest recorded decisions, or ``default`` if the trail
+    has none yet.
+
+    Raises:
+        MalformedAudit: that configuration's entry is missing or does not rebuild.
+    """
+    return trail.machine(trail.groups[-1].config_id) if trail.groups else default
 
 
 async def read_topic(
