@@ -28,7 +28,7 @@ from ._config import MachineConfig
 from ._decisions import Anomaly, Decision
 from ._evidence import Measures
 from ._recovery import Failure
-from ._state import JobState
+from ._state import JobState, unjoined
 
 _POSITION = ("data_version", "seed", "epoch", "offset")
 """The cursor fields ranks must agree on (``world_size`` is the sender's, informational)."""
@@ -133,18 +133,10 @@ def late_shard(
         The new state and its decisions, or ``None`` when the rule does not apply (the event
         is then stale, as before).
     """
-    left, incident, world_size = state.left, state.incident, state.world_size
-    if (
-        left is None
-        or incident is None
-        or world_size is None
-        or state.phase != "restoring"
-        or state.senders
-        or event.generation != left.generation
-        or event.world_size != world_size
-        or not 0 <= event.rank < world_size
-    ):
+    pending_restore = unjoined(state, event.generation, event.rank)
+    if pending_restore is None or event.world_size != pending_restore.world_size:
         return None
+    left, incident, world_size, restore = pending_restore
     target, onset, step = incident.target, incident.onset_after_step, event.step
     floor = -1 if target is None else target.step
     if left.cuts:
@@ -155,10 +147,6 @@ def late_shard(
     if event.rank in shards:
         return None
     shards = shards.insert(event.rank, event)
-    restore = (
-        f"the restore of {incident.incident_id} to generation {state.generation} (attempt "
-        f"{incident.attempt})"
-    )
     generation = left.generation
     noted = Anomaly(
         kind="late_checkpoint",

@@ -38,7 +38,7 @@ from trainguard.schemas import Lifecycle
 from ._config import MachineConfig
 from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Transition
 from ._evidence import Measures, ranks_text, seconds_text
-from ._state import JobState, RankState
+from ._state import JobState, RankState, unjoined
 
 __all__ = ["bridge", "gap_ns", "late_finish", "settling"]
 
@@ -155,26 +155,17 @@ def late_finish(
         The new state and its decisions, or ``None`` when the rule does not apply (the event
         is then stale, as before).
     """
-    left, incident, world_size = state.left, state.incident, state.world_size
+    pending_restore = unjoined(state, event.generation, event.rank)
     if (
-        left is None
-        or incident is None
-        or world_size is None
-        or state.phase != "restoring"
-        or state.senders
+        pending_restore is None
         or event.kind != "finished"
-        or event.rank is None
-        or event.generation != left.generation
-        or event.rank in left.finished
-        or not 0 <= event.rank < world_size
+        or event.rank is None  # a rank's, as unjoined checked: for the type checker
+        or event.rank in pending_restore.left.finished
     ):
         return None
+    left, incident, world_size, restore = pending_restore
     finished = tuple(sorted((*left.finished, event.rank)))
     state = state._replace(left=left._replace(finished=finished))
-    restore = (
-        f"the restore of {incident.incident_id} to generation {state.generation} (attempt "
-        f"{incident.attempt})"
-    )
     noted = Anomaly(
         kind="late_finish",
         reason=f"rank {event.rank} on host {event.host} (pid {event.pid}) reported finished "

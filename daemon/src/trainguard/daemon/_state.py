@@ -500,3 +500,46 @@ class JobState(NamedTuple):
 def new_job(job_id: str) -> JobState:
     """The state of a job the daemon has not seen any input for: ``starting``, generation 0."""
     return JobState(job_id=job_id)
+
+
+class Unjoined(NamedTuple):
+    """A restore nobody has joined yet, as a late event of the generation it left is judged
+    against it (:func:`unjoined`).
+
+    Attributes:
+        left: the generation the restore left (``JobState.left``).
+        incident: the restore's incident.
+        world_size: the job's world size.
+        restore: the restore, for an anomaly's reason (``the restore of <incident> to
+            generation <g> (attempt <n>)``).
+    """
+
+    left: Left
+    incident: Incident
+    world_size: int
+    restore: str
+
+
+def unjoined(state: JobState, generation: int, rank: int | None) -> Unjoined | None:
+    """The restore a late event of ``generation`` from ``rank`` may still count against: the
+    job is ``restoring``, no event of the restore's generation was accepted (``senders``
+    empty), ``generation`` is the one the restore left and ``rank`` is a rank of the job's
+    world size; else ``None`` (the event is stale). The shared condition of the late-finish
+    and late-checkpoint rules (``docs/recovery.md``)."""
+    left, incident, world_size = state.left, state.incident, state.world_size
+    if (
+        left is None
+        or incident is None
+        or world_size is None
+        or state.phase != "restoring"
+        or state.senders
+        or generation != left.generation
+        or rank is None
+        or not 0 <= rank < world_size
+    ):
+        return None
+    restore = (
+        f"the restore of {incident.incident_id} to generation {state.generation} (attempt "
+        f"{incident.attempt})"
+    )
+    return Unjoined(left, incident, world_size, restore)
