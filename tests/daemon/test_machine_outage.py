@@ -60,7 +60,7 @@ from trainguard.daemon._decisions import (
 from trainguard.daemon._inputs import Input, Observed, Tick
 from trainguard.daemon._machine import decide, next_deadline
 from trainguard.daemon._state import JobState
-from trainguard.schemas import Checkpoint, Heartbeat, Restore, Resume
+from trainguard.schemas import Abort, Checkpoint, Heartbeat, JobRequest, Restore, Resume
 
 CFG = config()
 
@@ -756,17 +756,15 @@ def signalled_in_an_outage_reported_late(sim: Sim, late_at: int) -> list[Input]:
     return [*before, *late]
 
 
-@pytest.mark.parametrize(("late_s", "phase"), [(0, "stopped"), (60, "stopped"), (600, "failed")])
-def test_a_stop_made_in_an_outage_and_reported_late_ends_the_job_without_a_restore(
-    late_s: int, phase: str
-) -> None:
+@pytest.mark.parametrize("late_s", [0, 60, 600])
+def test_a_stop_made_in_an_outage_and_reported_late_ends_the_job_stopped(late_s: int) -> None:
     """The stop arrives with the broker (0 s: it was in flight), or only when the node's next
     supervisor runs. Until then nothing tells the job's silence from a failure: the daemon
-    restores it at the settle deadline. Once the stop is folded the job is stopped, the
-    incident closed as stopped, and nothing is restored any more, whatever comes after it (the
-    SIGTERM exits, the ranks' late events). A stop that comes after the daemon gave up on its
-    restores (``max_restore_attempts`` of ``restore_timeout_s`` each) finds the job failed and
-    leaves it so."""
+    restores it at the settle deadline. Once the stop is folded the job is stopped, nothing is
+    restored any more, whatever comes after it (the SIGTERM exits, the ranks' late events), and
+    the reason says the silence was the stop's: the incident closes as stopped (60 s), or, when
+    the restores had given up before (600 s: ``max_restore_attempts`` of ``restore_timeout_s``,
+    nobody joined any), the failed job ends stopped with a second abort (a late stop)."""
     sim = Sim(world_size=2)
     late_at = AWAY[1] + late_s * S
     state, folded = drive(
@@ -777,12 +775,42 @@ def test_a_stop_made_in_an_outage_and_reported_late_ends_the_job_without_a_resto
     )
     decisions = every(folded)
     restores = issued(decisions, Restore)
-    assert state.phase == phase
+    assert (state.phase, state.failure) == ("stopped", None)
     assert next_deadline(state, CFG) is None
     if late_s == 0:
         assert (restores, opened(folded)) == ([], [])
         return
-    assert [r.generation for r in restores] == ([1] if phase == "stopped" else [1, 2, 3])
+    assert [r.generation for r in restores] == ([1] if late_s == 60 else [1, 2, 3])
     assert all(at < late_at for at, _ in opened(folded))
     closed = of_type(decisions, IncidentClosed)
-    assert [c.outcome for c in closed] == ["stopped" if phase == "stopped" else "failed"]
+    assert [c.outcome for c in closed] == ["stopped" if late_s == 60 else "failed"]
+    [last] = [t for t in of_type(decisions, Transition) if t.new in ("stopped", "failed")][-1:]
+    assert (last.old, last.new) == ("restoring" if late_s == 60 else "failed", "stopped")
+    assert "a late stop: it names generation 0" in last.reason
+    aborts = issued(decisions, Abort)
+    assert [a.outcome for a in aborts] == (["stopped"] if late_s == 60 else ["failed", "stopped"])
+    assert len({a.generation for a in aborts}) == 1  # the generation the job ended in
+    assert aborts[-1].seq > (restores[-1].seq if late_s == 60 else aborts[0].seq)
+
+
+def test_a_stop_of_a_failed_job_is_late_only_if_nobody_was_heard_since_its_generation() -> None:
+    """The late-stop exception needs the silence to be the stop's. A job that failed after its
+    restores went unjoined, folded without the late journal: a stop naming the generation it
+    failed in (``trainguard stop`` of a failed job) leaves it failed; so does a stop of the
+    generation before the restores once anyone had been heard since (a rank joined)."""
+    sim = Sim(world_size=2)
+    late_at = AWAY[1] + 600 * S
+    inputs = signalled_in_an_outage_reported_late(sim, late_at)
+    state, _ = drive(
+        [i for i in inputs if i.at_ns < late_at], cfg=CFG, outages=[AWAY], until=late_at
+    )
+    assert (state.phase, state.generation) == ("failed", 3)
+    [stop] = [i for i in inputs if isinstance(i, Observed) and isinstance(i.event, JobRequest)]
+
+    def of(generation: int) -> Observed:
+        return Observed(late_at + S, None, replace(stop.event, generation=generation))
+
+    assert run([of(3)], state) == (state, ())
+    joined = state._replace(senders=state.senders.insert((0, "h0", 123), 1))
+    assert run([of(0)], joined) == (joined, ())
+    assert run([of(0)], state)[0].phase == "stopped"

@@ -10,7 +10,11 @@ purely, like any other input, so a replay of the log reproduces what the daemon 
   not ``failed``: an ``abort`` with ``outcome`` ``stopped`` of the current generation, the open
   incident (if any) closed as ``stopped``. A stop of a job that has ended already
   (``finished``, ``failed``, ``stopped``) changes nothing: every signalled supervisor of a job
-  asks. A stop of a generation older than the job's latest continuation was meant for the run
+  asks. One exception: a **late stop** of a ``failed`` job, one naming the generation its ranks
+  last ran in while no rank joined any restore since (``JobState.left``, ``senders`` empty),
+  ends it ``stopped`` too: the silence the daemon restored it for, and failed it for when
+  nobody joined, was this stop's (made while the bus was away and delivered by the node's
+  next supervisor; ``docs/recovery.md``, "A stop while the bus was away"). A stop of a generation older than the job's latest continuation was meant for the run
   before it and is rejected (``stale_generation``), so a late request never ends the continued
   run. A stop that is the job's first input (a job the daemon knows nothing of: a mistyped id)
   is rejected (``no_such_job``) rather than creating a stopped job.
@@ -133,7 +137,8 @@ def _stop(
                 "the daemon has no input: nothing to stop (a mistyped job id?)",
             ),
         )
-    if state.phase not in _LIVE:
+    late = _late(state, request)
+    if state.phase not in _LIVE and not (late and state.phase == "failed"):
         return state, ()  # ended already: every signalled supervisor of the job asks
     state = _accepted(state, request, at_ns)
     generation = state.generation
@@ -141,6 +146,12 @@ def _stop(
         f"stopped on request from {_who(request)} in generation {generation}"
         f"{f': {request.reason}' if request.reason else ''}"
     )
+    if late:
+        reason += (
+            f" (a late stop: it names generation {request.generation}, the one the ranks last "
+            f"ran in, and no rank joined a restore since: their silence was this stop's"
+            f"{', which the job failed for' if state.phase == 'failed' else ''})"
+        )
     seq = next_command_seq(state)
     abort = Abort(
         job_id=state.job_id,
@@ -170,8 +181,21 @@ def _stop(
                 incident_id=state.held.incident_id, outcome="stopped", attempts=0, reason=reason
             )
         )
-    return state._replace(phase="stopped", incident=None, held=None, command_seq=seq), tuple(
-        decisions
+    stopped = state._replace(
+        phase="stopped", incident=None, held=None, command_seq=seq, failure=None
+    )
+    return stopped, tuple(decisions)
+
+
+def _late(state: JobState, request: JobRequest) -> bool:
+    """Whether ``request`` names the generation the ranks last ran in before a restore that
+    nobody joined, nor any later attempt (``JobState.left``, ``senders`` empty): its sender
+    never saw the restore, whose cause was the silence of this stop."""
+    left = state.left
+    return (
+        left is not None
+        and not state.senders
+        and request.generation == left.generation < state.generation
     )
 
 
