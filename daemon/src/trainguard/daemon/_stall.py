@@ -31,11 +31,13 @@ much, and the end of the last declared phase lowers it to the earliest deadline 
 follow. The ranks are scanned (O(n)) only when the clock passes the bound; a scan that finds
 no stall sets the bound to the exact earliest deadline. Folding a heartbeat stays O(1).
 
-Attribution: a stall names every training rank whose last progress (its step's completion,
-dated by the heartbeat's ``step_age_s``) lies within one heartbeat interval of the earliest
-last progress of any training rank, whether its own deadline passed yet or not; in a
-collective hang the stuck rank is among them (``docs/detection.md`` says what this can and
-cannot tell apart).
+Attribution: a stall names every training rank whose last progress lies within one heartbeat
+interval of the earliest last progress of any training rank, whether its own deadline passed
+yet or not; in a collective hang the stuck rank is among them (``docs/detection.md`` says what
+this can and cannot tell apart). Last progress is dated here as the rank's own records date
+its step's completion (``RankState.step_done_ns``: however long they waited to reach the bus,
+on the clock that stopped across a gap), not as its deadline counts (``step_advanced_ns``,
+which depends on how many records each agent had queued before it after an outage).
 """
 
 from __future__ import annotations
@@ -89,6 +91,13 @@ def _training_since(rec: RankState, watch: Watch) -> int:
     return max(
         rec.phase_since_ns, watch.long_phase_ended_ns, rec.step_advanced_ns or 0, watch.acted_ns
     )
+
+
+def _stopped_ns(rec: RankState, watch: Watch) -> int:
+    """Daemon clock (ns) at which training rank ``rec`` last progressed, to compare with the
+    other ranks: as :func:`_training_since`, with its step's completion as the rank dated it
+    (``RankState.step_done_ns``) rather than as it reached the bus."""
+    return max(rec.phase_since_ns, watch.long_phase_ended_ns, rec.step_done_ns or 0, watch.acted_ns)
 
 
 def least_deadline_ns(config: MachineConfig) -> int:
@@ -163,8 +172,8 @@ def scan_stalls(state: JobState, config: MachineConfig) -> tuple[JobState, Failu
     if in_phase:
         return state, _phase_failure(state, sorted(in_phase, key=_rank_of), config)
     if stalled:
-        window = min(_training_since(rec, watch) for rec in training) + config.heartbeat_interval_ns
-        first = [rec for rec in training if _training_since(rec, watch) <= window]
+        window = min(_stopped_ns(rec, watch) for rec in training) + config.heartbeat_interval_ns
+        first = [rec for rec in training if _stopped_ns(rec, watch) <= window]
         return state, _progress_failure(state, due, sorted(first, key=_rank_of), config)
     return state._replace(watch=watch._replace(progress_due_ns=nearest)), None
 
@@ -207,6 +216,9 @@ def _progress_failure(
     def since_of(rec: RankState) -> int:
         return _training_since(rec, watch)
 
+    def stopped_of(rec: RankState) -> int:
+        return _stopped_ns(rec, watch)
+
     ranks = sorted({rec.rank: rec for rec in (*stalled, *first)}.values(), key=_rank_of)
     timeout = progress_timeout_ns(min(stalled, key=since_of), trend, config)
     longest = clock - min(map(since_of, ranks))
@@ -243,7 +255,7 @@ def _progress_failure(
         quantile=config.progress_quantile,
         factor=config.progress_factor,
         samples=trend.step_times.filled,
-        stopped_within_s=(max(map(since_of, first)) - min(map(since_of, first))) / _NS_PER_S,
+        stopped_within_s=(max(map(stopped_of, first)) - min(map(stopped_of, first))) / _NS_PER_S,
     )
     return Failure(
         "progress_timeout",
