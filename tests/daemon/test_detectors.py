@@ -18,6 +18,7 @@ from tests.daemon.machine_scenarios import (
     of_type,
     run,
     running_job,
+    two_ranks_training,
 )
 from tests.daemon.traces import (
     Faults,
@@ -169,6 +170,44 @@ def test_ranks_that_stop_together_are_all_named_and_a_lone_stall_only_itself() -
     assert incident.cause == "progress_timeout"
     assert incident.ranks == (2,)
     assert "collective" not in incident.reason
+
+
+@pytest.mark.parametrize(
+    ("heartbeating", "words", "silent_s"),
+    [
+        ((0, 1), "kept heartbeating without completing a step for up to 6 s (", None),
+        ((0,), "completed no step for up to 6 s (", 5.5),
+        ((), "completed no step for up to 6 s (", 5.5),
+    ],
+)
+def test_a_stall_s_reason_says_heartbeats_went_on_only_if_every_named_rank_was_heard(
+    heartbeating: tuple[int, ...], words: str, silent_s: float | None
+) -> None:
+    """Both ranks complete step 41 at 42 s and report it at 42.5 s (step age 0.5 s), then
+    stop: the deadline passes at 48 s, 5.5 s after their last heartbeat, before the heartbeat
+    timeout (10 s). A rank that goes on heartbeating kept heartbeating; one that sent nothing
+    since did not, and the reason says for how long it sent nothing (``silent_s``), naming it
+    when the other one heartbeats."""
+    sim = Sim(world_size=2)
+    inputs = two_ranks_training(sim, 40)
+    inputs += [sim.heartbeat(r, 41, T0 + 42 * S + S // 2 + r, step_age_s=0.5) for r in (0, 1)]
+    inputs += [sim.heartbeat(r, 41, T0 + k * S + r) for k in range(43, 50) for r in heartbeating]
+    _, folded = drive(inputs, until=T0 + 50 * S, first_incident=True)
+    [(at, incident)] = opened(folded)
+    assert incident.cause == "progress_timeout"
+    assert incident.ranks == (0, 1)
+    assert at == T0 + 48 * S + 1
+    assert words in incident.reason
+    assert incident.measures.get("silent_s") == (silent_s and pytest.approx(silent_s, abs=1e-6))
+    if silent_s is None:
+        assert "sent nothing" not in incident.reason
+    elif heartbeating:
+        assert ", and rank 1 sent nothing for up to 5.5 s, in generation 0 at step 41" in (
+            incident.reason
+        )
+    else:
+        assert ", and sent nothing for up to 5.5 s, in generation 0 at step 41" in incident.reason
+    assert "kept heartbeating" not in incident.reason or silent_s is None
 
 
 def test_next_deadline_covers_the_progress_timeout() -> None:

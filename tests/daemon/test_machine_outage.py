@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.daemon.machine_scenarios import (
@@ -698,6 +698,46 @@ def first_shown(inputs: list[Input], rank: int, step: int) -> int:
     length_s=st.floats(6.0, 300.0),
     trip_s=st.floats(0.0, 2.0),
     seed=st.integers(0, 2**32 - 1),
+)
+# Every rank hangs at step 120 as the bus leaves (125-131 s); it returns one record per 2 s
+# round trip. At 133 s ranks 0 and 1 show step 120 by heartbeats built at 125 s, rank 2 by a
+# shard: dating the heartbeats' progress at their arrival, not when they were sent, put ranks
+# 0 and 1 more than a heartbeat interval after rank 2, and only rank 2 was named.
+@example(
+    pace=Pace(kind="constant", base_s=1.0, spread=0.0, ratio=1.0, p=0.0),
+    world_size=3,
+    lead_s=0.0,
+    length_s=6.0,
+    trip_s=2.0,
+    seed=0,
+)
+# Both ranks hang at step 60 during the outage; rank 0's agent had one record more queued (a
+# heartbeat of step 59) than rank 1's, so it showed step 60 one 1.25 s round trip later.
+# Dated no earlier than the rank's previous record reached the bus (a first attempt at the
+# case above), the two stops lay a round trip apart and only rank 1 was named.
+@example(
+    pace=Pace(kind="constant", base_s=2.117000016612675, spread=0.0, ratio=1.0, p=0.0),
+    world_size=2,
+    lead_s=50.0,
+    length_s=52.0,
+    trip_s=1.25,
+    seed=0,
+)
+# The same with heartbeats only: rank 1's agent delivered its heartbeat of step 279 (in the
+# outage) 1.25 s before rank 0's; only rank 1 was named.
+@example(
+    pace=Pace(
+        kind="drift",
+        base_s=0.4312724741683632,
+        spread=0.1891917657382889,
+        ratio=1.7100297690960216,
+        p=0.13747597278536536,
+    ),
+    world_size=2,
+    lead_s=2.0,
+    length_s=6.663902861273827,
+    trip_s=1.25,
+    seed=2552557773,
 )
 def test_a_hang_around_an_outage_is_caught_within_its_bound_not_counting_the_gap(
     pace: Pace, world_size: int, lead_s: float, length_s: float, trip_s: float, seed: int

@@ -32,6 +32,7 @@ from tests.daemon.machine_scenarios import (
     killed_job,
     play,
     run,
+    two_ranks_training,
 )
 from tests.daemon.traces import Faults, Job, PhaseSpec, drive, paces, simulate
 from trainguard.daemon._config import MachineConfig
@@ -780,6 +781,34 @@ def test_a_document_of_the_layout_before_late_cuts_decodes_with_an_empty_left_re
     assert encode_state(state) == encode_state(folded)
     document["state"]["left"]["cuts"] = []
     assert refused(document).path == "state.left.cuts"
+
+
+BEFORE_DONE = Path(__file__).with_name("data") / "jobstate-7418d36e93a15e6c.json"
+"""``encode_state`` of the build before the ranks' own dating of their steps (layout
+7418d36e93a15e6c, without ``JobState.last_gap`` and ``RankState.step_done_ns``) for a 2-rank
+job training through step 30 (``two_ranks_training``)."""
+
+
+def test_a_document_before_step_done_decodes_with_each_rank_s_deadline_date() -> None:
+    """A snapshot of a running job written before ``RankState.step_done_ns`` reads back with
+    each rank's step completion dated as its deadline (``step_advanced_ns``) and no gap: here
+    the state this build folds from the same inputs (heartbeats on time, nothing in the agents'
+    queues). A rank that already has the new field is not of that layout."""
+    data = BEFORE_DONE.read_bytes()
+    document = orjson.loads(data)
+    assert document["layout"] != LAYOUT
+    assert document["layout"] in READABLE_LAYOUTS
+    state = decode_state(data)
+    assert state.last_gap is None
+    assert [r.step_done_ns for r in state.ranks.values()] == [
+        r.step_advanced_ns for r in state.ranks.values()
+    ]
+    assert all(r.step_done_ns is not None for r in state.ranks.values())
+    folded, _ = run(two_ranks_training(Sim(world_size=2), 30), cfg=config())
+    assert state == folded
+    assert encode_state(state) == encode_state(folded)
+    document["state"]["ranks"][1][1]["step_done_ns"] = None
+    assert refused(document).path == "state.ranks[1][1].step_done_ns"
 
 
 def test_a_document_of_the_old_layout_with_the_new_fields_is_refused() -> None:

@@ -56,7 +56,7 @@ from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Issue, Rej
 from ._divergence import judge_checksum, judge_lag, judge_loss, nan_loss, note_data_version
 from ._evidence import Measures, exit_status, hosts_text, ranks_text, seconds_text, steps_text
 from ._inputs import Input, Observed, Tick
-from ._outage import bridge, gap_ns, late_finish, settling
+from ._outage import bridge, bridged_ns, gap_ns, late_finish, settling
 from ._recovery import (
     Failure,
     acknowledged,
@@ -475,6 +475,7 @@ def _on_heartbeat(
             after_phase=phase in LONG_PHASES,
             data_version=None if prev is None else prev.data_version,
             delay_floor_ns=delay,
+            step_done_ns=clock,
         )
     else:
         # One unpacking instead of a dozen attribute reads (fields as in RankState).
@@ -495,6 +496,7 @@ def _on_heartbeat(
             after_phase,
             data_version,
             delay_floor,
+            done_ns,
         ) = prev
         advanced = step > prev.step
         if first is None or not training:
@@ -504,10 +506,15 @@ def _on_heartbeat(
         late = delay - delay_floor
         advanced_ns = prev_advanced_ns
         if advanced:
-            # The step completed step_age_s before the heartbeat was built: date it so (on
-            # the bus clock, late by the delivery), but not before the rank last spoke.
-            age = beat.step_age_s
-            advanced_ns = clock if age is None else max(clock - round(age * 1e9), prev_heard_ns)
+            # The step completed step_age_s before the heartbeat was built: its deadline
+            # counts from then as the bus clock shows it (late by the delivery), but not
+            # before the rank last spoke (a heartbeat that waited in the agent's queue gives
+            # the ones behind it time to arrive).
+            age_ns = 0 if beat.step_age_s is None else round(beat.step_age_s * 1e9)
+            advanced_ns = clock if beat.step_age_s is None else max(clock - age_ns, prev_heard_ns)
+            # When the rank stopped, to compare with the others: as it dates it, however long
+            # the heartbeat waited (its lateness), on the clock that stopped across a gap.
+            done_ns = max(bridged_ns(state.last_gap, clock - late - age_ns), done_ns or 0)
         seconds = beat.step_time_s
         # The step time spans everything since the rank's previous step: not a sample of the
         # job's pace if that is one of its start-up steps or includes a declared phase of this
@@ -547,6 +554,7 @@ def _on_heartbeat(
                 phase in LONG_PHASES or (after_phase and not advanced),
                 data_version,
                 delay_floor,
+                done_ns,
             ),
         )
     if not advanced or prev is None or prev.phase != phase:
@@ -609,6 +617,7 @@ def _on_heartbeat(
         settle_until_ns,
         held,
         left,
+        last_gap,
     ) = state
     state = new_tuple(
         JobState,
@@ -639,6 +648,7 @@ def _on_heartbeat(
             settle_until_ns,
             held,
             left,
+            last_gap,
         ),
     )
     if not running:
@@ -670,13 +680,15 @@ def _touch(
     status: RankStatus | None = None,
     restarted: bool = False,
     advanced_ns: int | None = None,
+    done_ns: int | None = None,
 ) -> JobState:
     """Record that ``rank`` spoke at the current clock (any event but a heartbeat).
 
     ``restarted``: the rank (re)starts from ``step`` in this generation (its restore
     acknowledgement): its start-up steps and progress timeout count from here.
-    ``advanced_ns``: when ``step`` advances the rank's, the daemon clock (ns) its progress is
-    dated (default: the current clock).
+    ``advanced_ns``, ``done_ns``: when ``step`` advances the rank's, the daemon clock (ns) its
+    progress is dated for its deadline and for naming the ranks that stopped together
+    (``RankState.step_advanced_ns``, ``step_done_ns``; default: the current clock).
     """
     clock = state.clock_ns
     prev = state.ranks.get(rank)
@@ -692,6 +704,7 @@ def _touch(
             step_advanced_ns=None if step is None else clock,
             phase_since_ns=clock,
             first_step=step if restarted else None,
+            step_done_ns=None if step is None else clock,
         )
         newly_finished = record.status == "finished"
     else:
@@ -706,6 +719,7 @@ def _touch(
             if advanced
             else prev.step_advanced_ns,
             first_step=step if restarted else prev.first_step,
+            step_done_ns=(clock if done_ns is None else done_ns) if advanced else prev.step_done_ns,
         )
         newly_finished = record.status == "finished" and prev.status != "finished"
     return state._replace(
@@ -716,9 +730,12 @@ def _touch(
     )
 
 
-def _shown(state: JobState, rank: int, step: int) -> tuple[int, int] | tuple[None, None]:
-    """``(step, since)`` when ``step`` lies beyond ``rank``'s last reported step, else
-    ``(None, None)``: a shard or a data cursor of a later step shows that the rank completed it.
+def _shown(
+    state: JobState, event: Checkpoint | DataCursorEvent
+) -> tuple[int, int, int] | tuple[None, None, None]:
+    """``(step, since, done)`` when the event's step lies beyond its rank's last reported
+    step, else ``(None, None, None)``: a shard or a data cursor of a later step shows that the
+    rank completed it.
 
     That is progress, as a heartbeat saying so would show it, counted when the event is
     folded: the heartbeats in between may never arrive. While the bus is away an agent keeps
@@ -728,11 +745,21 @@ def _shown(state: JobState, rank: int, step: int) -> tuple[int, int] | tuple[Non
     event does not say when the step completed: it is dated ``since``, the rank's previous
     event, the earliest a heartbeat's ``step_age_s`` can date it (so a stall is never found
     later than from the heartbeats). A shard or cursor of an earlier step (a background write
-    announced after the heartbeats went on) shows nothing new."""
-    rec = state.ranks.get(rank)
+    announced after the heartbeats went on) shows nothing new.
+
+    ``done`` dates it to compare with the other ranks (``RankState.step_done_ns``): at the
+    previous event too, or when the event was sent if that is earlier (it waited in the
+    agent's queue behind the previous one), on the clock that stopped across a gap.
+    """
+    rec = state.ranks.get(event.rank)
+    step = event.step
     if rec is None or rec.step is None or step <= rec.step:
-        return None, None
-    return step, rec.last_heard_ns
+        return None, None, None
+    clock, floor = state.clock_ns, rec.delay_floor_ns
+    # How late it reached the bus, as for a heartbeat (the same process, the same clock).
+    late = 0 if floor is None or event.pid != rec.pid else max(0, clock - event.ts - floor)
+    sent = bridged_ns(state.last_gap, clock - late)
+    return step, rec.last_heard_ns, max(min(sent, rec.last_heard_ns), rec.step_done_ns or 0)
 
 
 def _on_cursor(
@@ -756,8 +783,10 @@ def _on_data_cursor(
     """Fold a data-cursor event: its data version, then (outside a restore) whether it agrees
     with what other ranks reported for its step; a disagreement fails the job."""
     generation = state.generation
-    step, since = _shown(state, event.rank, event.step)
-    state = _touch(state, event.rank, event.host, event.pid, config, step=step, advanced_ns=since)
+    step, since, done = _shown(state, event)
+    state = _touch(
+        state, event.rank, event.host, event.pid, config, step=step, advanced_ns=since, done_ns=done
+    )
     state, noted = _on_cursor(state, event.rank, event.cursor.data_version, event.step, config)
     if state.generation != generation or state.phase in (*TERMINAL_PHASES, "restoring"):
         return state, noted
@@ -775,8 +804,10 @@ def _on_checkpoint(
     (ranks of an in-process restore still short of its step), a shard may hold the state the
     restore abandons: it is never committed."""
     generation = state.generation
-    step, since = _shown(state, event.rank, event.step)
-    state = _touch(state, event.rank, event.host, event.pid, config, step=step, advanced_ns=since)
+    step, since, done = _shown(state, event)
+    state = _touch(
+        state, event.rank, event.host, event.pid, config, step=step, advanced_ns=since, done_ns=done
+    )
     state, noted = _on_cursor(state, event.rank, event.data_version, event.step, config)
     if state.generation != generation or state.phase in TERMINAL_PHASES:
         return state, noted  # the data version opened an incident or failed the job

@@ -40,7 +40,7 @@ from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Transition
 from ._evidence import Measures, ranks_text, seconds_text
 from ._state import JobState, RankState, unjoined
 
-__all__ = ["bridge", "gap_ns", "late_finish", "settling"]
+__all__ = ["bridge", "bridged_ns", "gap_ns", "late_finish", "settling"]
 
 _NS_PER_S = 1_000_000_000
 
@@ -67,12 +67,14 @@ def bridge(
     """Stop time across a gap of ``gap`` ns ending at ``at_ns`` (the first input after it).
 
     Every daemon-clock time the detectors count from moves forward by ``gap``: each rank's
-    ``last_heard_ns``, ``step_advanced_ns`` and ``phase_since_ns``; the silence floor; the
+    ``last_heard_ns``, ``step_advanced_ns``, ``step_done_ns`` and ``phase_since_ns``; the
+    silence floor; the
     generation's start; the stall bound, the end of the last declared phase and the tick that
     showed the latest command (``Watch``); an open incident's ``issued_ns``. The clock itself
     moves to ``at_ns`` with the input, as always. Times that record what happened
     (``Incident.opened_ns``, manifests' ``ts``) and delays (``RankState.delay_floor_ns``) stay.
-    The bus settles until ``at_ns + outage_settle_s``.
+    The bus settles until ``at_ns + outage_settle_s``. The gap is kept (``JobState.last_gap``)
+    for the times the ranks' later records state (:func:`bridged_ns`).
 
     Returns:
         The bridged state (its clock still before the gap) and the ``bus_gap`` anomaly that
@@ -98,6 +100,7 @@ def bridge(
         silence_floor_ns=None if floor is None else floor + gap,
         generation_started_ns=None if started is None else started + gap,
         settle_until_ns=settle_until,
+        last_gap=(state.clock_ns, at_ns),
     )
     held = (
         f"; restores held until the bus has settled ({seconds_text(config.outage_settle_ns)}, "
@@ -121,12 +124,32 @@ def bridge(
 
 
 def _shifted_rank(rec: RankState, gap: int) -> RankState:
-    advanced = rec.step_advanced_ns
+    advanced, done = rec.step_advanced_ns, rec.step_done_ns
     return rec._replace(
         last_heard_ns=rec.last_heard_ns + gap,
         step_advanced_ns=None if advanced is None else advanced + gap,
         phase_since_ns=rec.phase_since_ns + gap,
+        step_done_ns=None if done is None else done + gap,
     )
+
+
+def bridged_ns(last_gap: tuple[int, int] | None, at_ns: int) -> int:
+    """The bus time ``at_ns`` (ns) at which a rank's record says it did something (sent it,
+    completed a step) on the machine's clock, which stopped across the job's latest gap
+    ``last_gap`` (``JobState.last_gap``): a time during the gap is its end, a time before it
+    moves forward by its length, a later time stays.
+
+    Such a time may lie before the gap although the record came after it: what the ranks did
+    while the bus was away (or in flight when it left) arrives when it returns, and their
+    records, dated so, compare with the times the machine holds, which the gap moved. A time
+    before an earlier gap moves by the latest gap only (earlier than on the machine's clock).
+    """
+    if last_gap is None:
+        return at_ns
+    start, end = last_gap
+    if at_ns >= end:
+        return at_ns
+    return end if at_ns >= start else at_ns + (end - start)
 
 
 def _later(at_ns: int, gap: int) -> int:

@@ -31,11 +31,18 @@ much, and the end of the last declared phase lowers it to the earliest deadline 
 follow. The ranks are scanned (O(n)) only when the clock passes the bound; a scan that finds
 no stall sets the bound to the exact earliest deadline. Folding a heartbeat stays O(1).
 
-Attribution: a stall names every training rank whose last progress (its step's completion,
-dated by the heartbeat's ``step_age_s``) lies within one heartbeat interval of the earliest
-last progress of any training rank, whether its own deadline passed yet or not; in a
-collective hang the stuck rank is among them (``docs/detection.md`` says what this can and
-cannot tell apart).
+Attribution: a stall names every training rank whose last progress lies within one heartbeat
+interval of the earliest last progress of any training rank, whether its own deadline passed
+yet or not; in a collective hang the stuck rank is among them (``docs/detection.md`` says what
+this can and cannot tell apart). Last progress is dated here as the rank's own records date
+its step's completion (``RankState.step_done_ns``: however long they waited to reach the bus,
+on the clock that stopped across a gap), not as its deadline counts (``step_advanced_ns``,
+which depends on how many records each agent had queued before it after an outage).
+
+Wording: "kept heartbeating without completing a step" when every named rank was heard within
+two heartbeat intervals of the clock; otherwise the ranks "completed no step", and the reason
+says how long the silent ones sent nothing (``silent_s``): a rank that stopped sending at all
+can pass its progress deadline before its heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -89,6 +96,13 @@ def _training_since(rec: RankState, watch: Watch) -> int:
     return max(
         rec.phase_since_ns, watch.long_phase_ended_ns, rec.step_advanced_ns or 0, watch.acted_ns
     )
+
+
+def _stopped_ns(rec: RankState, watch: Watch) -> int:
+    """Daemon clock (ns) at which training rank ``rec`` last progressed, to compare with the
+    other ranks: as :func:`_training_since`, with its step's completion as the rank dated it
+    (``RankState.step_done_ns``) rather than as it reached the bus."""
+    return max(rec.phase_since_ns, watch.long_phase_ended_ns, rec.step_done_ns or 0, watch.acted_ns)
 
 
 def least_deadline_ns(config: MachineConfig) -> int:
@@ -163,8 +177,8 @@ def scan_stalls(state: JobState, config: MachineConfig) -> tuple[JobState, Failu
     if in_phase:
         return state, _phase_failure(state, sorted(in_phase, key=_rank_of), config)
     if stalled:
-        window = min(_training_since(rec, watch) for rec in training) + config.heartbeat_interval_ns
-        first = [rec for rec in training if _training_since(rec, watch) <= window]
+        window = min(_stopped_ns(rec, watch) for rec in training) + config.heartbeat_interval_ns
+        first = [rec for rec in training if _stopped_ns(rec, watch) <= window]
         return state, _progress_failure(state, due, sorted(first, key=_rank_of), config)
     return state._replace(watch=watch._replace(progress_due_ns=nearest)), None
 
@@ -201,11 +215,15 @@ def _progress_failure(
 ) -> Failure:
     """The stall of the ranks past their deadline or due within a heartbeat interval
     (``stalled``, the first of them past it), naming them and ``first``, the training ranks
-    whose last progress is within a heartbeat interval of the earliest."""
+    whose last progress is within a heartbeat interval of the earliest; its reason says
+    whether each named rank went on heartbeating (see the module docstring)."""
     clock, watch, trend = state.clock_ns, state.watch, state.trend
 
     def since_of(rec: RankState) -> int:
         return _training_since(rec, watch)
+
+    def stopped_of(rec: RankState) -> int:
+        return _stopped_ns(rec, watch)
 
     ranks = sorted({rec.rank: rec for rec in (*stalled, *first)}.values(), key=_rank_of)
     timeout = progress_timeout_ns(min(stalled, key=since_of), trend, config)
@@ -229,13 +247,27 @@ def _progress_failure(
         together = f"; rank {first[0].rank} stopped first"
     else:
         together = ""
-    reason = (
-        f"{ranks_text(rec.rank for rec in ranks)} on {hosts_text(rec.host for rec in ranks)} "
-        f"kept heartbeating without completing a step for up to {seconds_text(longest)} "
+    whom = f"{ranks_text(rec.rank for rec in ranks)} on {hosts_text(rec.host for rec in ranks)}"
+    why = (
         f"(progress timeout {seconds_text(timeout)}, {how}, plus a heartbeat interval of "
-        f"{seconds_text(config.heartbeat_interval_ns)}) in generation {state.generation}"
-        f"{steps_text(rec.step for rec in ranks)}{together}"
+        f"{seconds_text(config.heartbeat_interval_ns)})"
     )
+    where = f"in generation {state.generation}{steps_text(rec.step for rec in ranks)}{together}"
+    # A rank that heartbeats was heard within an interval, plus the delivery's jitter and the
+    # tick that scans: one more interval allows for those and for one late heartbeat. Longer,
+    # it missed a heartbeat and may have stopped sending at all (stopped, cut off): the
+    # progress deadline can pass before the heartbeat timeout does.
+    silent = [rec for rec in ranks if clock - rec.last_heard_ns > 2 * config.heartbeat_interval_ns]
+    quiet = max((clock - rec.last_heard_ns for rec in silent), default=0)
+    if not silent:
+        did = f"kept heartbeating without completing a step for up to {seconds_text(longest)}"
+        reason = f"{whom} {did} {why} {where}"
+    else:
+        who = "" if len(silent) == len(ranks) else f"{ranks_text(rec.rank for rec in silent)} "
+        reason = (
+            f"{whom} completed no step for up to {seconds_text(longest)} {why}, and {who}sent "
+            f"nothing for up to {seconds_text(quiet)}, {where}"
+        )
     measures = Measures(
         stalled_s=longest / _NS_PER_S,
         timeout_s=timeout / _NS_PER_S,
@@ -243,7 +275,10 @@ def _progress_failure(
         quantile=config.progress_quantile,
         factor=config.progress_factor,
         samples=trend.step_times.filled,
-        stopped_within_s=(max(map(since_of, first)) - min(map(since_of, first))) / _NS_PER_S,
+        stopped_within_s=(max(map(stopped_of, first)) - min(map(stopped_of, first))) / _NS_PER_S,
+        # Only when a named rank went silent: the measures of a stall where every rank
+        # heartbeats stay as recorded before.
+        **({"silent_s": quiet / _NS_PER_S} if silent else {}),
     )
     return Failure(
         "progress_timeout",

@@ -87,7 +87,8 @@ class RankState(NamedTuple):
         step_advanced_ns: daemon clock (ns) when ``step`` last increased, or ``None``: the
             append time of the heartbeat that showed it, less the step's age when the
             heartbeat states it (``step_age_s``), but not before the rank's previous event;
-            the rank's previous event when a shard or data cursor showed it.
+            the rank's previous event when a shard or data cursor showed it. Stall
+            deadlines count from here.
         phase_since_ns: daemon clock (ns) when ``phase`` was first reported in its current run
             (declared phases are limited from here), or of the rank's first event.
         first_step: the step the rank (re)started from in this generation: the step of its
@@ -104,6 +105,15 @@ class RankState(NamedTuple):
             heartbeats: its clock offset plus its quickest delivery. A heartbeat's delay beyond
             it is how long the heartbeat took longer than usual to reach the bus (queued while
             the bus was slow), whatever the sender's clock says. ``None`` before a heartbeat.
+        step_done_ns: daemon clock (ns) at which the rank completed ``step`` as its own
+            records date it, or ``None`` when ``step_advanced_ns`` is: the bus time a
+            heartbeat was sent (its append time less its delay beyond ``delay_floor_ns``)
+            less its ``step_age_s``; for a shard or data cursor, the rank's previous event or
+            the record's own sending, whichever is earlier; on the machine's clock across
+            the job's latest gap (``JobState.last_gap``); never before the completion of the
+            rank's previous step. Unlike ``step_advanced_ns`` it does not depend on how long
+            the record waited to reach the bus, so the ranks' times compare: a stall names
+            the ranks that stopped together by it (:mod:`trainguard.daemon._stall`).
     """
 
     rank: int
@@ -122,6 +132,7 @@ class RankState(NamedTuple):
     after_phase: bool = False
     data_version: str | None = None
     delay_floor_ns: int | None = None
+    step_done_ns: int | None = None
 
 
 class Ack(NamedTuple):
@@ -433,6 +444,12 @@ class JobState(NamedTuple):
             and no event of the current generation was accepted (``senders`` empty): a
             ``finished`` or a checkpoint shard of that generation arriving then is no stale
             event (``docs/recovery.md``, "A job that finished is never restored").
+        last_gap: ``(from_ns, to_ns)``, the bus times of the job's last input before the
+            latest gap in its inputs (``MachineConfig.bus_gap_s``) and of its first after it,
+            or ``None`` before any gap: time stopped across it
+            (:func:`trainguard.daemon._outage.bridge`), so a time a rank's record states
+            from before ``to_ns`` is put on the machine's clock with
+            :func:`trainguard.daemon._outage.bridged_ns`.
     """
 
     job_id: str
@@ -462,6 +479,7 @@ class JobState(NamedTuple):
     settle_until_ns: int | None = None
     held: Held | None = None
     left: Left | None = None
+    last_gap: tuple[int, int] | None = None
 
     def owns(self, snapshot_id: str) -> bool:
         """Whether ``snapshot_id`` (``<job_id>/g<generation>/s<step>``) is a snapshot of this

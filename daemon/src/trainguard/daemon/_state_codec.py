@@ -37,9 +37,10 @@ as this build defines them: a snapshot written by a build whose state classes di
 added, removed, renamed or retyped, a ``Literal`` value added) is refused as a whole rather
 than read into the wrong fields; the caller then folds the log instead. The exception are the
 earlier layouts in :data:`READABLE_LAYOUTS`: this build differs from them only by fields it
-added to ``JobState`` or to the ``Left`` record it holds, and a document of such a layout is
-read with those fields at their defaults (an *upcaster* per layout adds them to the ``state``
-object before it is decoded). Any other change of the document's form needs a new ``format``.
+added to ``JobState`` or to the ``Left`` and ``RankState`` records it holds, and a document of
+such a layout is read with those fields at their defaults (a rank's ``step_done_ns`` at its
+``step_advanced_ns``): an *upcaster* per layout adds them to the ``state`` object before it is
+decoded. Any other change of the document's form needs a new ``format``.
 
 Decoding is strict: a missing or unknown field, a value of the wrong JSON type, an integer
 outside the 64-bit range, a string that is not one of a ``Literal``'s values, a malformed map
@@ -590,13 +591,50 @@ def _left_added(**defaults: JSONValue) -> _Upcaster:
     return upcast
 
 
+def _done_added(body: dict[str, Any]) -> dict[str, Any]:
+    """The upcaster for a layout without ``JobState.last_gap`` and ``RankState.step_done_ns``:
+    no gap recorded, and each rank's step completion dated as its deadline
+    (``step_advanced_ns``), as that build named the ranks that stopped together. A rank that
+    has ``step_done_ns`` is not of that layout, and is refused; a ``ranks`` value that is not
+    a list of ``[key, object]`` pairs is left to the decoder."""
+    body = _added(last_gap=None)(body)
+    ranks = body.get("ranks")
+    if type(ranks) is not list:
+        return body
+    upcast: list[Any] = []
+    for n, pair in enumerate(ranks):
+        if type(pair) is not list or len(pair) != 2 or type(pair[1]) is not dict:
+            upcast.append(pair)
+            continue
+        rank = pair[1]
+        if "step_done_ns" in rank:
+            raise StateFormatError(
+                f"ranks[{n}][1].step_done_ns", "unknown field of RankState in this layout"
+            )
+        upcast.append([pair[0], {**rank, "step_done_ns": rank.get("step_advanced_ns")}])
+    return {**body, "ranks": upcast}
+
+
+def _then(*upcasters: _Upcaster) -> _Upcaster:
+    """The upcasters applied in order (a layout that lacked the fields of each)."""
+
+    def upcast(body: dict[str, Any]) -> dict[str, Any]:
+        for each in upcasters:
+            body = each(body)
+        return body
+
+    return upcast
+
+
 _UPCASTERS: Final[dict[str, _Upcaster]] = {
     # Before the bus-outage rule (settle window, held restore).
-    "c35900be070fb0d2": _added(settle_until_ns=None, held=None, left=None),
+    "c35900be070fb0d2": _then(_added(settle_until_ns=None, held=None, left=None), _done_added),
     # Before the late-finish rule (the generation a restore left).
-    "ef5317866765d48d": _added(left=None),
+    "ef5317866765d48d": _then(_added(left=None), _done_added),
     # Before the late-cut rule (the left generation's shards and cuts).
-    "0c4b9a05468dc2f8": _left_added(pending=[], cuts=[]),
+    "0c4b9a05468dc2f8": _then(_left_added(pending=[], cuts=[]), _done_added),
+    # Before the ranks' own dating of their steps (naming the ranks that stopped together).
+    "7418d36e93a15e6c": _done_added,
 }
 
 READABLE_LAYOUTS: Final = frozenset({LAYOUT, *_UPCASTERS})
