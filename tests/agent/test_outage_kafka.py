@@ -45,6 +45,7 @@ from trainguard.agent.bus import (
     DeliveryFailed,
     TopicPartition,
     open_bus,
+    patiently,
 )
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon._rehearsal import read_job_record, start_daemon, stop_process, supervise
@@ -170,8 +171,13 @@ def test_the_agent_outbox_appends_an_event_once_across_a_pause(
         link.close(30.0)
 
     async def read() -> list[int]:
-        async with open_bus(config) as bus:
-            events = [decode(v, expect=(Lifecycle, Heartbeat)) for v in await values(bus, "kj")]
+        async def attempt() -> list[Lifecycle | Heartbeat]:
+            async with open_bus(config) as bus:
+                return [decode(v, expect=(Lifecycle, Heartbeat)) for v in await values(bus, "kj")]
+
+        # A broker just back from a pause may still refuse requests (NodeNotReady while its
+        # metadata settles, seen at load 17): wait for it as trainguard's processes do.
+        events = await patiently("reading kj", attempt, asyncio.Event(), warn_every_s=30.0)
         return [e.seq for e in events if isinstance(e, Lifecycle)]
 
     assert asyncio.run(read()) == [first.seq, during.seq, last.seq]
