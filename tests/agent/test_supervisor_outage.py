@@ -59,6 +59,8 @@ async def test_a_worker_that_ends_while_the_bus_is_away_loses_nothing(tmp_path: 
             assert supervisor.undelivered == 3
             assert not run.done()
         assert await run == 0
+    # The warnings end with the line the operator waits for (there was none: issue 13's tester).
+    assert [e["event"] for e in logs][-1] == "the bus took every event: exiting"
     async with open_bus(bus) as reader:
         events = await job_events(reader)
     assert last_words_in_order(events) == ["checkpoint@3", "finished", "exited(0)"]

@@ -447,6 +447,7 @@ class Supervisor:
         deadline = float("inf") if self._stop_by is None else self._stop_by
         delivered = asyncio.ensure_future(self._courier.delivered())
         signalled = asyncio.ensure_future(stop.wait())
+        waited = 0
         try:
             while not delivered.done():
                 left = deadline - time.monotonic()
@@ -467,11 +468,14 @@ class Supervisor:
                     job_id=c.job_id,
                     last_error=self._courier.last_error,
                 )
+                waited += 1
                 await asyncio.wait(
                     {delivered, signalled},
                     timeout=min(c.warn_every_s, left),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
+            if waited:  # close the warnings with the outcome the operator waits for
+                log.info("the bus took every event: exiting", job_id=c.job_id)
             return True
         finally:
             delivered.cancel()
