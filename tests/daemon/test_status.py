@@ -16,6 +16,7 @@ import pytest
 import structlog
 
 from tests.buses import BusFactory
+from tests.daemon.machine_scenarios import Sim, run, running_job
 from tests.daemon.service_support import CURSOR, eventually, read_all, running
 from tests.daemon.test_service import (
     JOB,
@@ -26,13 +27,14 @@ from tests.daemon.test_service import (
     shard,
     started,
 )
+from tests.daemon.test_stop import request
 from trainguard.agent._keystore import KeyStore
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService
 from trainguard.daemon._keys_admin import KeyAdmin
 from trainguard.daemon._machine import unacted_command
 from trainguard.daemon._state import JobState
-from trainguard.daemon._status import read_status
+from trainguard.daemon._status import JobStatus, job_summary, read_status
 from trainguard.schemas import Event, add_mac, encode
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
@@ -252,3 +254,15 @@ async def test_a_job_that_cannot_commit_says_so_in_status_metrics_and_logs(
     [line] = [line for line in status(sqlite_bus).stdout.splitlines() if OTHER in line]
     assert "blocked" in line
     assert "not committing: shards of step 10" in status(sqlite_bus, OTHER).stdout
+
+
+def test_an_ended_job_counts_no_rank_alive() -> None:
+    """A stopped job's workers exit after the stop, and those exits are late inputs the daemon
+    ignores: its ranks stay "alive" in the state, so the row says nothing instead of 2/2
+    (found by issue 13's tester); a live job's row counts its ranks."""
+    sim = Sim()
+    live, _ = running_job(sim, 12)
+    stopped, _ = run([request("stop", live.clock_ns + 1, 0)], live)
+    assert [r.status for r in stopped.ranks.values()] == ["alive"] * 4
+    assert job_summary(JobStatus(stopped), stopped.clock_ns)["ranks_alive"] is None
+    assert job_summary(JobStatus(live), live.clock_ns)["ranks_alive"] == 4

@@ -45,7 +45,7 @@ from ._decisions import Anomaly, Committed, IncidentOpened
 from ._inputs import Input
 from ._intake import Refused, Taken, take
 from ._machine import decide
-from ._state import JobState, new_job
+from ._state import TERMINAL_PHASES, JobState, new_job
 
 __all__ = ["JobStatus", "job_summary", "rank_summaries", "read_status", "read_topic"]
 
@@ -200,7 +200,7 @@ async def read_topic(
 def job_summary(status: JobStatus, now_ns: int) -> dict[str, JSONValue]:
     """One job's row: phase, generation, step (highest of the current generation's ranks),
     last committed step, why its steps do not commit (``not_committed``, or ``None``), ranks
-    alive of the world size, incidents, the latest incident (id, cause, reason, seconds since
+    alive of the world size (``None`` once the job ended), incidents, the latest incident (id, cause, reason, seconds since
     it opened, whether still open), seconds since its last input, inputs folded, and records
     left out as refused by the daemon. Ages are ``now_ns`` (wall clock) minus bus times."""
     state = status.state
@@ -222,7 +222,11 @@ def job_summary(status: JobStatus, now_ns: int) -> dict[str, JSONValue]:
         "step": max(steps, default=None),
         "committed_step": state.committed[-1].step if state.committed else None,
         "not_committed": status.not_committed,
-        "ranks_alive": sum(r.status == "alive" for r in state.ranks.values()),
+        # An ended job's ranks are not followed any more (their exits after the end are late
+        # inputs, ignored): counting them alive would be a guess.
+        "ranks_alive": None
+        if state.phase in TERMINAL_PHASES
+        else sum(r.status == "alive" for r in state.ranks.values()),
         "world_size": state.world_size,
         "incidents": state.incidents_opened,
         "last_incident": last,
