@@ -120,7 +120,7 @@ def _print_jobs(rows: Sequence[Mapping[str, object]]) -> None:
             str(row["generation"]),
             _text(row["step"]),
             _text(row["committed_step"]) + (" [red]blocked[/red]" if row["not_committed"] else ""),
-            f"{row['ranks_alive']}/{_text(row['world_size'])}",
+            f"{_text(row['ranks_alive'])}/{_text(row['world_size'])}",
             str(row["incidents"]),
             _incident(row["last_incident"]),
         )
