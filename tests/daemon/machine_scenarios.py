@@ -110,12 +110,14 @@ class Sim:
         self._seq[key] = self._seq.get(key, -1) + 1
         return self._seq[key]
 
-    def _head(self, rank: int, generation: int | None) -> dict[str, Any]:
+    def _head(self, rank: int, generation: int | None, at: int) -> dict[str, Any]:
+        """The fields every event of ``rank`` has, sent at ``at`` (``ts``: the sender's clock
+        agrees with the bus's, and the bus takes it at once)."""
         host, pid = host_of(rank), self.pid(rank)
         return {
             "job_id": self.job_id,
             "generation": self.generation if generation is None else generation,
-            "ts": 0,
+            "ts": at,
             "seq": self._next_seq(rank, host, pid),
             "rank": rank,
             "host": host,
@@ -139,7 +141,7 @@ class Sim:
         """A heartbeat appended at ``at``, sent at ``at`` too (``ts``: the sender's clock
         agrees with the bus's, and the bus took it at once)."""
         event = Heartbeat(
-            **(self._head(rank, generation) | {"ts": at}),
+            **self._head(rank, generation, at),
             world_size=world_size or self.world_size,
             step=step,
             phase=phase,
@@ -161,7 +163,7 @@ class Sim:
             )
         uri = f"file:///ckpt/{self.job_id}/g{self.generation}/s{step}/rank{rank}.pt"
         event = Checkpoint(
-            **self._head(rank, None),
+            **self._head(rank, None, at),
             world_size=self.world_size,
             step=step,
             shard_uri=uri,
@@ -184,7 +186,7 @@ class Sim:
         data_version: str = "v1",
     ) -> Observed:
         event = DataCursorEvent(
-            **self._head(rank, generation),
+            **self._head(rank, generation, at),
             step=step,
             cursor=cursor_at(step, self.world_size, data_version),
         )
@@ -192,7 +194,9 @@ class Sim:
 
     def lifecycle(self, rank: int, kind: Any, at: int, **fields: Any) -> Observed:
         generation = fields.pop("generation", None)
-        return Observed(at, None, Lifecycle(**self._head(rank, generation), kind=kind, **fields))
+        return Observed(
+            at, None, Lifecycle(**self._head(rank, generation, at), kind=kind, **fields)
+        )
 
     def supervisor(self, ranks: tuple[int, ...], kind: Any, at: int, **fields: Any) -> Observed:
         """A supervisor's report for the process group hosting ``ranks`` (one host)."""

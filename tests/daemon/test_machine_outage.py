@@ -655,6 +655,36 @@ def test_a_shard_of_an_earlier_step_shows_no_progress() -> None:
     length_s=st.floats(6.0, 600.0),
     trip_s=st.floats(0.0, 2.0),
 )
+# The job's whole remaining run (6.8 s) happened while the bus was away; on its return the
+# agent delivered one record per 1.5 s round trip, and the four heartbeats after the one
+# showing the last step (sent within 2 s) took 6 s to arrive: dated by arrival, the progress
+# deadline passed 4 ms before ``finished`` did ("kept heartbeating without completing a
+# step"). Their lateness shows the rank was still catching up.
+@example(
+    job=Job(
+        world_size=1,
+        steps=120,
+        pace=Pace(kind="constant", base_s=0.05641613950377735),
+        heartbeat_s=1.0,
+        jitter_s=0.0,
+        delay_s=0.0,
+        init_s=1.0,
+        start_step=0,
+        first_step_s=0.05641613950377735,
+        checkpoint_every=5,
+        checkpoint_write_s=0.3,
+        checksum_every=5,
+        loss_noise=0.0,
+        phases=(),
+        faults=Faults(),
+        tail_s=2.0,
+        seed=0,
+        away=None,
+    ),
+    where=0.0,
+    length_s=6.0,
+    trip_s=1.5,
+)
 def test_an_outage_delivered_as_the_agents_send_it_never_creates_an_incident(
     job: Job, where: float, length_s: float, trip_s: float
 ) -> None:
@@ -688,6 +718,32 @@ def first_shown(inputs: list[Input], rank: int, step: int) -> int:
         and i.event.step >= step
         and not (isinstance(i.event, Heartbeat) and i.event.phase == "init")
     )
+
+
+def most_behind_ns(
+    inputs: list[Input], since: int, until: int, gap: tuple[int, int] | None, cfg: MachineConfig
+) -> int:
+    """The most that an event of any rank appended from ``since`` to ``until`` (bus times, ns)
+    was late: its ``append time - ts`` beyond the least of its rank's heartbeats until then,
+    on the clock that stopped across ``gap`` (its ``(from, to)``, bus times), at most the
+    heartbeat timeout; 0 when none was late."""
+    events = [i for i in inputs if isinstance(i, Observed) and i.at_ns <= until]
+    floors: dict[int | None, int] = {}
+    for i in events:
+        if isinstance(i.event, Heartbeat):
+            delay = i.at_ns - i.event.ts
+            floors[i.event.rank] = min(delay, floors.get(i.event.rank, delay))
+    most = 0
+    for i in events:
+        if i.at_ns < since or i.event.rank not in floors:
+            continue
+        sent = i.event.ts + floors[i.event.rank]  # when it would have been appended on time
+        if gap is not None and sent < gap[1]:
+            # On the machine's clock: sent during the gap is sent at its end; before, the gap
+            # does not count.
+            sent = gap[1] if sent >= gap[0] else sent + gap[1] - gap[0]
+        most = max(most, i.at_ns - sent)
+    return min(most, cfg.heartbeat_timeout_ns)
 
 
 @settings(max_examples=12, deadline=None)
@@ -745,8 +801,11 @@ def test_a_hang_around_an_outage_is_caught_within_its_bound_not_counting_the_gap
     """Every rank stops at a step shortly before or during the outage (``lead_s`` after it
     began), the agents heartbeat on: one progress timeout, naming every rank, within the
     usual bound from the first record showing that step (of the backlog, for a hang during
-    the outage), not counting the gap. The backlog's shards of earlier steps postpone
-    nothing, and nothing but the gap is added (no settle time)."""
+    the outage), not counting the gap, plus the most any rank's event appended meanwhile was
+    late (at most the heartbeat timeout): a rank is judged on its own clock, so the backlog
+    that shows the hang is delivered first; once its events are on time again, nothing
+    more. The backlog's shards of earlier steps postpone nothing, and nothing else is added
+    (no settle time)."""
     hang = max(60, math.ceil(120 / pace.base_s))
     job = Job(
         world_size=world_size,
@@ -772,11 +831,14 @@ def test_a_hang_around_an_outage_is_caught_within_its_bound_not_counting_the_gap
     [(at, incident)] = opened(folded)
     assert incident.cause == "progress_timeout"
     assert incident.ranks == tuple(range(world_size))
-    gaps = [g.measures["gap_s"] for g in kinds(every(folded), "bus_gap")]
-    shown = min(first_shown(trace.inputs, r, hang) for r in range(world_size))
-    if shown < start and gaps:
-        shown += round(float(gaps[0]) * S)  # time stopped across the gap
-    assert at <= shown + progress_bound_ns(job, CFG)
+    gaps = kinds(every(folded), "bus_gap")
+    gap = None if not gaps else (int(gaps[0].measures["from_ns"]), int(gaps[0].measures["to_ns"]))
+    first = min(first_shown(trace.inputs, r, hang) for r in range(world_size))
+    shown = first
+    if shown < start and gap is not None:
+        shown += gap[1] - gap[0]  # time stopped across the gap
+    behind = most_behind_ns(trace.inputs, first, at, gap, CFG)
+    assert at <= shown + progress_bound_ns(job, CFG) + behind
 
 
 def signalled_in_an_outage_reported_late(sim: Sim, late_at: int) -> list[Input]:
@@ -854,3 +916,19 @@ def test_a_stop_of_a_failed_job_is_late_only_if_nobody_was_heard_since_its_gener
     joined = state._replace(senders=state.senders.insert((0, "h0", 123), 1))
     assert run([of(0)], joined) == (joined, ())
     assert run([of(0)], state)[0].phase == "stopped"
+
+
+def test_a_rank_whose_clock_steps_back_is_still_judged_within_a_heartbeat_timeout_more() -> None:
+    """A hung rank whose sender clock steps back an hour looks an hour late at every heartbeat
+    after: its deadline is extended by the heartbeat timeout at most, not for good."""
+    sim = Sim(world_size=1)
+    state, _ = run(two_ranks_training(sim, 30), cfg=CFG)
+    hung = state.clock_ns
+    beats = [sim.heartbeat(0, 30, hung + k * S // 2) for k in range(1, 80)]
+    stepped = [b._replace(event=replace(b.event, ts=b.event.ts - 3600 * S)) for b in beats]
+    _, folded = drive(stepped, state, CFG, first_incident=True)
+    _, plain = drive(beats, state, CFG, first_incident=True)
+    [(at, incident)] = opened(folded)
+    [(usual, _)] = opened(plain)
+    assert incident.cause == "progress_timeout"
+    assert usual < at <= usual + CFG.heartbeat_timeout_ns + S

@@ -811,6 +811,30 @@ def test_a_document_before_step_done_decodes_with_each_rank_s_deadline_date() ->
     assert refused(document).path == "state.ranks[1][1].step_done_ns"
 
 
+BEFORE_LATE = Path(__file__).with_name("data") / "jobstate-6fb9639cf1123afa.json"
+"""``encode_state`` of the build before the ranks' lateness (layout 6fb9639cf1123afa, without
+``RankState.late_ns``) for a 2-rank job training through step 30 (``two_ranks_training``)."""
+
+
+def test_a_document_before_late_decodes_with_every_rank_on_time() -> None:
+    """A snapshot of a running job written before ``RankState.late_ns`` reads back with every
+    rank on time: here the state this build folds from the same inputs (every event on time).
+    A rank that already has the new field is not of that layout; the earlier layouts get it
+    too."""
+    data = BEFORE_LATE.read_bytes()
+    document = orjson.loads(data)
+    assert document["layout"] != LAYOUT
+    assert document["layout"] in READABLE_LAYOUTS
+    state = decode_state(data)
+    assert [r.late_ns for r in state.ranks.values()] == [0, 0]
+    folded, _ = run(two_ranks_training(Sim(world_size=2), 30), cfg=config())
+    assert state == folded
+    assert encode_state(state) == encode_state(folded)
+    assert decode_state(BEFORE_DONE.read_bytes()) == folded
+    document["state"]["ranks"][0][1]["late_ns"] = 0
+    assert refused(document).path == "state.ranks[0][1].late_ns"
+
+
 def test_a_document_of_the_old_layout_with_the_new_fields_is_refused() -> None:
     document = orjson.loads(OLD_LAYOUT.read_bytes())
     document["state"]["held"] = None

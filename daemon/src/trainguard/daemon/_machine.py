@@ -459,7 +459,7 @@ def _on_heartbeat(
     # Its delay from the sender's clock to the bus's: the least one is the sender's clock
     # offset plus its quickest delivery, the excess how late this heartbeat is.
     delay = at_ns - beat.ts
-    late = 0
+    late = behind = prev_late = 0
     if prev is None or prev.step is None:
         rec = RankState(
             rank=rank,
@@ -497,6 +497,7 @@ def _on_heartbeat(
             data_version,
             delay_floor,
             done_ns,
+            prev_late,
         ) = prev
         advanced = step > prev.step
         if first is None or not training:
@@ -504,6 +505,8 @@ def _on_heartbeat(
         if delay_floor is None or delay < delay_floor or prev_pid != beat.pid:
             delay_floor = delay
         late = delay - delay_floor
+        # As late on the machine's clock, which stopped across the job's latest gap.
+        behind = clock - bridged_ns(state.last_gap, clock - late) if late else 0
         advanced_ns = prev_advanced_ns
         if advanced:
             # The step completed step_age_s before the heartbeat was built: its deadline
@@ -555,11 +558,12 @@ def _on_heartbeat(
                 data_version,
                 delay_floor,
                 done_ns,
+                behind,
             ),
         )
-    if not advanced or prev is None or prev.phase != phase:
-        # A rank that advanced in the same phase only moved its own deadline later: the
-        # bound stays valid without looking.
+    if not advanced or prev is None or prev.phase != phase or behind < prev_late:
+        # A rank that advanced in the same phase, its heartbeat no less late than its previous
+        # event, only moved its own deadline later: the bound stays valid without looking.
         watch = rank_changed(watch, prev, rec, clock, trend, config)
     failure: Failure | None = None
     lead_before = watch.lead_step
@@ -669,6 +673,20 @@ def _on_heartbeat(
     return state, decisions + acted
 
 
+def _lateness(state: JobState, rec: RankState, pid: int, ts: int) -> int:
+    """How late (ns, on the machine's clock) an event that process ``pid`` sent at ``ts`` (its
+    clock) reaches the bus at the job's clock: its delay beyond rank ``rec``'s quickest
+    heartbeat (``delay_floor_ns``), less the part of the job's latest gap it spans
+    (``JobState.last_gap``: the machine's clock stopped across it); 0 when the floor is
+    unknown or of another process (``RankState.late_ns``)."""
+    floor = rec.delay_floor_ns
+    if floor is None or pid != rec.pid:
+        return 0
+    clock = state.clock_ns
+    late = clock - ts - floor
+    return clock - bridged_ns(state.last_gap, clock - late) if late > 0 else 0
+
+
 def _touch(
     state: JobState,
     rank: int,
@@ -676,13 +694,16 @@ def _touch(
     pid: int,
     config: MachineConfig,
     *,
+    ts: int,
     step: int | None = None,
     status: RankStatus | None = None,
     restarted: bool = False,
     advanced_ns: int | None = None,
     done_ns: int | None = None,
 ) -> JobState:
-    """Record that ``rank`` spoke at the current clock (any event but a heartbeat).
+    """Record that ``rank`` spoke at the current clock (any event but a heartbeat) in an event
+    its process sent at ``ts`` (ns, its clock), which dates how late the event is
+    (``RankState.late_ns``).
 
     ``restarted``: the rank (re)starts from ``step`` in this generation (its restore
     acknowledgement): its start-up steps and progress timeout count from here.
@@ -720,6 +741,7 @@ def _touch(
             else prev.step_advanced_ns,
             first_step=step if restarted else prev.first_step,
             step_done_ns=(clock if done_ns is None else done_ns) if advanced else prev.step_done_ns,
+            late_ns=_lateness(state, prev, pid, ts),
         )
         newly_finished = record.status == "finished" and prev.status != "finished"
     return state._replace(
@@ -755,10 +777,8 @@ def _shown(
     step = event.step
     if rec is None or rec.step is None or step <= rec.step:
         return None, None, None
-    clock, floor = state.clock_ns, rec.delay_floor_ns
-    # How late it reached the bus, as for a heartbeat (the same process, the same clock).
-    late = 0 if floor is None or event.pid != rec.pid else max(0, clock - event.ts - floor)
-    sent = bridged_ns(state.last_gap, clock - late)
+    # When it was sent, as for a heartbeat (the same process, the same clock).
+    sent = state.clock_ns - _lateness(state, rec, event.pid, event.ts)
     return step, rec.last_heard_ns, max(min(sent, rec.last_heard_ns), rec.step_done_ns or 0)
 
 
@@ -785,7 +805,15 @@ def _on_data_cursor(
     generation = state.generation
     step, since, done = _shown(state, event)
     state = _touch(
-        state, event.rank, event.host, event.pid, config, step=step, advanced_ns=since, done_ns=done
+        state,
+        event.rank,
+        event.host,
+        event.pid,
+        config,
+        ts=event.ts,
+        step=step,
+        advanced_ns=since,
+        done_ns=done,
     )
     state, noted = _on_cursor(state, event.rank, event.cursor.data_version, event.step, config)
     if state.generation != generation or state.phase in (*TERMINAL_PHASES, "restoring"):
@@ -806,7 +834,15 @@ def _on_checkpoint(
     generation = state.generation
     step, since, done = _shown(state, event)
     state = _touch(
-        state, event.rank, event.host, event.pid, config, step=step, advanced_ns=since, done_ns=done
+        state,
+        event.rank,
+        event.host,
+        event.pid,
+        config,
+        ts=event.ts,
+        step=step,
+        advanced_ns=since,
+        done_ns=done,
     )
     state, noted = _on_cursor(state, event.rank, event.data_version, event.step, config)
     if state.generation != generation or state.phase in TERMINAL_PHASES:
@@ -876,6 +912,7 @@ def _on_lifecycle(
         event.host,
         event.pid,
         config,
+        ts=event.ts,
         step=event.step,
         status=status,
         restarted=restored and event.step is not None,
@@ -940,7 +977,9 @@ def _on_error(
     its own); one saying a rank missed the current in-process restore's step falls back to a
     restart."""
     if event.rank is not None:
-        state = _touch(state, event.rank, event.host, event.pid, config, step=event.step)
+        state = _touch(
+            state, event.rank, event.host, event.pid, config, ts=event.ts, step=event.step
+        )
         who = f"rank {event.rank} on host {event.host}"
     else:
         who = f"the supervisor on host {event.host} (pid {event.pid})"

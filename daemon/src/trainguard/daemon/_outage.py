@@ -72,7 +72,7 @@ def bridge(
     generation's start; the stall bound, the end of the last declared phase and the tick that
     showed the latest command (``Watch``); an open incident's ``issued_ns``. The clock itself
     moves to ``at_ns`` with the input, as always. Times that record what happened
-    (``Incident.opened_ns``, manifests' ``ts``) and delays (``RankState.delay_floor_ns``) stay.
+    (``Incident.opened_ns``, manifests' ``ts``) and delays (``RankState.delay_floor_ns``, ``late_ns``) stay.
     The bus settles until ``at_ns + outage_settle_s``. The gap is kept (``JobState.last_gap``)
     for the times the ranks' later records state (:func:`bridged_ns`).
 

@@ -11,7 +11,9 @@ Each alive rank that has heartbeated has a *stall deadline*:
   last declared phase of any rank ended, plus its progress timeout: the start-up allowance
   during its first ``startup_steps`` steps in the generation (or while the job has too few
   step-time samples), else the job's adaptive timeout (:mod:`trainguard.daemon._trend`), plus
-  one heartbeat interval (a step's end is seen only when the next heartbeat reports it);
+  one heartbeat interval (a step's end is seen only when the next heartbeat reports it),
+  plus how late its latest event reached the bus (``RankState.late_ns``), at most the
+  heartbeat timeout (see below);
 * training while some rank is in a declared phase: none (the others may be waiting for it in
   a collective; the phase's own limit bounds the wait);
 * training but silent since that time: none (a rank that stopped talking is the heartbeat
@@ -20,6 +22,18 @@ Each alive rank that has heartbeated has a *stall deadline*:
   ranks wait for it). No deadline of a restored generation counts from before the tick that
   showed its latest command on the bus (``Watch.acted_ns``): the daemon's own delay in acting
   (a backlog it caught up on) is never the ranks' time.
+
+A rank is judged on its own clock: its latest event, late by ``late_ns`` (its delay beyond its
+quickest heartbeat's, on the machine's clock, which stopped across the job's latest gap), tells
+what it did until it was sent; what it did since is behind it in its agent's queue, at least
+as late while the queue drains (the agent sends in order, one record per round trip after an
+outage). So its deadline is pushed back by as much: a job whose whole remaining run happened
+while the bus was away, delivered one record per round trip, is not found stalled between its
+last step and its ``finished`` because those records arrive slower than they were sent. Once
+the backlog is delivered its events are on time again and the usual deadline applies; a rank
+that stops sending is the heartbeat timeout's case, counted from its last event's arrival. The
+extension is at most ``heartbeat_timeout_s``, the longest the daemon waits for a rank's word:
+a sender whose clock stepped back would otherwise look late for good and never be judged.
 
 A rank in a declared phase is bounded by the phase's limit whether it heartbeats or not (a long
 save may hold the GIL and silence the agent's heartbeat thread): the heartbeat timeout leaves
@@ -88,7 +102,14 @@ def stall_deadline(rec: RankState, watch: Watch, trend: Trend, config: MachineCo
     since = _training_since(rec, watch)
     if rec.last_heard_ns <= since:
         return None  # silent since: the heartbeat timeout decides, not this detector
-    return since + progress_timeout_ns(rec, trend, config) + config.heartbeat_interval_ns
+    timeout = progress_timeout_ns(rec, trend, config) + config.heartbeat_interval_ns
+    return since + timeout + behind_ns(rec, config)
+
+
+def behind_ns(rec: RankState, config: MachineConfig) -> int:
+    """How far (ns) rank ``rec``'s progress deadline is extended: the lateness of its latest
+    event (``RankState.late_ns``), at most the heartbeat timeout (see the module docstring)."""
+    return min(rec.late_ns, config.heartbeat_timeout_ns)
 
 
 def _training_since(rec: RankState, watch: Watch) -> int:

@@ -114,6 +114,11 @@ class RankState(NamedTuple):
             rank's previous step. Unlike ``step_advanced_ns`` it does not depend on how long
             the record waited to reach the bus, so the ranks' times compare: a stall names
             the ranks that stopped together by it (:mod:`trainguard.daemon._stall`).
+        late_ns: how late (ns) its latest event reached the bus: its ``append time - ts``
+            beyond ``delay_floor_ns`` (0 when that is unknown or of another process, or for an
+            event quicker than the floor). What the rank did after sending it is still on its
+            way: its progress deadline is extended by as much (:mod:`trainguard.daemon._stall`).
+            A delay, not a time: a gap does not move it.
     """
 
     rank: int
@@ -133,6 +138,7 @@ class RankState(NamedTuple):
     data_version: str | None = None
     delay_floor_ns: int | None = None
     step_done_ns: int | None = None
+    late_ns: int = 0
 
 
 class Ack(NamedTuple):

@@ -39,7 +39,7 @@ than read into the wrong fields; the caller then folds the log instead. The exce
 earlier layouts in :data:`READABLE_LAYOUTS`: this build differs from them only by fields it
 added to ``JobState`` or to the ``Left`` and ``RankState`` records it holds, and a document of
 such a layout is read with those fields at their defaults (a rank's ``step_done_ns`` at its
-``step_advanced_ns``): an *upcaster* per layout adds them to the ``state`` object before it is
+``step_advanced_ns``, its ``late_ns`` 0): an *upcaster* per layout adds them to the ``state`` object before it is
 decoded. Any other change of the document's form needs a new ``format``.
 
 Decoding is strict: a missing or unknown field, a value of the wrong JSON type, an integer
@@ -591,28 +591,43 @@ def _left_added(**defaults: JSONValue) -> _Upcaster:
     return upcast
 
 
-def _done_added(body: dict[str, Any]) -> dict[str, Any]:
-    """The upcaster for a layout without ``JobState.last_gap`` and ``RankState.step_done_ns``:
-    no gap recorded, and each rank's step completion dated as its deadline
-    (``step_advanced_ns``), as that build named the ranks that stopped together. A rank that
-    has ``step_done_ns`` is not of that layout, and is refused; a ``ranks`` value that is not
-    a list of ``[key, object]`` pairs is left to the decoder."""
-    body = _added(last_gap=None)(body)
-    ranks = body.get("ranks")
-    if type(ranks) is not list:
-        return body
-    upcast: list[Any] = []
-    for n, pair in enumerate(ranks):
-        if type(pair) is not list or len(pair) != 2 or type(pair[1]) is not dict:
-            upcast.append(pair)
-            continue
-        rank = pair[1]
-        if "step_done_ns" in rank:
-            raise StateFormatError(
-                f"ranks[{n}][1].step_done_ns", "unknown field of RankState in this layout"
-            )
-        upcast.append([pair[0], {**rank, "step_done_ns": rank.get("step_advanced_ns")}])
-    return {**body, "ranks": upcast}
+def _ranks_added(**values: Callable[[dict[str, Any]], JSONValue]) -> _Upcaster:
+    """An upcaster for a layout whose ``RankState`` records lacked the fields ``values``, each
+    set to its function of the rank's JSON object; a rank that has any of them is not of that
+    layout, and is refused. A ``ranks`` value that is not a list of ``[key, object]`` pairs is
+    left to the decoder."""
+
+    def upcast(body: dict[str, Any]) -> dict[str, Any]:
+        ranks = body.get("ranks")
+        if type(ranks) is not list:
+            return body
+        upcast: list[Any] = []
+        for n, pair in enumerate(ranks):
+            if type(pair) is not list or len(pair) != 2 or type(pair[1]) is not dict:
+                upcast.append(pair)
+                continue
+            rank = pair[1]
+            present = next((name for name in values if name in rank), None)
+            if present is not None:
+                raise StateFormatError(
+                    f"ranks[{n}][1].{present}", "unknown field of RankState in this layout"
+                )
+            upcast.append([pair[0], {**rank, **{k: f(rank) for k, f in values.items()}}])
+        return {**body, "ranks": upcast}
+
+    return upcast
+
+
+def _step_done_ns(rank: dict[str, Any]) -> JSONValue:
+    """A rank's step completion where the layout had none: dated as its deadline
+    (``step_advanced_ns``), as that build named the ranks that stopped together."""
+    return rank.get("step_advanced_ns")
+
+
+def _on_time(rank: dict[str, Any]) -> JSONValue:
+    """A rank's lateness where the layout had none: on time (that build did not extend its
+    deadline)."""
+    return 0
 
 
 def _then(*upcasters: _Upcaster) -> _Upcaster:
@@ -626,15 +641,25 @@ def _then(*upcasters: _Upcaster) -> _Upcaster:
     return upcast
 
 
+# Before the ranks' own dating of their steps (naming the ranks that stopped together): no
+# gap recorded, each rank's step completion dated as its deadline.
+_done_added: Final = _then(_added(last_gap=None), _ranks_added(step_done_ns=_step_done_ns))
+# Before the ranks' lateness (a backlog extends their progress deadlines): each on time.
+_late_added: Final = _ranks_added(late_ns=_on_time)
+
 _UPCASTERS: Final[dict[str, _Upcaster]] = {
     # Before the bus-outage rule (settle window, held restore).
-    "c35900be070fb0d2": _then(_added(settle_until_ns=None, held=None, left=None), _done_added),
+    "c35900be070fb0d2": _then(
+        _added(settle_until_ns=None, held=None, left=None), _done_added, _late_added
+    ),
     # Before the late-finish rule (the generation a restore left).
-    "ef5317866765d48d": _then(_added(left=None), _done_added),
+    "ef5317866765d48d": _then(_added(left=None), _done_added, _late_added),
     # Before the late-cut rule (the left generation's shards and cuts).
-    "0c4b9a05468dc2f8": _then(_left_added(pending=[], cuts=[]), _done_added),
+    "0c4b9a05468dc2f8": _then(_left_added(pending=[], cuts=[]), _done_added, _late_added),
     # Before the ranks' own dating of their steps (naming the ranks that stopped together).
-    "7418d36e93a15e6c": _done_added,
+    "7418d36e93a15e6c": _then(_done_added, _late_added),
+    # Before the ranks' lateness (a backlog extends their progress deadlines).
+    "6fb9639cf1123afa": _late_added,
 }
 
 READABLE_LAYOUTS: Final = frozenset({LAYOUT, *_UPCASTERS})
