@@ -797,14 +797,13 @@ def _on_cursor(
     return state, _NONE if anomaly is None else (anomaly,)
 
 
-def _on_data_cursor(
-    state: JobState, event: DataCursorEvent, config: MachineConfig
-) -> tuple[JobState, Decisions]:
-    """Fold a data-cursor event: its data version, then (outside a restore) whether it agrees
-    with what other ranks reported for its step; a disagreement fails the job."""
-    generation = state.generation
+def _touch_shown(
+    state: JobState, event: Checkpoint | DataCursorEvent, config: MachineConfig
+) -> JobState:
+    """Record that a shard's or data cursor's rank spoke (:func:`_touch`), with the progress
+    its step shows (:func:`_shown`)."""
     step, since, done = _shown(state, event)
-    state = _touch(
+    return _touch(
         state,
         event.rank,
         event.host,
@@ -815,6 +814,15 @@ def _on_data_cursor(
         advanced_ns=since,
         done_ns=done,
     )
+
+
+def _on_data_cursor(
+    state: JobState, event: DataCursorEvent, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Fold a data-cursor event: its data version, then (outside a restore) whether it agrees
+    with what other ranks reported for its step; a disagreement fails the job."""
+    generation = state.generation
+    state = _touch_shown(state, event, config)
     state, noted = _on_cursor(state, event.rank, event.cursor.data_version, event.step, config)
     if state.generation != generation or state.phase in (*TERMINAL_PHASES, "restoring"):
         return state, noted
@@ -832,18 +840,7 @@ def _on_checkpoint(
     (ranks of an in-process restore still short of its step), a shard may hold the state the
     restore abandons: it is never committed."""
     generation = state.generation
-    step, since, done = _shown(state, event)
-    state = _touch(
-        state,
-        event.rank,
-        event.host,
-        event.pid,
-        config,
-        ts=event.ts,
-        step=step,
-        advanced_ns=since,
-        done_ns=done,
-    )
+    state = _touch_shown(state, event, config)
     state, noted = _on_cursor(state, event.rank, event.data_version, event.step, config)
     if state.generation != generation or state.phase in TERMINAL_PHASES:
         return state, noted  # the data version opened an incident or failed the job
