@@ -24,10 +24,10 @@ from tests.agent._outage import (
     wait_for_events,
 )
 from tests.agent.test_agent_link import write_locked
-from trainguard.agent._spool import read_journal, read_spool
+from trainguard.agent._spool import Spool, read_journal, read_spool
 from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor
-from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
-from trainguard.schemas import Restore, encode
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, Record, open_bus
+from trainguard.schemas import JobRequest, Lifecycle, Restore, decode, encode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -115,3 +115,51 @@ async def test_a_signal_ends_a_waiting_supervisor_and_the_next_one_forwards_its_
     assert any(e["event"].startswith("job finished: every rank of generation 0") for e in logs)
     assert not spool.exists()
     assert not journal.exists()
+
+
+async def test_the_workers_spools_are_forwarded_before_the_journals(tmp_path: Path) -> None:
+    """What a worker wrote while the bus was away (here its ``started``, as for a shard) came
+    before the stop request its signalled supervisor journaled: the next supervisor forwards
+    the workers' spools first, so that the daemon folds a shard while the job is still live
+    (after the stop it would be ignored, and a continue would start from an older snapshot;
+    found by issue 13's tester). The old order put the journal first."""
+    bus = await created_bus(tmp_path)
+    supervisor = Supervisor(supervised(tmp_path, bus))
+    root = supervisor._spool_root  # where a signalled supervisor of this node left its files
+    request = JobRequest(
+        job_id=JOB, generation=0, ts=1, seq=0, host="node-a", pid=4242, kind="stop"
+    )
+    spooled = Lifecycle(
+        job_id=JOB, generation=0, ts=1, seq=3, rank=0, host="node-a", pid=4343, kind="started"
+    )
+    journal = Spool(root, "supervisor-0000000000000000001-4242.outbox")
+    journal.add(0, encode(request))
+    worker = Spool(root / "worker-0", "4343-1.spool")
+    worker.add(spooled.seq, encode(spooled))
+    stop = asyncio.Event()
+    run = asyncio.ensure_future(supervisor.run(stop))
+    try:
+        async with open_bus(bus) as reader:
+            deadline = time.monotonic() + 120.0
+            while request not in (messages := await everything_of_the_job(reader)):
+                assert time.monotonic() < deadline, f"the journal not forwarded: {messages}"
+                await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, 60.0)
+    assert messages.index(spooled) < messages.index(request)
+
+
+async def everything_of_the_job(bus: Bus) -> list[object]:
+    """Every message of the job on ``events`` (requests too), in bus order."""
+    ends = {tp: end for tp, end in (await bus.end_offsets("events")).items() if end}
+    found: list[tuple[int, Record]] = []
+    if ends:
+        async with await bus.assign(dict.fromkeys(ends, 0)) as consumer:
+            while len(found) < sum(ends.values()):
+                found += [(r.offset, r) for r in await consumer.getmany(timeout_s=1.0)]
+    return [
+        decode(r.value)
+        for _, r in sorted(found, key=lambda p: p[0])
+        if r.key == JOB and r.value is not None
+    ]

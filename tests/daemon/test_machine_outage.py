@@ -846,7 +846,7 @@ def signalled_in_an_outage_reported_late(sim: Sim, late_at: int) -> list[Input]:
     supervisor is signalled: it asks to stop the job, stops its workers (SIGTERM) and exits at
     its deadline, its stop request and exit reports (in that order) left in its journal, which
     the next supervisor of the node forwards at ``late_at``, after what the ranks' agents sent
-    during the outage (also spooled). Until then the job is silent."""
+    during the outage (their spools: both shards of step 40). Until then the job is silent."""
     sent = two_ranks_training(sim, 43)
     signalled = [
         sim.request((0, 1), "stop", T0 + 45 * S, reason="trainguard run on host h0 was signalled"),
@@ -854,7 +854,7 @@ def signalled_in_an_outage_reported_late(sim: Sim, late_at: int) -> list[Input]:
     ]
     before = [i for i in sent if i.at_ns < AWAY[0]]
     during = [i for i in sent if i.at_ns >= AWAY[0]]
-    late = [i._replace(at_ns=late_at + n) for n, i in enumerate([*signalled, *during])]
+    late = [i._replace(at_ns=late_at + n) for n, i in enumerate([*during, *signalled])]
     return [*before, *late]
 
 
@@ -893,6 +893,14 @@ def test_a_stop_made_in_an_outage_and_reported_late_ends_the_job_stopped(late_s:
     assert [a.outcome for a in aborts] == (["stopped"] if late_s == 60 else ["failed", "stopped"])
     assert len({a.generation for a in aborts}) == 1  # the generation the job ended in
     assert aborts[-1].seq > (restores[-1].seq if late_s == 60 else aborts[0].seq)
+    # The shards of step 40, written in the outage, arrived while the restore was pending (a
+    # cut) and commit with the late stop, which voids the restore: a continue starts there.
+    # After the restores gave up (600 s) they come to a failed job and are ignored.
+    newest = state.committed[-1].step
+    assert newest == (40 if late_s == 60 else 30)
+    if late_s == 60:
+        [commit] = [c for c in of_type(decisions, Committed) if c.manifest.step == 40]
+        assert "committed as a late stop voids the restore" in commit.reason
 
 
 def test_a_stop_of_a_failed_job_is_late_only_if_nobody_was_heard_since_its_generation() -> None:

@@ -68,8 +68,9 @@ order, until the bus took it. Before it exits, the supervisor waits for its outb
 delivered, logging every ``warn_every_s``; a signal ends that wait (for a supervisor that was
 signalled before, the stop's deadline does), and its journal and the spools of undelivered
 workers stay on disk: the next supervisor of the job on this node forwards them before
-anything else, the journals first (and, if they held a stop request, waits up to
-``daemon_timeout_s`` for the daemon to read it, so that it finds the job stopped). Its own calls
+anything else, the workers' spools first, then the journals (and, if they held a stop request,
+waits up to ``daemon_timeout_s`` for the daemon to read it, so that it finds the job
+stopped). Its own calls
 on the bus (connecting, reading the job's state, sending a report or request) wait out an
 outage, logged when it begins, while it lasts and when it ends
 (:func:`~trainguard.agent.bus.patiently`): a supervisor started during an outage waits for the bus and starts nothing meanwhile. A signal
@@ -484,18 +485,22 @@ class Supervisor:
     async def _forward_leftovers(self, bus: Bus) -> None:
         """Forward what previous supervisors of the job on this node left undelivered (when
         signalled or killed during an outage), and wait for the bus to take it, before this
-        supervisor reads the job's state: first their journals, oldest first, each in the
-        order its events were put (a stop request ahead of the exit reports it explains, a
-        rank's ``finished`` ahead of the exit report of its worker); then their workers'
-        spools (events no supervisor forwarded; those a journal holds too arrive twice, and
-        the daemon drops the second copy). A file or folder is removed once the bus has taken
-        everything in it. If a job request (a stop) was among them, wait until the daemon has
+        supervisor reads the job's state: first their workers' spools (what the ranks did
+        and no supervisor forwarded: a shard written while the bus was away must reach the
+        daemon before the stop request that followed it, or it would come after the job
+        ended and be ignored); then their journals, oldest first, each in the order its
+        events were put (a stop request ahead of the exit reports it explains). Events a
+        journal holds too arrive twice, and the daemon drops the second copy. A file or
+        folder is removed once the bus has taken everything in it. If a job request (a stop) was among them, wait until the daemon has
         read it (:meth:`_until_read`), so that the job's state this supervisor reads next is
         the daemon's answer to it."""
         try:
             entries = sorted(self._spool_root.iterdir())
         except FileNotFoundError:
             entries = []
+        for folder in entries:
+            if folder.is_dir():
+                self._forward(folder, None)
         requests = 0
         for journal in entries:
             if journal.suffix != JOURNAL_SUFFIX or journal == self._courier.journal:
@@ -513,9 +518,6 @@ class Supervisor:
                 self._courier.put(data, then=remove if n == len(left) else None)
             if not left:
                 remove()
-        for folder in entries:
-            if folder.is_dir():
-                self._forward(folder, None)
         await self._courier.delivered()
         if requests:
             await self._until_read(bus)

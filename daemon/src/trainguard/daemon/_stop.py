@@ -14,7 +14,9 @@ purely, like any other input, so a replay of the log reproduces what the daemon 
   last ran in while no rank joined any restore since (``JobState.left``, ``senders`` empty),
   ends it ``stopped`` too: the silence the daemon restored it for, and failed it for when
   nobody joined, was this stop's (made while the bus was away and delivered by the node's
-  next supervisor; ``docs/recovery.md``, "A stop while the bus was away"). A stop of a generation older than the job's latest continuation was meant for the run
+  next supervisor; ``docs/recovery.md``, "A stop while the bus was away"). A late stop voids
+  the restore as a late finish does: the cuts of the generation the ranks ran in
+  (``Left.cuts``, steps whose shards all arrived after the restore) commit first. A stop of a generation older than the job's latest continuation was meant for the run
   before it and is rejected (``stale_generation``), so a late request never ends the continued
   run. A stop that is the job's first input (a job the daemon knows nothing of: a mistyped id)
   is rejected (``no_such_job``) rather than creating a stopped job.
@@ -37,7 +39,15 @@ from __future__ import annotations
 from trainguard.schemas import Abort, JobRequest
 
 from ._config import MachineConfig
-from ._decisions import Decision, IncidentClosed, IncidentOpened, Issue, Rejected, Transition
+from ._decisions import (
+    Committed,
+    Decision,
+    IncidentClosed,
+    IncidentOpened,
+    Issue,
+    Rejected,
+    Transition,
+)
 from ._evidence import seconds_text
 from ._recovery import _new_generation, _refusal, _restore, next_command_seq, target_text
 from ._state import Incident, JobState, Loop
@@ -162,7 +172,23 @@ def _stop(
         reason=reason[:_MAX_REASON],
         outcome="stopped",
     )
-    decisions: list[Decision] = [
+    decisions: list[Decision] = []
+    left = state.left
+    if late and left is not None and left.cuts:
+        # The restore is void, as for a late finish: the steps the ranks completed in the
+        # generation they ran in, whose shards arrived after the restore, are the job's
+        # timeline after all, and a continue starts from the newest of them.
+        decisions.extend(
+            Committed(
+                manifest=cut,
+                reason=f"all {len(cut.shards)} ranks reported their shard of step {cut.step} in "
+                f"generation {left.generation} (data version {cut.data_version!r}) after the "
+                "restore was issued; committed as a late stop voids the restore",
+            )
+            for cut in left.cuts
+        )
+        state = state.committing(left.cuts, config.keep_snapshots)
+    decisions += [
         Transition(old=state.phase, new="stopped", generation=generation, reason=reason),
         Issue(command=abort, reason=reason),
     ]
