@@ -153,6 +153,7 @@ BAD_VALUES = [
     ('[[bus.topics]]\nnme = "events"', "[bus] topics[0]: unknown key(s) ['nme']"),
     ('[[bus.topics]]\nname = "events"\npartitions = 0', "[bus] topic 'events': partitions"),
     ("[bus.security]\nprotocol = 3", "[bus.security] protocol: expected a string"),
+    ("[machine]\nheartbeat_timeout_s = ", "not valid TOML: Invalid value (at line 2, column 23)"),
 ]
 
 

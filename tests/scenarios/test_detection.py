@@ -365,7 +365,8 @@ def test_a_12s_stall_is_a_hang_outside_a_declared_phase_and_legitimate_inside_on
     records = [run.record() for run in (hang, declared)]
 
     # Outside a phase: a hang, found by the adaptive progress timeout (not the 600 s start-up
-    # allowance, not a configured one) within 10 s, restored, finished exactly.
+    # allowance, not a configured one) within that timeout and a heartbeat, restored, finished
+    # exactly.
     record = records[0]
     (opened, incident) = only(incidents(record), "incident", hang)
     assert incident["cause"] == "progress_timeout", hang.describe()
@@ -376,10 +377,17 @@ def test_a_12s_stall_is_a_hang_outside_a_declared_phase_and_legitimate_inside_on
     assert "adaptive" in incident["reason"], hang.describe()
     assert measures["samples"] >= 8, hang.describe()
     # The hang begins once step 30 is done (a loaded machine makes that step itself slower:
-    # counting from the last heartbeat before it failed once at load 17, 10.08 s).
+    # counting from the last heartbeat before it failed once at load 17, 10.08 s). The bound is
+    # the timeout the daemon learnt, not this pace's 6 s (5 s floor, 1 s heartbeat): on a loaded
+    # machine a few steps before the hang take seconds and raise it (10.7 s once, from a p99
+    # step of 3.6 s), and the hang is still found, late by at most a heartbeat interval (1 s)
+    # and the decision.
     began = step_done_at(record, 1, 30)
     restored = command_at(record, Restore, 1)
-    assert restored - began <= 10_000, f"restore {restored - began} ms after the hang"
+    bound_ms = round(1000 * measures["timeout_s"]) + 2_000
+    assert restored - began <= bound_ms, (
+        f"restore {restored - began} ms after the hang, not within {bound_ms} ms {hang.describe()}"
+    )
     restore = only(record.restores(), "restore", hang)
     assert restore.mode == "restart", hang.describe()
     assert restore.target is not None, hang.describe()

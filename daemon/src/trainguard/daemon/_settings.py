@@ -226,7 +226,10 @@ def load_daemon_config(
     data: dict[str, Any] = {}
     if path is not None:
         with path.open("rb") as f:
-            data = tomllib.load(f)
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:  # its message says where, not in which file
+                raise ValueError(f"{path}: not valid TOML: {exc}") from None
     source = "" if path is None else f"{path}: "
     unknown = data.keys() - {"bus", "machine", "service", "security"}
     if unknown:
