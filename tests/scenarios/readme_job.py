@@ -3,7 +3,8 @@
 :func:`readme_loop` takes the Python block of README.md's "In your training loop" section
 verbatim (a test using it breaks when the README drifts); :func:`write_worker` puts the names
 the block takes as given in front of it (a dataset whose samples are their own ids, a one-weight
-model with a constant loss, an optimizer, ``total_steps``) and a ledger of what every step trained: each
+model with a constant loss, an optimizer, ``total_steps``), a barrier a step under a launcher
+(ranks in lockstep, as DDP's all-reduce keeps them) and a ledger of what every step trained: each
 ``agent.step(step, ...)`` call first appends ``{"generation", "step", "rank", "samples"}`` to
 ``ledger-rank-<r>.jsonl`` (the format of ``examples/charlm/ledger.py``), the samples being the
 batch the model saw last. :func:`expected_ledger` is what an exact run trains: the global order's
@@ -72,7 +73,21 @@ def evaluate(module):
 _forward = model.forward
 
 
+# Under a launcher (trainguard run) the ranks keep in lockstep, as a DDP job's gradient
+# all-reduce keeps them: the toy model has no collective of its own, and ranks that train apart
+# can be any number of steps apart when one dies (no checkpoint of every rank exists then).
+lockstep = "MASTER_ADDR" in os.environ
+if lockstep:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+
+
 def _recording_forward(batch):
+    if lockstep:
+        dist.barrier()
     seen[:] = batch.tolist()
     time.sleep(pace_s)  # paces the job like a bigger one
     return _forward(batch.float().unsqueeze(1))

@@ -34,8 +34,8 @@ WORLD_SIZE = 2
 
 def worker_env(out: Path, total: int, **extra: str) -> dict[str, str]:
     """The README worker's environment: ledgers in ``out``, ``total`` steps, shards under
-    ``out/checkpoints``, heartbeats every 0.5 s, no parameter checksums (the toy replicas
-    train apart: no DDP), 10 ms a step."""
+    ``out/checkpoints``, heartbeats every 0.5 s, no parameter checksums (the toy replicas'
+    weights differ: no gradient all-reduce), 10 ms a step."""
     return {
         "README_OUT": str(out),
         "README_TOTAL_STEPS": str(total),
