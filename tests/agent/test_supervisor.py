@@ -5,6 +5,7 @@ SIGTERM-then-SIGKILL, abort."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -169,17 +170,28 @@ async def test_launcher_mode_gives_each_rank_torchrun_variables(tmp_path: Path) 
 
 async def test_a_restore_stops_workers_that_ignore_sigterm(tmp_path: Path) -> None:
     cfg = config(tmp_path, "stubborn", nproc_per_node=1)
-    async with open_bus(bus_config(tmp_path)) as bus:
-        task = asyncio.ensure_future(Supervisor(cfg).run())
-        await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
-        await asyncio.sleep(0.5)  # let the worker install its SIGTERM handler
-        began = time.monotonic()
-        await bus.publish("commands", JOB, restore(1))
-        await wait_for(bus, lambda es: any(e.kind == "started" and e.generation == 1 for e in es))
-        # Stopped by SIGKILL after the 1 s grace period, not left running.
-        assert 1.0 <= time.monotonic() - began < 10
-        await bus.publish("commands", JOB, abort_at(1))
-        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+    # What asyncio reports of futures nobody awaited, once they are collected.
+    unhandled: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unhandled.append(context["message"]))
+    try:
+        async with open_bus(bus_config(tmp_path)) as bus:
+            task = asyncio.ensure_future(Supervisor(cfg).run())
+            await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+            await asyncio.sleep(0.5)  # let the worker install its SIGTERM handler
+            began = time.monotonic()
+            await bus.publish("commands", JOB, restore(1))
+            await wait_for(
+                bus, lambda es: any(e.kind == "started" and e.generation == 1 for e in es)
+            )
+            # Stopped by SIGKILL after the 1 s grace period, not left running.
+            assert 1.0 <= time.monotonic() - began < 10
+            await bus.publish("commands", JOB, abort_at(1))
+            assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert unhandled == []
 
 
 async def test_an_in_process_restore_keeps_the_workers_and_adopts_its_generation(

@@ -1189,15 +1189,18 @@ class Supervisor:
         grace = self._c.grace_s
         if self._stop_by is not None:
             grace = max(0.0, min(grace, self._stop_by - time.monotonic()))
-        if workers:
-            exited = asyncio.ensure_future(asyncio.gather(*(w.proc.wait() for w in workers)))
-            waits: set[asyncio.Future[Any]] = {exited} if hurry is None else {exited, hurry}
-            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
-            exited.cancel()
+        if not workers:
+            return
+        exited = asyncio.ensure_future(asyncio.gather(*(w.proc.wait() for w in workers)))
+        waits: set[asyncio.Future[Any]] = {exited} if hurry is None else {exited, hurry}
+        await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
         for w in workers:
             # The group may hold grandchildren (torchrun's workers) even after the leader died.
             _signal_group(w.proc.pid, signal.SIGKILL)
-            code = await w.proc.wait()
+        # Awaited, not cancelled: on Python 3.11 a cancelled gather ends with a CancelledError
+        # nobody retrieves ("_GatheringFuture exception was never retrieved" at exit).
+        codes = await exited
+        for w, code in zip(workers, codes, strict=True):
             if w not in reported:
                 self._gone(w, code, report=report)
 
