@@ -25,9 +25,10 @@ import orjson
 import pytest
 
 from tests.buses import BusFactory
-from tests.daemon.service_support import eventually, read_all
+from tests.daemon.service_support import eventually, read_all, running
 from tests.daemon.test_report import JOB, killed_once
 from tests.daemon.test_service import JOB as FORGED_JOB
+from tests.daemon.test_service import beat, daemon_config, publish, started
 from tests.daemon.test_status import record_forgery
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, open_bus
 from trainguard.daemon import DaemonService, MachineConfig
@@ -224,3 +225,27 @@ def test_the_report_leaves_out_what_the_daemon_refused(tmp_path: Path) -> None:
     doc = json.loads(done.stdout)
     # Folded, the forged heartbeat would make step 10,000 the final timeline's last.
     assert (doc["ended"], doc["final_step"], doc["world_size"]) == ("running", 4, 2)
+
+
+def test_the_report_leaves_out_what_the_state_machine_rejected(tmp_path: Path) -> None:
+    """Events the daemon took in but its state machine rejected (a resent heartbeat whose seq
+    was used already, here claiming step 10,000 of a 3-rank job) count for nothing."""
+    factory = BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "x.")
+    bogus = dataclasses.replace(beat(0, 1, 10_000), world_size=3)
+
+    async def record() -> None:
+        async with factory.open(topics=DEFAULT_TOPICS) as bus:
+            await publish(bus, started(0), started(1), beat(0, 1, 4), beat(1, 1, 4), bogus)
+            async with running(DaemonService(daemon_config(factory))):
+
+                async def rejected() -> bool:
+                    entries = [orjson.loads(v) for v in await read_all(bus, "audit")]
+                    return any(d["decision"] == "rejected" for e in entries for d in e["decisions"])
+
+                await eventually(rejected)
+
+    asyncio.run(record())
+    done = report(factory, FORGED_JOB, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert (doc["final_step"], doc["world_size"]) == (4, 2)

@@ -9,6 +9,7 @@ The I/O around :func:`trainguard.daemon._report.build_report`: reading the recor
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
@@ -150,11 +151,19 @@ def _record(log: JobLog) -> tuple[list[_Stamped], list[dict[str, Any]], list[_St
 
     Events go through the daemon's intake (:func:`trainguard.daemon._intake.take`) with the
     job's audit trail as the authenticator, as a replay does: a record the daemon refused (not
-    decodable, another job's, or not authentic, e.g. a forged heartbeat) is left out. A record
+    decodable, another job's, or not authentic, e.g. a forged heartbeat) is left out. So is an
+    event the state machine rejected (a ``rejected`` decision in the trail: a stale
+    generation, a duplicate, a conflicting world size, ...), which changed nothing. A record
     the daemon has not judged yet has no verdict in the trail and is taken as authentic, as a
     daemon without keys takes it (``docs/forensics.md``).
     """
-    from trainguard.daemon._audit import MalformedAudit, entries_by_job, read_trail
+    from trainguard.daemon._audit import (
+        MalformedAudit,
+        entries_by_job,
+        input_id,
+        input_key,
+        read_trail,
+    )
     from trainguard.daemon._intake import Taken, take
     from trainguard.schemas import SchemaError, decode
 
@@ -163,11 +172,28 @@ def _record(log: JobLog) -> tuple[list[_Stamped], list[dict[str, Any]], list[_St
         trail = read_trail(audit)
     except MalformedAudit as exc:
         _fail(f"{log.source}: {exc}")
-    events = [
-        _Stamped(rec.timestamp_ms, taken.message)
+    rejected: dict[tuple[str, int], set[str]] = {}
+    for group in trail.groups:
+        for decision in group.decisions:
+            if decision.get("decision") == "rejected":
+                rejected.setdefault(group.key, set()).add(str(decision.get("code")))
+    taken_in = [
+        (rec.timestamp_ms, taken.message)
         for rec in log.events
         if isinstance(taken := take(rec, trail), Taken)
     ]
+    keys = [input_key(input_id(message), at_ms) for at_ms, message in taken_in]
+    copies = Counter(keys)
+    seen: set[tuple[str, int]] = set()
+    events = []
+    for key, (at_ms, message) in zip(keys, taken_in, strict=True):
+        # An input is named by its sender, seq and append time: copies of one send appended
+        # in the same millisecond share it, and only those after the first are duplicates.
+        codes = rejected.get(key)
+        first_of_copies = codes == {"duplicate"} and copies[key] > 1 and key not in seen
+        seen.add(key)
+        if codes is None or first_of_copies:
+            events.append(_Stamped(at_ms, message))
     commands = []
     for rec in log.commands:
         if rec.value is None:
