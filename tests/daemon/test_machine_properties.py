@@ -25,6 +25,7 @@ from tests.daemon.machine_scenarios import (
     killed_job,
     of_type,
     play,
+    pulses,
     restores_by_incident,
     run,
 )
@@ -66,6 +67,9 @@ def test_commit_rule_safety(world_size: int, reports: st.DataObject) -> None:
     order = reports.draw(st.permutations(pairs), label="arrival order")
     shards = [sim.checkpoint(r, step, T0 + S + i) for i, (step, r) in enumerate(order)]
     state, decisions = run([*shards, sim.kill(0, T0 + 2 * S)], state)
+    # The restore may wait (cut_settle_s) for the missing shards of a step rank 0 completed.
+    state, waited = run(pulses(state, state.clock_ns + CFG.cut_settle_ns + 2 * S), state)
+    decisions += waited
     complete = [step for step in steps if len(reporting[step]) == world_size]
     for committed in of_type(decisions, Committed):
         assert committed.manifest.step in complete

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from rpds import HashTrieMap, HashTrieSet
 
 from tests.daemon.machine_scenarios import (
+    AWAY,
     JOB,
     T0,
     S,
@@ -29,6 +30,7 @@ from tests.daemon.machine_scenarios import (
     config,
     healthy_traces,
     issued,
+    killed_in_an_outage,
     killed_job,
     play,
     run,
@@ -258,6 +260,7 @@ def features(state: JobState) -> set[str]:
         "restore held": state.held is not None,
         "held evidence": state.held is not None and state.held.evidence is not None,
         "held restart": state.held is not None and state.held.restart,
+        "held awaits": state.held is not None and state.held.awaits is not None,
         "supervisor sender": any(rank is None for rank, _, _ in state.senders),
         "left": state.left is not None,
         "left finished": state.left is not None and bool(state.left.finished),
@@ -353,14 +356,24 @@ def held_after_an_outage() -> Folding:
 def finished_before_its_restore() -> Folding:
     """A job restored after its rank 1 was killed, whose rank 0's ``finished`` of the
     generation the restore left arrives before anyone joined the restore, after both ranks'
-    shards of step 22 (a late cut) and rank 0's of step 25; rank 1's shard of step 24 came
+    shards of step 22 (a late cut) and rank 0's of step 25; rank 0's shard of step 24 came
     before the restore (both steps pending in the generation left)."""
     sim = Sim(world_size=2)
     inputs = [*sim.start(T0), *sim.train(range(20), start=T0 + S)]
-    inputs += [sim.checkpoint(1, 24, T0 + 21 * S), sim.kill(1, T0 + 21 * S)]
+    inputs += [sim.checkpoint(0, 24, T0 + 21 * S), sim.kill(1, T0 + 21 * S)]
     inputs += [sim.checkpoint(r, 22, T0 + 22 * S) for r in range(2)]
     inputs += [sim.checkpoint(0, 25, T0 + 22 * S)]
     inputs.append(sim.lifecycle(0, "finished", T0 + 22 * S, step=19))
+    return record(inputs, CFG)
+
+
+def held_for_a_checkpoint_in_flight() -> Folding:
+    """Rank 1 reported its shard of step 25 and was killed before rank 0's shard of it
+    arrived: the restore waits for it (``cut_settle_s``) and goes out once it commits."""
+    sim = Sim(world_size=2)
+    inputs = [*sim.start(T0), *sim.train(range(25), start=T0 + S)]
+    inputs += [sim.checkpoint(1, 25, T0 + 26 * S), sim.kill(1, T0 + 26 * S + 1)]
+    inputs += [sim.checkpoint(0, 25, T0 + 26 * S + S // 2)]
     return record(inputs, CFG)
 
 
@@ -373,6 +386,7 @@ SCENARIOS: list[Callable[[], Folding]] = [
     early_exit_after_a_restore,
     held_after_an_outage,
     finished_before_its_restore,
+    held_for_a_checkpoint_in_flight,
 ]
 
 
@@ -392,7 +406,7 @@ def test_every_kind_of_value_round_trips() -> None:
     expected |= {"agreed", "versions", "pending", "committed", "bad snapshots", "crash loop"}
     expected |= {"progress timeout", "loss level", "straggling", "dead rank", "long phase"}
     expected |= {"supervisor sender", "ack cursor", "after restore", "positions", "acted", "held"}
-    expected |= {"settle window", "restore held", "held evidence", "held restart"}
+    expected |= {"settle window", "restore held", "held evidence", "held restart", "held awaits"}
     expected |= {"left", "left finished", "left pending", "left cuts"}
     assert expected - seen == set()
 
@@ -833,6 +847,30 @@ def test_a_document_before_late_decodes_with_every_rank_on_time() -> None:
     assert decode_state(BEFORE_DONE.read_bytes()) == folded
     document["state"]["ranks"][0][1]["late_ns"] = 0
     assert refused(document).path == "state.ranks[0][1].late_ns"
+
+
+BEFORE_AWAITS = Path(__file__).with_name("data") / "jobstate-229cdba23e078b61.json"
+"""``encode_state`` of the build before the hold for a checkpoint in flight (layout
+229cdba23e078b61, without ``Held.awaits``) for a 2-rank job whose rank 1 was killed in an
+outage (``killed_in_an_outage``), up to the exit report: its restore held while the bus
+settles."""
+
+
+def test_a_document_before_awaits_decodes_with_its_hold_waiting_for_the_bus() -> None:
+    data = BEFORE_AWAITS.read_bytes()
+    document = orjson.loads(data)
+    assert document["layout"] != LAYOUT
+    assert document["layout"] in READABLE_LAYOUTS
+    state = decode_state(data)
+    sim = Sim(world_size=2)
+    inputs = killed_in_an_outage(sim)
+    cut = next(n for n, i in enumerate(inputs) if i.at_ns >= AWAY[1]) + 1
+    folded, _ = run(inputs[:cut], cfg=config())
+    assert folded.held is not None
+    assert folded.held.awaits is None
+    assert state == folded
+    document["state"]["held"]["awaits"] = None
+    assert refused(document).path == "state.held.awaits"
 
 
 def test_a_document_of_the_old_layout_with_the_new_fields_is_refused() -> None:

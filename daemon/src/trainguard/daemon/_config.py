@@ -149,6 +149,13 @@ class MachineConfig:
             holds its restore (>= 0; 0: no hold): the checkpoints the ranks made during the
             outage arrive after it in a burst and commit first, so the restore targets them.
 
+    Cuts in flight (``docs/recovery.md``, "A checkpoint in flight is waited for"):
+        cut_settle_s: at most this many seconds of bus time a restore for exited ranks waits
+            when they had reported their shards of a step that other ranks' shards have not
+            completed yet (>= 0; 0: no wait): those shards are written or in flight, and the
+            step commits and becomes the target; issued at once when it commits, or can no
+            longer (every rank that lacks a shard of it exited too).
+
     The ``*_ns`` attributes hold the durations in nanoseconds, computed once.
 
     Raises:
@@ -202,6 +209,7 @@ class MachineConfig:
     allow_data_version_change: bool = False
     bus_gap_s: float = 5.0
     outage_settle_s: float = 5.0
+    cut_settle_s: float = 5.0
     heartbeat_timeout_ns: int = field(init=False, repr=False, compare=False)
     heartbeat_interval_ns: int = field(init=False, repr=False, compare=False)
     startup_timeout_ns: int = field(init=False, repr=False, compare=False)
@@ -212,6 +220,7 @@ class MachineConfig:
     max_clock_skew_ns: int = field(init=False, repr=False, compare=False)
     bus_gap_ns: int = field(init=False, repr=False, compare=False)
     outage_settle_ns: int = field(init=False, repr=False, compare=False)
+    cut_settle_ns: int = field(init=False, repr=False, compare=False)
     phase_limits_ns: Mapping[Phase, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -275,13 +284,13 @@ class MachineConfig:
             for phase in ("init", "checkpoint", "eval", "data")
         }
         object.__setattr__(self, "phase_limits_ns", limits)
-        settle = self.outage_settle_s
-        if not (math.isfinite(settle) and 0 <= settle <= _MAX_S):
-            raise ValueError(
-                f"outage_settle_s must be a number of seconds >= 0 and <= {_MAX_S:g}, "
-                f"got {settle!r}"
-            )
-        object.__setattr__(self, "outage_settle_ns", round(settle * _NS_PER_S))
+        for name in ("outage_settle_s", "cut_settle_s"):
+            settle = getattr(self, name)
+            if not (math.isfinite(settle) and 0 <= settle <= _MAX_S):
+                raise ValueError(
+                    f"{name} must be a number of seconds >= 0 and <= {_MAX_S:g}, got {settle!r}"
+                )
+            object.__setattr__(self, f"{name[:-2]}_ns", round(settle * _NS_PER_S))
         _check_bus_gap(self, limits)
 
 

@@ -56,10 +56,11 @@ from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Issue, Rej
 from ._divergence import judge_checksum, judge_lag, judge_loss, nan_loss, note_data_version
 from ._evidence import Measures, exit_status, hosts_text, ranks_text, seconds_text, steps_text
 from ._inputs import Input, Observed, Tick
-from ._outage import bridge, bridged_ns, gap_ns, late_finish, settling
+from ._outage import bridge, bridged_ns, bus_settling, gap_ns, late_finish, settling
 from ._recovery import (
     Failure,
     acknowledged,
+    cut_arrived,
     fail_now,
     fail_over,
     give_up,
@@ -1144,9 +1145,10 @@ def _expire(
     clock = state.clock_ns
     held = state.held
     if held is not None:
-        # An incident is open, and its restore, due when the bus has settled, restores every
-        # rank: no deadline is judged before it.
-        if settling(state):
+        # An incident is open, and its restore, due when the hold ends, restores every rank:
+        # no deadline is judged before it. A checkpoint the hold waited for ends it early,
+        # unless the bus settles after a gap meanwhile.
+        if settling(state) and (bus_settling(state, config) or not cut_arrived(state, held)):
             return state, decisions
         state, released = release(state, held, config)
         return state, decisions + released

@@ -40,7 +40,7 @@ from ._decisions import Anomaly, Committed, Decision, IncidentClosed, Transition
 from ._evidence import Measures, ranks_text, seconds_text
 from ._state import JobState, RankState, unjoined
 
-__all__ = ["bridge", "bridged_ns", "gap_ns", "late_finish", "settling"]
+__all__ = ["bridge", "bridged_ns", "bus_settling", "gap_ns", "late_finish", "settling"]
 
 _NS_PER_S = 1_000_000_000
 
@@ -52,6 +52,13 @@ def gap_ns(state: JobState, at_ns: int, config: MachineConfig) -> int | None:
         return None
     gap = at_ns - state.clock_ns
     return gap if gap > config.bus_gap_ns else None
+
+
+def bus_settling(state: JobState, config: MachineConfig) -> bool:
+    """Whether the job's clock is within ``outage_settle_s`` after the end of its latest gap
+    (whatever else holds a restore meanwhile)."""
+    gap = state.last_gap
+    return gap is not None and state.clock_ns < gap[1] + config.outage_settle_ns
 
 
 def settling(state: JobState) -> bool:

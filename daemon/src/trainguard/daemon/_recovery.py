@@ -37,6 +37,14 @@ it, and a job that finishes or is stopped meanwhile is never restored. Shards of
 a restore left that arrive after it (a late cut, :func:`trainguard.daemon._commit.late_shard`)
 never change an issued restore's target nor a retry's.
 
+Checkpoints in flight (:func:`awaited_cut`): a rank's exit report can reach the daemon before
+the other ranks' shards of a step it completed (they are still being written, or sit in their
+agents' outboxes), though its own shard came first (its supervisor forwards what it left
+unsent before reporting the exit). The incident then opens at once, but its restore is held,
+at most ``cut_settle_s`` of bus time, until that step commits and becomes the target, or can no
+longer commit (a rank that lacks its shard exited too); a failure meanwhile joins it, as in a
+settle window.
+
 ``docs/recovery.md`` states these rules.
 """
 
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import KW_ONLY, dataclass, replace
 
 from rpds import HashTrieMap
@@ -647,6 +656,12 @@ def _open(
     state = state._replace(incidents_opened=number)
     if settling(state):
         return _hold(state, incident_id, failure, evidence, opened)
+    awaits = None
+    if failure.cause == "exited" and config.cut_settle_ns:
+        awaits = awaited_cut(state, failure.ranks, failure.onset_after_step)
+    if awaits is not None:
+        state = state._replace(settle_until_ns=state.clock_ns + config.cut_settle_ns)
+        return _hold(state, incident_id, failure, evidence, opened, awaits=awaits)
     return _first_restore(
         state, incident_id, failure, evidence, config, opened=opened, opened_ns=state.clock_ns
     )
@@ -716,15 +731,45 @@ def _first_restore(
     )
 
 
+def awaited_cut(state: JobState, ranks: Iterable[int], onset_after_step: int | None) -> int | None:
+    """The checkpoint a restore for the exited ``ranks`` waits for: the newest step of the
+    current generation, uncommitted, at or before ``onset_after_step`` (if set), of which every
+    rank of ``ranks`` reported its shard while some other rank has not; ``None`` if there is
+    none (``docs/recovery.md``, "A checkpoint in flight is waited for")."""
+    world_size = state.world_size
+    gone = set(ranks)
+    steps = [
+        step
+        for step, shards in state.pending.items()
+        if (onset_after_step is None or step <= onset_after_step)
+        and world_size is not None
+        and len(shards) < world_size
+        and gone.issubset(shards.keys())
+    ]
+    return max(steps, default=None)
+
+
+def cut_arrived(state: JobState, held: Held) -> bool:
+    """Whether the checkpoint ``held`` waits for (``Held.awaits``) committed, or can no longer
+    commit (a rank that lacks its shard joined the incident): its restore need not wait for the
+    settle deadline. ``False`` for a hold of the bus's settle window."""
+    if held.awaits is None:
+        return False
+    return awaited_cut(state, held.ranks, held.onset_after_step) != held.awaits
+
+
 def _hold(
     state: JobState,
     incident_id: str,
     failure: Failure,
     evidence: AfterRestore | None,
     opened: IncidentOpened,
+    *,
+    awaits: int | None = None,
 ) -> tuple[JobState, tuple[Decision, ...]]:
-    """Open incident ``incident_id`` for ``failure`` while the bus settles, holding its
-    restore until ``settle_until_ns``."""
+    """Open incident ``incident_id`` for ``failure``, holding its restore until
+    ``settle_until_ns``: while the bus settles, or (``awaits``) for the checkpoint of that
+    step, which the failed ranks completed and other ranks' shards not yet."""
     held = Held(
         incident_id=incident_id,
         cause=failure.cause,
@@ -736,13 +781,24 @@ def _hold(
         skip=failure.skip,
         step=failure.step,
         evidence=evidence,
+        awaits=awaits,
     )
-    wait = (state.settle_until_ns or state.clock_ns) - state.clock_ns
+    wait = seconds_text((state.settle_until_ns or state.clock_ns) - state.clock_ns)
+    if awaits is None:
+        why = (
+            f"restore held for {wait}, until the bus has settled after a gap (outage_settle_s): "
+            f"checkpoints the ranks made during the outage commit first"
+        )
+    else:
+        have = len(state.pending.get(awaits, HashTrieMap()))
+        why = (
+            f"restore held for at most {wait} (cut_settle_s): {ranks_text(held.ranks)} reported "
+            f"the shard of step {awaits} before exiting, {have} of {state.world_size} ranks "
+            f"have; the others' shards are written or on their way, and the step commits first"
+        )
     note = Anomaly(
         kind="restore_held",
-        reason=f"incident {incident_id}: restore held for {seconds_text(wait)}, until the bus has "
-        f"settled after a gap (outage_settle_s): checkpoints the ranks made during the outage "
-        f"commit first",
+        reason=f"incident {incident_id}: {why}",
         ranks=held.ranks,
         hosts=held.hosts,
     )
@@ -763,10 +819,15 @@ def _join(state: JobState, held: Held, failure: Failure) -> tuple[JobState, tupl
         step=max(steps, default=None),
         restart=held.restart or failure.cause not in IN_PROCESS_CAUSES,
     )
+    until = (
+        "until the bus has settled after a gap"
+        if held.awaits is None
+        else f"for the checkpoint of step {held.awaits}"
+    )
     note = Anomaly(
         kind="restore_held",
         reason=f"{failure.reason}; joins incident {held.incident_id}, whose restore is held "
-        f"until the bus has settled after a gap",
+        f"{until}",
         ranks=tuple(sorted(set(failure.ranks))),
         hosts=tuple(sorted(set(failure.hosts))),
         measures=failure.measures,
@@ -777,9 +838,10 @@ def _join(state: JobState, held: Held, failure: Failure) -> tuple[JobState, tupl
 def release(
     state: JobState, held: Held, config: MachineConfig
 ) -> tuple[JobState, tuple[Decision, ...]]:
-    """The bus has settled: issue ``held``'s first restore (``state.held``), its target chosen
-    now, among the snapshots committed while it waited (or fail the job, as :func:`_open`
-    would have).
+    """The hold is over (the bus has settled, or the checkpoint it waited for arrived or
+    cannot: :func:`cut_arrived`): issue ``held``'s first restore (``state.held``), its target
+    chosen now, among the snapshots committed while it waited (or fail the job, as
+    :func:`_open` would have).
 
     Returns:
         The ``restoring`` state and ``Transition, Issue(Restore)``, or :func:`give_up`'s.
@@ -802,7 +864,11 @@ def release(
         opened=None,
         opened_ns=held.opened_ns,
         restart=held.restart,
-        held_note="; held until the bus had settled after a gap",
+        held_note=(
+            "; held until the bus had settled after a gap"
+            if held.awaits is None
+            else f"; held for the checkpoint of step {held.awaits}"
+        ),
     )
 
 

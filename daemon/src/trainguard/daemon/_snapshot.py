@@ -138,7 +138,7 @@ class SnapshotRefused(ValueError):
         return f"{self.code}: {self.reason}"
 
 
-_ADDED_FIELDS: Final = ("bus_gap_s", "outage_settle_s", "loss_spike_false_alarm")
+_ADDED_FIELDS: Final = ("bus_gap_s", "outage_settle_s", "loss_spike_false_alarm", "cut_settle_s")
 """``MachineConfig`` fields added after snapshots were first written: part of the digest only
 when set to another value than their default, so that a configuration leaving them alone has
 the digest that the snapshots written before they existed carry."""

@@ -333,9 +333,11 @@ class Loop(NamedTuple):
 
 
 class Held(NamedTuple):
-    """An incident opened while the bus settled after a gap (``JobState.settle_until_ns``),
-    whose first restore waits for the end of the settle window: the checkpoints the ranks made
-    during the outage arrive after it and commit first, and the target is chosen then.
+    """An incident whose first restore waits until ``JobState.settle_until_ns``, its target
+    chosen then: one opened while the bus settled after a gap (the checkpoints the ranks made
+    during the outage arrive after it and commit first), or one of exited ranks that had
+    reported their shards of a step the other ranks' shards had not completed yet (released
+    early once that step commits or can no longer commit).
 
     Attributes:
         incident_id: the incident (its ``IncidentOpened`` was decided when it was held).
@@ -351,6 +353,10 @@ class Held(NamedTuple):
         evidence: it struck within the first steps after a restore (crash-loop evidence).
         restart: a failure that joined it leaves no restorable process (a dead or silent
             rank): its restore restarts, whatever ``restore_mode`` says.
+        awaits: for a hold of its own (not the bus's settle window), the step of the current
+            generation whose checkpoint the restore waits for: the exited ranks reported their
+            shards of it, some other rank had not yet (``cut_settle_s``,
+            :func:`trainguard.daemon._recovery.awaited_cut`); ``None`` for a settle hold.
     """
 
     incident_id: str
@@ -364,6 +370,7 @@ class Held(NamedTuple):
     step: int | None = None
     evidence: AfterRestore | None = None
     restart: bool = False
+    awaits: int | None = None
 
 
 class Left(NamedTuple):

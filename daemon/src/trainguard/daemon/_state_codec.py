@@ -574,19 +574,22 @@ def _added(**defaults: JSONValue) -> _Upcaster:
     return upcast
 
 
-def _left_added(**defaults: JSONValue) -> _Upcaster:
-    """An upcaster for a layout whose ``Left`` record (``JobState.left``) lacked the fields
-    ``defaults`` (their JSON values here); a ``left`` that has any of them is not of that
-    layout, and is refused. A ``left`` that is not an object is left to the decoder."""
+def _record_added(attribute: str, record: str, **defaults: JSONValue) -> _Upcaster:
+    """An upcaster for a layout whose ``record`` (``JobState.<attribute>``: ``Left``,
+    ``Held``) lacked the fields ``defaults`` (their JSON values here); one that has any of
+    them is not of that layout, and is refused. A value that is not an object (``None``) is
+    left to the decoder."""
 
     def upcast(body: dict[str, Any]) -> dict[str, Any]:
-        left = body.get("left")
-        if type(left) is not dict:
+        value = body.get(attribute)
+        if type(value) is not dict:
             return body
-        present = next((name for name in defaults if name in left), None)
+        present = next((name for name in defaults if name in value), None)
         if present is not None:
-            raise StateFormatError(f"left.{present}", "unknown field of Left in this layout")
-        return {**body, "left": {**left, **defaults}}
+            raise StateFormatError(
+                f"{attribute}.{present}", f"unknown field of {record} in this layout"
+            )
+        return {**body, attribute: {**value, **defaults}}
 
     return upcast
 
@@ -644,8 +647,11 @@ def _then(*upcasters: _Upcaster) -> _Upcaster:
 # Before the ranks' own dating of their steps (naming the ranks that stopped together): no
 # gap recorded, each rank's step completion dated as its deadline.
 _done_added: Final = _then(_added(last_gap=None), _ranks_added(step_done_ns=_step_done_ns))
-# Before the ranks' lateness (a backlog extends their progress deadlines): each on time.
-_late_added: Final = _ranks_added(late_ns=_on_time)
+# Before the hold for a checkpoint in flight: every held restore waited for the bus.
+_awaits_added: Final = _record_added("held", "Held", awaits=None)
+# Before the ranks' lateness (a backlog extends their progress deadlines): each on time; and
+# before the fields added since.
+_late_added: Final = _then(_ranks_added(late_ns=_on_time), _awaits_added)
 
 _UPCASTERS: Final[dict[str, _Upcaster]] = {
     # Before the bus-outage rule (settle window, held restore).
@@ -655,11 +661,15 @@ _UPCASTERS: Final[dict[str, _Upcaster]] = {
     # Before the late-finish rule (the generation a restore left).
     "ef5317866765d48d": _then(_added(left=None), _done_added, _late_added),
     # Before the late-cut rule (the left generation's shards and cuts).
-    "0c4b9a05468dc2f8": _then(_left_added(pending=[], cuts=[]), _done_added, _late_added),
+    "0c4b9a05468dc2f8": _then(
+        _record_added("left", "Left", pending=[], cuts=[]), _done_added, _late_added
+    ),
     # Before the ranks' own dating of their steps (naming the ranks that stopped together).
     "7418d36e93a15e6c": _then(_done_added, _late_added),
     # Before the ranks' lateness (a backlog extends their progress deadlines).
     "6fb9639cf1123afa": _late_added,
+    # Before the hold for a checkpoint in flight (Held.awaits).
+    "229cdba23e078b61": _awaits_added,
 }
 
 READABLE_LAYOUTS: Final = frozenset({LAYOUT, *_UPCASTERS})
