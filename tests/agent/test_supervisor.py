@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import structlog
 
@@ -29,6 +30,8 @@ from trainguard.agent._supervisor import (
 )
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, TopicPartition, open_bus
 from trainguard.agent.bus._partitioner import partition_for
+from trainguard.daemon._audit import decision_entry
+from trainguard.daemon._decisions import Anomaly
 from trainguard.schemas import (
     Abort,
     AbortOutcome,
@@ -603,6 +606,40 @@ async def test_a_request_the_daemon_read_without_answering_is_said(tmp_path: Pat
         await commit_as_daemon(bus, len(seen))
         with pytest.raises(JobNotJoinable, match=r"read this node's report .* ordered nothing"):
             await asyncio.wait_for(task, 30)
+
+
+async def test_a_report_whose_restore_the_daemon_holds_waits_for_it(tmp_path: Path) -> None:
+    """The daemon's group read past the rejoin report, and its audit entry for the report says
+    the restore is held (after a bus outage, or for a checkpoint in flight): the supervisor
+    waits for the restore and joins it. It gave up with exit 2 before (issue 13's tester, a
+    supervisor restarted during a broker outage)."""
+    cfg = config(tmp_path, "sleep", nproc_per_node=1)
+    with structlog.testing.capture_logs() as logs:
+        async with open_bus(bus_config(tmp_path)) as bus:
+            resume = Resume(
+                job_id=JOB, generation=1, ts=time.time_ns(), seq=2, daemon_id="t", step=5
+            )
+            await bus.publish("commands", JOB, encode(resume))
+            task = asyncio.ensure_future(Supervisor(cfg).run())
+            seen = await wait_for_events(bus, lambda es: any(is_exit(e) for e in es))
+            [offset] = [n for n, e in enumerate(seen) if is_exit(e)]
+            entry = decision_entry(
+                JOB,
+                partition=partition_for(JOB, await bus.partitions("events")),
+                offset=offset,
+                at_ms=0,
+                identity={"type": "lifecycle"},
+                config="c",
+                decisions=[Anomaly(kind="restore_held", reason="held for step 25")],
+            )
+            await bus.publish("audit", JOB, orjson.dumps(entry))
+            await commit_as_daemon(bus, len(seen))
+            await until(lambda: any("holds its restore" in e["event"] for e in logs))
+            assert not task.done()
+            await bus.publish("commands", JOB, restore(2))
+            await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+            await bus.publish("commands", JOB, abort_at(2))
+            assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
 
 
 async def test_no_daemon_is_warned_about_repeatedly(tmp_path: Path) -> None:

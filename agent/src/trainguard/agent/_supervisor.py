@@ -99,6 +99,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import orjson
 import structlog
 
 from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
@@ -830,13 +831,17 @@ class Supervisor:
         else:
             data, sent = self._request("continue", "trainguard run --continue"), "continue request"
             what = f"the continue request (generation {self._generation})"
+        # Where the daemon's audit of it will be, at the latest: after the audit's end now.
+        audit = await self._patiently(
+            "reading the end of the job's audit", lambda: _audit_end(bus, self._c.job_id), stop
+        )
         # The same bytes at every attempt: a copy that landed twice is dropped by the daemon
         # (same sender, seq not above the last).
         delivery = await self._patiently(
             f"sending the {sent}", lambda: bus.publish("events", self._c.job_id, data), stop
         )
         log.info(f"{sent} sent", generation=self._generation, offset=delivery.offset)
-        self._tasks.append(asyncio.ensure_future(self._await_answer(bus, delivery, what)))
+        self._tasks.append(asyncio.ensure_future(self._await_answer(bus, delivery, what, audit)))
 
     def _request(self, kind: RequestKind, reason: str) -> bytes:
         """A job request in the current generation as this supervisor, encoded."""
@@ -893,11 +898,16 @@ class Supervisor:
             event = add_mac(event, key.kid, key.secret)
         return encode(event)
 
-    async def _await_answer(self, bus: Bus, sent: Delivery, what: str) -> None:
+    async def _await_answer(
+        self, bus: Bus, sent: Delivery, what: str, audit: tuple[TopicPartition, int]
+    ) -> None:
         """Once the daemon's group has read past ``sent`` (its position on ``events``), the
         daemon has acted on it: find its answer, a command newer than :attr:`_baseline`, on
-        the bus (if the listener has not delivered it yet), or say that none came."""
+        the bus (if the listener has not delivered it yet), or say that none came, unless the
+        daemon holds its restore (:func:`_restore_held`, read from ``audit``: the partition of
+        the job's audit and an offset before its entry for ``sent``)."""
         tp = TopicPartition("events", sent.partition)
+        said_held = False
         while not await self._pause(_ANSWER_POLL_S):
             if self._generation > self._baseline[0]:
                 return  # the daemon's restore arrived: answered
@@ -922,6 +932,20 @@ class Supervisor:
                 if isinstance(verdict, Restore | Abort):  # a resume: the restore came before
                     await self._orders.put(verdict)
                 return
+            try:
+                held = await _restore_held(bus, self._c.job_id, sent, *audit)
+            except BusError as exc:
+                log.warning("cannot tell whether the daemon holds its restore", error=str(exc))
+                return
+            if held:
+                if not said_held:
+                    log.info(
+                        f"the daemon read {what} and holds its restore (after a bus outage, or "
+                        "for a checkpoint in flight): waiting for it",
+                        generation=self._generation,
+                    )
+                    said_held = True
+                continue
             self._unanswered_why = (
                 f"the daemon read {what} but ordered nothing: job {self._c.job_id!r} has "
                 "probably ended (trainguard status), or the daemon rejected it (its log and "
@@ -1203,6 +1227,64 @@ class Supervisor:
         for w, code in zip(workers, codes, strict=True):
             if w not in reported:
                 self._gone(w, code, report=report)
+
+
+async def _audit_end(bus: Bus, job_id: str) -> tuple[TopicPartition, int]:
+    """The job's partition of ``audit`` and its end offset now."""
+    tp = TopicPartition("audit", partition_for(job_id, await bus.partitions("audit")))
+    return tp, (await bus.end_offsets("audit"))[tp]
+
+
+def _decision_kinds(entry: dict[str, Any]) -> set[str]:
+    """The decisions of an audit entry by name (``issue``, ``incident_closed``, ...), with
+    each anomaly's kind (``restore_held``, ...)."""
+    kinds: set[str] = set()
+    decisions = entry.get("decisions")
+    for decision in decisions if isinstance(decisions, list) else ():
+        if isinstance(decision, dict):
+            kinds.add(str(decision.get("decision")))
+            if decision.get("decision") == "anomaly":
+                kinds.add(str(decision.get("kind")))
+    return kinds
+
+
+async def _restore_held(
+    bus: Bus, job_id: str, sent: Delivery, tp: TopicPartition, start: int
+) -> bool:
+    """Whether the daemon holds the restore its decisions on the record ``sent`` of
+    ``events`` opened or joined: its audit entry for that record (on ``tp``, at or after
+    ``start``) holds a ``restore_held`` anomaly, and no later entry of the job issued a command
+    or closed an incident. A held restore is issued later (``docs/recovery.md``: after a bus
+    outage, or for a checkpoint in flight), though the daemon's group has read past the record.
+    Audit entries are read as plain JSON (``trainguard.daemon`` writes them); one that does not
+    parse is skipped.
+
+    Raises:
+        BusError: the bus cannot be read.
+    """
+    end = (await bus.end_offsets("audit"))[tp]
+    held = False
+    if end <= start:
+        return held
+    async with await bus.assign({tp: start}) as consumer:
+        seen = start
+        while seen < end:
+            for rec in await consumer.getmany(timeout_s=_ANSWER_POLL_S, max_records=10_000):
+                if rec.key != job_id or rec.offset >= end or not rec.value:
+                    continue
+                try:
+                    entry = orjson.loads(rec.value)
+                except orjson.JSONDecodeError:
+                    continue
+                if not isinstance(entry, dict):
+                    continue
+                kinds = _decision_kinds(entry)
+                if (entry.get("partition"), entry.get("offset")) == (sent.partition, sent.offset):
+                    held = "restore_held" in kinds
+                elif held and kinds & {"issue", "incident_closed", "job_failed"}:
+                    held = False
+            seen = await consumer.position(tp)
+    return held
 
 
 async def _finished_ranks(bus: Bus, job_id: str, generation: int) -> set[int]:
