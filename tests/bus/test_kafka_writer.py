@@ -9,7 +9,7 @@ from aiokafka.errors import ProducerFenced
 
 from tests.buses import TEST_TOPICS, BusFactory
 from tests.daemon.service_support import eventually
-from trainguard.agent.bus import Fenced, TopicPartition, TransactionExpired
+from trainguard.agent.bus import BusUnavailable, Fenced, TopicPartition, TransactionExpired
 from trainguard.agent.bus import _kafka as kafka_adapter
 from trainguard.agent.bus._partitioner import partition_for
 
@@ -106,3 +106,17 @@ async def test_a_fence_found_while_a_send_waits_for_metadata_is_fenced_not_a_cra
 def _of(key: str) -> int:
     [commands] = [t for t in TEST_TOPICS if t.name == "commands"]
     return partition_for(key, commands.partitions)
+
+
+async def test_a_session_timeout_the_broker_refuses_is_a_bad_setting_not_an_outage(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """Above the broker's ``group.max.session.timeout.ms`` (30 min by default), joining the
+    group fails with ``InvalidSessionTimeoutError`` every time: not retriable, so the daemon
+    exits 2 naming it instead of reporting a bus outage for ever (issue 13's tester)."""
+    factory = BusFactory("kafka", f"kafka://{kafka_bootstrap}", unique_prefix)
+    async with factory.open(session_timeout_s=3600.0) as bus:
+        with pytest.raises(BusUnavailable, match="refuses a setting") as refused:
+            await bus.subscribe(["events"], factory.group("session"))
+    assert not refused.value.retriable
+    assert "InvalidSessionTimeoutError" in str(refused.value)

@@ -51,13 +51,19 @@ from aiokafka import TopicPartition as KafkaTP
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.conn import create_conn
 from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
     GroupCoordinatorNotAvailableError,
     IllegalOperation,
     InvalidProducerEpoch,
+    InvalidSessionTimeoutError,
+    InvalidTransactionTimeout,
     KafkaConnectionError,
     KafkaError,
     ProducerFenced,
     SaslAuthenticationFailed,
+    TopicAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
 )
 from aiokafka.helpers import create_ssl_context
 
@@ -93,6 +99,18 @@ _TOPIC_ALREADY_EXISTS = 36
 # paused, say) is aborted by the coordinator. Also how long a stalled owner's open transaction
 # can hold back read_committed readers of the topics it wrote to when no new owner fences it.
 _TRANSACTION_TIMEOUT_MS = 30_000
+
+_REFUSED_SETTINGS = (
+    InvalidSessionTimeoutError,
+    InvalidTransactionTimeout,
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    TopicAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
+)
+"""Broker errors that a setting causes (a session timeout outside the broker's
+``group.min/max.session.timeout.ms``, a transaction timeout above its maximum) or a missing
+permission (ACLs): not retriable."""
 
 
 class KafkaBus(Bus):
@@ -150,7 +168,15 @@ class KafkaBus(Bus):
                 f"Kafka at {self._servers}: {what} took longer than {timeout_s:g} s"
             ) from exc
         except KafkaError as exc:
-            raise BusUnavailable(f"Kafka at {self._servers}: {what} failed: {exc!r}") from exc
+            err = BusUnavailable(f"Kafka at {self._servers}: {what} failed: {exc!r}")
+            if isinstance(exc, _REFUSED_SETTINGS):
+                # A setting to fix, not an outage to wait out: retried, it fails the same way.
+                err = BusUnavailable(
+                    f"Kafka at {self._servers}: {what} failed: the broker refuses a setting "
+                    f"or permission: {exc!r}"
+                )
+                err.retriable = False
+            raise err from exc
 
     # -- lifecycle ---------------------------------------------------------------------------
 
