@@ -244,6 +244,25 @@ async def test_start_refuses_a_file_that_is_not_a_bus(tmp_path: Path) -> None:
         await make_bus(other).start()
 
 
+async def test_a_bus_file_with_two_hard_links_is_refused_by_every_name(tmp_path: Path) -> None:
+    """SQLite keeps a database's WAL beside the name it was opened by: two names of one file
+    would corrupt it (a second daemon also got past the daemon lock through one, issue 13's
+    tester). A symbolic link is one name spelt twice, and is fine."""
+    path = tmp_path / "bus.db"
+    async with make_bus(path):
+        pass
+    symbolic = tmp_path / "symbolic.db"
+    symbolic.symlink_to(path)
+    async with make_bus(symbolic) as bus:
+        assert await bus.partitions("commands") == 2
+    hard = tmp_path / "hard.db"
+    hard.hardlink_to(path)
+    for name in (path, hard, symbolic):
+        with pytest.raises(BusError, match="has 2 hard links") as raised:
+            await make_bus(name).start()
+        assert not raised.value.retriable
+
+
 async def test_start_gives_up_on_a_locked_file(tmp_path: Path) -> None:
     path = tmp_path / "bus.db"
     blocker = sqlite3.connect(path, isolation_level=None)

@@ -161,9 +161,11 @@ def connect(path: str, *, create: bool = True) -> sqlite3.Connection:
     created (SQLite's ``mode=rw`` URI) and a file without this schema version is refused
     before anything is written to it. Raises :class:`sqlite3.Error` (busy while another
     process switches the journal mode, not a database, unreadable, missing with
-    ``create=False``) and :class:`BusError` when WAL cannot be enabled (e.g. a network file
-    system) or, with ``create=False``, the file holds no bus of this schema version.
+    ``create=False``) and :class:`BusError` when the file has several hard links
+    (:func:`_check_one_name`), WAL cannot be enabled (e.g. a network file system) or, with
+    ``create=False``, the file holds no bus of this schema version.
     """
+    _check_one_name(path)
     if create:
         conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
     else:
@@ -180,6 +182,28 @@ def connect(path: str, *, create: bool = True) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
+
+
+def _check_one_name(path: str) -> None:
+    """Refuse a database file with more than one hard link: SQLite keeps the WAL and shared
+    memory files beside the name it was opened by, so processes opening one database by two
+    names do not see each other's writes and corrupt it (sqlite.org/howtocorrupt.html, section
+    "Multiple links to the same file"); the daemon lock, kept beside the name too, would not
+    hold either. Two spellings of one name (relative, through a symbolic link) are no problem.
+
+    Raises:
+        BusError: the file has several hard links.
+    """
+    try:
+        links = os.stat(path).st_nlink
+    except OSError:
+        return  # missing (created next) or unreadable: connecting says why
+    if links > 1:
+        raise BusError(
+            f"{path}: the bus file has {links} hard links; SQLite corrupts a database opened "
+            "by several names (its WAL is kept beside each name): remove the other links and "
+            "give every process one path (a symbolic link is fine)"
+        )
 
 
 @contextmanager
