@@ -17,6 +17,7 @@ from tests.daemon.machine_scenarios import (
     run,
     two_ranks_training,
 )
+from trainguard.daemon._config import MachineConfig
 from trainguard.daemon._decisions import Anomaly, Committed, Decision, IncidentOpened, Issue
 from trainguard.daemon._inputs import Tick
 from trainguard.daemon._machine import decide, next_deadline
@@ -29,13 +30,15 @@ TRAINED = 24  # steps 0..24: commits at 10 and 20
 KILL = T0 + 26 * S
 
 
-def half_written() -> tuple[Sim, JobState, tuple[Decision, ...]]:
-    """Two ranks trained to step 24; rank 1 reported its shard of step 25 (rank 0's is on its
-    way) and was then killed: the exit report is folded."""
+def half_written(
+    wrote: int = 1, cfg: MachineConfig = CFG
+) -> tuple[Sim, JobState, tuple[Decision, ...]]:
+    """Two ranks trained to step 24; rank ``wrote`` reported its shard of step 25 (the other
+    rank's is on its way), then rank 1 was killed: the exit report is folded."""
     sim = Sim(world_size=2)
-    state, _ = run(two_ranks_training(sim, TRAINED), cfg=CFG)
-    state, _ = decide(state, sim.checkpoint(1, 25, KILL - S // 2), CFG)
-    state, decisions = decide(state, sim.kill(1, KILL), CFG)
+    state, _ = run(two_ranks_training(sim, TRAINED), cfg=cfg)
+    state, _ = decide(state, sim.checkpoint(wrote, 25, KILL - S // 2), cfg)
+    state, decisions = decide(state, sim.kill(1, KILL), cfg)
     return sim, state, decisions
 
 
@@ -92,10 +95,7 @@ def test_a_survivor_that_exits_without_its_shard_ends_the_wait() -> None:
 def test_no_wait_when_the_dead_rank_has_no_shard_of_the_newer_step() -> None:
     """Rank 0 reported its shard of step 25, rank 1 (killed) did not: rank 1's will never come,
     so the restore goes out at once, to step 20."""
-    sim = Sim(world_size=2)
-    state, _ = run(two_ranks_training(sim, TRAINED), cfg=CFG)
-    state, _ = decide(state, sim.checkpoint(0, 25, KILL - S // 2), CFG)
-    state, decisions = decide(state, sim.kill(1, KILL), CFG)
+    _, state, decisions = half_written(wrote=0)
     [restore] = issued(decisions, Restore)
     assert restore.target is not None
     assert restore.target.step == 20
@@ -103,11 +103,7 @@ def test_no_wait_when_the_dead_rank_has_no_shard_of_the_newer_step() -> None:
 
 
 def test_cut_settle_0_turns_the_wait_off() -> None:
-    cfg = config(cut_settle_s=0)
-    sim = Sim(world_size=2)
-    state, _ = run(two_ranks_training(sim, TRAINED), cfg=cfg)
-    state, _ = decide(state, sim.checkpoint(1, 25, KILL - S // 2), cfg)
-    state, decisions = decide(state, sim.kill(1, KILL), cfg)
+    _, _, decisions = half_written(cfg=config(cut_settle_s=0))
     [restore] = issued(decisions, Restore)
     assert restore.target is not None
     assert restore.target.step == 20
