@@ -261,7 +261,11 @@ async def test_a_signal_ends_a_supervisor_whose_job_ended_while_the_broker_is_pa
     measured ~24 s with the default 30 s timeouts). Every Kafka client it opened was still
     stopped: aiokafka logs ``Unclosed AIOKafkaProducer``/``Consumer`` for one that was not
     (the old supervisor cancelled its closes before they began, and its buses stopped their
-    clients one by one, so a close cut short left the later ones open)."""
+    clients one by one, so a close cut short left the later ones open). A client's stop that
+    began but outlived its grace (``ABANDON_GRACE_S``, on a loaded machine) may still leave
+    one of its connections to the paused broker unclosed: ``Unclosed AIOKafkaConnection``, the
+    price of bounding the close ("within about 2 s more", docs/operations.md; CI met it once),
+    not a client never stopped."""
     caplog.set_level(logging.ERROR, logger="asyncio")
     bootstrap, run_dir = own_broker
     bus = replace(kafka(bootstrap, send_timeout_s=HOUR_S), connect_timeout_s=HOUR_S)
@@ -282,7 +286,8 @@ async def test_a_signal_ends_a_supervisor_whose_job_ended_while_the_broker_is_pa
             assert await asyncio.wait_for(run, 60.0) == EXIT_SIGNALLED
     del supervisor, run
     gc.collect()  # aiokafka's clients log it from __del__
-    assert not [r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage()]
+    unclosed = [r.getMessage() for r in caplog.records if "Unclosed AIOKafka" in r.getMessage()]
+    assert not [m for m in unclosed if not m.startswith("Unclosed AIOKafkaConnection")]
 
 
 # A real agent that trains until it is killed (SIGTERM: Python's default, it dies at once).
