@@ -94,7 +94,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -1229,6 +1229,28 @@ class Supervisor:
                 self._gone(w, code, report=report)
 
 
+async def _job_records(
+    bus: Bus, job_id: str, tp: TopicPartition, start: int, end: int
+) -> AsyncIterator[bytes]:
+    """The values of the job's records on ``tp`` from offset ``start`` to before ``end``, in
+    order (one pass; records of other jobs and tombstones left out).
+
+    Raises:
+        BusError: the bus cannot be read.
+    """
+    if end <= start:
+        return
+    async with await bus.assign({tp: start}) as consumer:
+        seen = start  # the next offset to see; a log trimmed by retention begins later
+        while seen < end:
+            for rec in await consumer.getmany(timeout_s=_ANSWER_POLL_S, max_records=10_000):
+                if rec.key == job_id and rec.offset < end and rec.value:
+                    yield rec.value
+            # The consumer's position, past the markers of the daemon's transactions (its
+            # ticks), which no record carries.
+            seen = await consumer.position(tp)
+
+
 async def _audit_end(bus: Bus, job_id: str) -> tuple[TopicPartition, int]:
     """The job's partition of ``audit`` and its end offset now."""
     tp = TopicPartition("audit", partition_for(job_id, await bus.partitions("audit")))
@@ -1264,26 +1286,18 @@ async def _restore_held(
     """
     end = (await bus.end_offsets("audit"))[tp]
     held = False
-    if end <= start:
-        return held
-    async with await bus.assign({tp: start}) as consumer:
-        seen = start
-        while seen < end:
-            for rec in await consumer.getmany(timeout_s=_ANSWER_POLL_S, max_records=10_000):
-                if rec.key != job_id or rec.offset >= end or not rec.value:
-                    continue
-                try:
-                    entry = orjson.loads(rec.value)
-                except orjson.JSONDecodeError:
-                    continue
-                if not isinstance(entry, dict):
-                    continue
-                kinds = _decision_kinds(entry)
-                if (entry.get("partition"), entry.get("offset")) == (sent.partition, sent.offset):
-                    held = "restore_held" in kinds
-                elif held and kinds & {"issue", "incident_closed", "job_failed"}:
-                    held = False
-            seen = await consumer.position(tp)
+    async for value in _job_records(bus, job_id, tp, start, end):
+        try:
+            entry = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(entry, dict):
+            continue
+        kinds = _decision_kinds(entry)
+        if (entry.get("partition"), entry.get("offset")) == (sent.partition, sent.offset):
+            held = "restore_held" in kinds
+        elif held and kinds & {"issue", "incident_closed", "job_failed"}:
+            held = False
     return held
 
 
@@ -1293,30 +1307,16 @@ async def _finished_ranks(bus: Bus, job_id: str, generation: int) -> set[int]:
     the partition: only a rejoining supervisor asks)."""
     ends = await bus.end_offsets("events")
     tp = TopicPartition("events", partition_for(job_id, len(ends)))
-    end = ends[tp]
     finished: set[int] = set()
-    if end == 0:
-        return finished
-    async with await bus.assign({tp: 0}) as consumer:
-        seen = 0  # the next offset to see; a log trimmed by retention begins later
-        while seen < end:
-            for rec in await consumer.getmany(timeout_s=_ANSWER_POLL_S, max_records=10_000):
-                # Most records are heartbeats: skip them before decoding.
-                if (
-                    rec.key != job_id
-                    or rec.offset >= end
-                    or b'"finished"' not in (rec.value or b"")
-                ):
-                    continue
-                with contextlib.suppress(SchemaError):
-                    event = decode(rec.value or b"", expect=Lifecycle)
-                    if (event.kind, event.generation) == ("finished", generation) and (
-                        event.rank is not None
-                    ):
-                        finished.add(event.rank)
-            # The consumer's position, past the markers of the daemon's transactions (its
-            # ticks), which no record carries.
-            seen = await consumer.position(tp)
+    async for value in _job_records(bus, job_id, tp, 0, ends[tp]):
+        if b'"finished"' not in value:  # most records are heartbeats: skip them undecoded
+            continue
+        with contextlib.suppress(SchemaError):
+            event = decode(value, expect=Lifecycle)
+            if (event.kind, event.generation) == ("finished", generation) and (
+                event.rank is not None
+            ):
+                finished.add(event.rank)
     return finished
 
 
