@@ -25,11 +25,11 @@ record holds ``Plan.events`` events (give or take one step's worth), every rank 
 ``finished``.
 
 The daemon's side is produced by folding the records as :class:`DaemonService` does: each
-record goes through :func:`~trainguard.daemon._intake.take` and
-:func:`~trainguard.daemon._machine.decide` as it is appended; decisions are acted on in the
+record goes through :func:`~trainguard.daemon.core._intake.take` and
+:func:`~trainguard.daemon.core._machine.decide` as it is appended; decisions are acted on in the
 service's order (commands on ``commands``, committed manifests on ``manifests``, the config
 entry once and a decision entry per deciding input on ``audit``, built by
-:mod:`trainguard.daemon._audit`); its ticks are written where the service's loop would write
+:mod:`trainguard.daemon.core._audit_entry`); its ticks are written where the service's loop would write
 them, modelled as ``_replay.what_if`` models them: at ``max(next_deadline, last tick +
 tick_interval_s) + poll_s``, whenever that comes before the next record. Append times are
 whole milliseconds (bus times are) and never decrease.
@@ -53,12 +53,12 @@ import orjson
 
 from trainguard.agent.bus import Record
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.daemon._audit import config_entry, config_id, decision_entry
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import Committed, Decision, IncidentOpened, Issue, Rejected
-from trainguard.daemon._intake import Taken, take
-from trainguard.daemon._machine import decide, next_deadline
-from trainguard.daemon._state import TERMINAL_PHASES, JobState, new_job
+from trainguard.daemon.core._audit_entry import config_entry, config_id, decision_entry
+from trainguard.daemon.core._decisions import Committed, Decision, IncidentOpened, Issue, Rejected
+from trainguard.daemon.core._intake import Taken, take
+from trainguard.daemon.core._machine import decide, next_deadline
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import TERMINAL_PHASES, JobState, new_job
 from trainguard.schemas import (
     Abort,
     Checkpoint,

@@ -5,7 +5,7 @@ Usage (from the repository root)::
 
     python bench/crypto.py [--events 200000] [--rounds 3] [--no-bus] [--markdown] [--json FILE]
 
-**Snapshots** (:mod:`trainguard.daemon._snapshot`): the states of running jobs of 4, 64 and 512
+**Snapshots** (:mod:`trainguard.daemon.service._snapshot_envelope`): the states of running jobs of 4, 64 and 512
 ranks, each built by folding a simulated trace (``tests/daemon/traces.py``: heartbeats every
 ~1 s, checkpoint shards every 10 steps, parameter checksums every 10 steps; folded with ticks
 at the deadlines, up to just before the last step completes) are sealed (``seal``: state codec,
@@ -92,14 +92,14 @@ from typing import TypeVar, cast
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from rich.console import Console
 
-from trainguard.agent._keystore import DaemonKeys, KeyStore
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, Record, open_bus
 from trainguard.agent.bus._sqlite import SQLiteBus
+from trainguard.agent.keys._keystore import DaemonKeys, KeyStore
 from trainguard.daemon import DaemonService
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import Committed
-from trainguard.daemon._inputs import Observed
-from trainguard.daemon._intake import (
+from trainguard.daemon.admin._keys import KeyAdmin
+from trainguard.daemon.core._decisions import Committed
+from trainguard.daemon.core._inputs import Observed
+from trainguard.daemon.core._intake import (
     INPUT_TYPES,
     Authenticator,
     AuthRefusal,
@@ -107,12 +107,14 @@ from trainguard.daemon._intake import (
     Refused,
     take,
 )
-from trainguard.daemon._keys_admin import KeyAdmin
-from trainguard.daemon._logging import configure_logging
-from trainguard.daemon._machine import decide
-from trainguard.daemon._security import EventAuth
-from trainguard.daemon._settings import DaemonConfig
-from trainguard.daemon._snapshot import (
+from trainguard.daemon.core._machine import decide
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import JobState, new_job
+from trainguard.daemon.core._state_codec import decode_state, encode_state
+from trainguard.daemon.service._logging import configure_logging
+from trainguard.daemon.service._security import EventAuth
+from trainguard.daemon.service._settings import DaemonConfig
+from trainguard.daemon.service._snapshot_envelope import (
     NONCE_BYTES,
     SIGNING_CONTEXT,
     Round,
@@ -120,8 +122,6 @@ from trainguard.daemon._snapshot import (
     open_snapshot,
     seal,
 )
-from trainguard.daemon._state import JobState, new_job
-from trainguard.daemon._state_codec import decode_state, encode_state
 from trainguard.schemas import (
     ClockTick,
     Event,
@@ -391,7 +391,7 @@ def snapshot_case(
     ranks: int, sealer: Sealer, config: MachineConfig, budget_bytes: float
 ) -> SnapshotCase:
     """Build the state of a ``ranks``-rank job and cut its snapshot into its parts (the layout
-    of :mod:`trainguard.daemon._snapshot`'s docstring)."""
+    of :mod:`trainguard.daemon.service._snapshot_envelope`'s docstring)."""
     state, inputs = running_state(ranks, config)
     plain = encode_state(state)
     sealed = sealer.seal(state, inputs)

@@ -58,7 +58,7 @@ from trainguard.agent.bus import (
 )
 from trainguard.agent.bus._kafka import KafkaBus
 from trainguard.daemon import DaemonService, MachineConfig
-from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import Checkpoint, DataCursor, Event, Heartbeat, Lifecycle, encode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -202,7 +202,11 @@ async def fold_once(
         assert isinstance(cfg, BusConfig)
         return _PlainKafkaBus(cfg, cfg.url.removeprefix("kafka://"))
 
-    patch = mock.patch("trainguard.daemon._service.open_bus", opened) if mode == "plain" else None
+    patch = (
+        mock.patch("trainguard.daemon.service._daemon.open_bus", opened)
+        if mode == "plain"
+        else None
+    )
     if patch is not None:
         patch.start()
     task = asyncio.ensure_future(service.run(stop))

@@ -117,7 +117,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from trainguard.daemon import DaemonConfig, load_daemon_config
-from trainguard.daemon._rehearsal import (
+from trainguard.daemon.demo._harness import (
     JobRecord,
     charlm_command,
     charlm_env,

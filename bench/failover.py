@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from trainguard.agent.bus import BusUnavailable
-from trainguard.daemon._rehearsal import (
+from trainguard.daemon.demo._harness import (
     charlm_command,
     charlm_env,
     follow_job,

@@ -32,8 +32,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._window import MAD_TO_SIGMA, robust_z_critical
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._window import MAD_TO_SIGMA, robust_z_critical
 
 _BATCH = 50_000
 _ERFC = np.frompyfunc(math.erfc, 1, 1)  # numpy has no erfc; math's is exact far in the tail

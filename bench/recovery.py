@@ -78,7 +78,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainguard.daemon._rehearsal import (
+from trainguard.daemon.demo._harness import (
     JobRecord,
     charlm_command,
     charlm_env,

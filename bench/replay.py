@@ -41,11 +41,11 @@ fastest round, CPU rates from its round with the least CPU time:
 * ``context: decode, results kept``: the same, keeping the messages (as a replay holds them:
   the allocator and the cyclic garbage collector then cost more);
 * ``file: read + decode + fold + verify`` (the target): what ``trainguard replay --file`` does
-  for a whole file before printing: ``_joblog.replay_file(..., timeline=False)`` and
+  for a whole file before printing: ``_job_log.replay_file(..., timeline=False)`` and
   ``verify``, which must find no difference. The events are replayed as they are read; from
   8 MiB up (this record) a reader process reads the file (gunzip, JSON, base64, the file's
   checks) beside the replaying process, which decodes, takes in, folds and verifies
-  (:mod:`trainguard.daemon._export_stream`);
+  (:mod:`trainguard.daemon.forensics._export_stream`);
 * ``file: the same, read in the replaying process``: ``replay_file`` with the reader process
   off (what a file under 8 MiB gets);
 * its stages, each on the previous stage's output: ``file: read only`` (``_export.load``:
@@ -103,13 +103,19 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from rich.console import Console
 
 from trainguard.agent.bus import Record
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._export import JOB_TOPICS, ExportHeader, dump, import_file, load
-from trainguard.daemon._intake import Taken, take
-from trainguard.daemon._joblog import JobLog, read_bus, replay_file
-from trainguard.daemon._machine import decide
-from trainguard.daemon._replay import replay, verify
-from trainguard.daemon._state import new_job
+from trainguard.daemon.core._intake import Taken, take
+from trainguard.daemon.core._machine import decide
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import new_job
+from trainguard.daemon.forensics._export_file import (
+    JOB_TOPICS,
+    ExportHeader,
+    dump,
+    import_file,
+    load,
+)
+from trainguard.daemon.forensics._job_log import JobLog, read_bus, replay_file
+from trainguard.daemon.forensics._replay import replay, verify
 from trainguard.schemas import decode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -481,18 +487,24 @@ def profile_file(path: Path, top: int) -> dict[str, Any]:
         )
 
     decode_s = under("schemas/_codec.py", "decode")
-    take_s = under("daemon/_intake.py", "take")
+    take_s = under("core/_intake.py", "take")
     stages = [
         (
-            "read the file (_export._items: gunzip, JSON, base64, Record)",
-            under("_export.py", "_items"),
+            "read the file (_export_file._items: gunzip, JSON, base64, Record)",
+            under("forensics/_export_file.py", "_items"),
         ),
         ("decode (codec, under take)", decode_s),
         ("intake besides decode (input_id, Observed, Taken)", take_s - decode_s),
-        ("input keys (_audit.input_key: orjson with sorted keys)", under("_audit.py", "input_key")),
-        ("decision groups (_audit.plain_decisions)", under("_audit.py", "plain_decisions")),
-        ("fold (_machine.decide)", under("_machine.py", "decide")),
-        ("audit trail (read_trail)", under("_audit.py", "read_trail")),
+        (
+            "input keys (_audit_entry.input_key: orjson with sorted keys)",
+            under("core/_audit_entry.py", "input_key"),
+        ),
+        (
+            "decision groups (_audit_entry.plain_decisions)",
+            under("core/_audit_entry.py", "plain_decisions"),
+        ),
+        ("fold (_machine.decide)", under("core/_machine.py", "decide")),
+        ("audit trail (read_trail)", under("core/_audit_entry.py", "read_trail")),
         ("verify", under("_replay.py", "verify")),
     ]
     stages.append(("everything else", total - sum(s for _, s in stages)))

@@ -32,11 +32,11 @@ from structlog.testing import capture_logs
 
 from tests.daemon.machine_scenarios import Sim
 from trainguard.agent import Agent, AgentConfig
-from trainguard.agent._keystore import KeyStore, agent_keys_from_env
-from trainguard.agent._supervisor import SupervisorConfig
 from trainguard.agent.bus import BusConfig, load_kafka_security, open_bus
-from trainguard.daemon._rehearsal import start_daemon
-from trainguard.daemon._settings import load_daemon_config
+from trainguard.agent.keys._keystore import KeyStore, agent_keys_from_env
+from trainguard.agent.supervisor._supervisor import SupervisorConfig
+from trainguard.daemon.demo._harness import start_daemon
+from trainguard.daemon.service._settings import load_daemon_config
 from trainguard.schemas import add_mac, encode
 
 PASSWORD = "Sekr1t-7f3a9c-pw"
@@ -147,7 +147,7 @@ LOGGED_TRACEBACK = textwrap.dedent(
     """
     import sys
     import structlog
-    from trainguard.daemon._logging import configure_logging
+    from trainguard.daemon.service._logging import configure_logging
 
     configure_logging(json=sys.argv[1] == "json")
 

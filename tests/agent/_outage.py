@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from trainguard.agent._supervisor import SupervisorConfig
 from trainguard.agent.bus import Bus, BusConfig
+from trainguard.agent.supervisor._supervisor import SupervisorConfig
 from trainguard.schemas import Checkpoint, Event, Heartbeat, Lifecycle, decode
 
 JOB = "outage-job"

@@ -15,7 +15,7 @@ import torch
 from tests.agent._jobbus import JOB, of_type, read_events, wait_for_events
 from trainguard.agent import RESERVED_KEY, AgentError
 from trainguard.agent import _agent as agent_module
-from trainguard.agent._shards import WrittenShard, uri_to_path, write_shard
+from trainguard.agent.checkpoint._shards import WrittenShard, uri_to_path, write_shard
 from trainguard.schemas import Checkpoint, DataCursor, Heartbeat, Lifecycle, SchemaViolation
 
 CURSOR = DataCursor(data_version="sha256:abc", seed=3, epoch=1, offset=128, world_size=2)

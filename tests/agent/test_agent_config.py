@@ -45,7 +45,7 @@ def test_every_party_started_anywhere_defaults_to_the_same_bus(tmp_path: Path) -
     """A daemon started in one folder and a supervisor (or a worker's agent) in another meet
     on the same bus when neither names one."""
     code = (
-        "from trainguard.agent import AgentConfig; from trainguard.daemon._settings import "
+        "from trainguard.agent import AgentConfig; from trainguard.daemon.service._settings import "
         "load_daemon_config; print(AgentConfig.resolve(env={}, job_id='j').bus_url, "
         "load_daemon_config(None).bus.url)"
     )

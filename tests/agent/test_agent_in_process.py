@@ -16,7 +16,7 @@ import torch
 from tests.agent import _jobbus as daemon
 from tests.agent._jobbus import JOB, lifecycles, of_type, read_events, wait_for_events
 from trainguard.agent import Agent, RestoreRequested
-from trainguard.agent._checksum import parameter_checksum
+from trainguard.agent.checkpoint._checksum import parameter_checksum
 from trainguard.schemas import DataCursor, Event, Heartbeat, Lifecycle, Manifest, StepRange
 
 CURSOR = DataCursor(data_version="v1", seed=5, epoch=0, offset=80, world_size=1)

@@ -18,8 +18,8 @@ from structlog.testing import capture_logs
 
 from tests.agent._jobbus import JOB, lifecycles, of_type, read_events, wait_for_events
 from trainguard.agent import Agent
-from trainguard.agent._spool import read_spool
 from trainguard.agent.bus import BusConfig, open_bus
+from trainguard.agent.supervisor._spool import read_spool
 from trainguard.schemas import Checkpoint, DataCursor, Event, Heartbeat, Lifecycle, decode
 
 CURSOR = DataCursor(data_version="v1", seed=7, epoch=0, offset=64, world_size=1)

@@ -26,7 +26,7 @@ from trainguard.agent import (
     ShardMissing,
     StaleGeneration,
 )
-from trainguard.agent._shards import uri_to_path
+from trainguard.agent.checkpoint._shards import uri_to_path
 from trainguard.schemas import DataCursor, Manifest
 
 CURSOR = DataCursor(data_version="v1", seed=5, epoch=0, offset=80, world_size=1)

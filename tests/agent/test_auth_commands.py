@@ -1,5 +1,5 @@
 """Agents and supervisors act only on commands the daemon signed, for their job, and not
-replayed (trainguard.agent._command_gate): forged, replayed, wrong-key and wrong-job commands
+replayed (trainguard.agent.keys._command_gate): forged, replayed, wrong-key and wrong-job commands
 are ignored, counted by reason and logged; events leave with their MAC."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from tests.agent import _jobbus as daemon
 from tests.agent._jobbus import JOB, read_events
 from trainguard.agent import Agent, RestoreRequested, RestoreTimeout
-from trainguard.agent._command_gate import CommandGate, Ignored
-from trainguard.agent._keystore import AgentKeys, EventKey, key_id, public_key_id
-from trainguard.agent._supervisor import EXIT_ABORTED, Supervisor, SupervisorConfig
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
+from trainguard.agent.keys._command_gate import CommandGate, Ignored
+from trainguard.agent.keys._keystore import AgentKeys, EventKey, key_id, public_key_id
+from trainguard.agent.supervisor._supervisor import EXIT_ABORTED, Supervisor, SupervisorConfig
 from trainguard.schemas import (
     Command,
     Lifecycle,

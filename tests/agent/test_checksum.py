@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainguard.agent._checksum import flip_bit, parameter_checksum
+from trainguard.agent.checkpoint._checksum import flip_bit, parameter_checksum
 
 HEX = re.compile(r"^[0-9a-f]{16}$")
 

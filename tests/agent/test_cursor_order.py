@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainguard.agent._cursor import (
+from trainguard.agent.data._cursor import (
     MAX_DATASET_LEN,
     CursorMismatch,
     DataVersionMismatch,

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
-from trainguard.agent._cursor import CursorMismatch, DataVersionMismatch, GlobalOrder
-from trainguard.agent._sampler import ResumableDistributedSampler
+from trainguard.agent.data._cursor import CursorMismatch, DataVersionMismatch, GlobalOrder
+from trainguard.agent.data._sampler import ResumableDistributedSampler
 from trainguard.schemas._messages import DataCursor, StepRange
 
 VERSION = "sha256:" + "cd" * 32

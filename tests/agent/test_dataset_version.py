@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainguard.agent._dataset_version import ManifestEntry, dataset_manifest, dataset_version
+from trainguard.agent.data._dataset_version import ManifestEntry, dataset_manifest, dataset_version
 
 FILES = {
     "train/part-0.bin": b"\x00\x01" * 1000,

@@ -17,8 +17,8 @@ import torch
 from structlog.testing import capture_logs
 
 from trainguard.agent import ConfigError, Fault, parse_faults
-from trainguard.agent._checksum import parameter_checksum
-from trainguard.agent._injector import FaultInjector
+from trainguard.agent.checkpoint._checksum import parameter_checksum
+from trainguard.agent.faults._injector import FaultInjector
 
 
 def test_spec_with_several_faults_flags_and_spaces():

@@ -24,9 +24,9 @@ from trainguard.agent import (
     ShardCorrupt,
     ShardMissing,
 )
-from trainguard.agent._manifests import read_manifests
-from trainguard.agent._shards import uri_to_path
 from trainguard.agent.bus import BusConfig, open_bus
+from trainguard.agent.checkpoint._manifests import read_manifests
+from trainguard.agent.checkpoint._shards import uri_to_path
 from trainguard.schemas import Checkpoint, DataCursor, Event, Manifest, encode
 
 A, B = "job-a", "job-b"

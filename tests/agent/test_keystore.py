@@ -1,4 +1,4 @@
-"""Reading keys (trainguard.agent._keystore): the key directory's files and modes, and what
+"""Reading keys (trainguard.agent.keys._keystore): the key directory's files and modes, and what
 agents and supervisors are given through the environment or a secret mount."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from trainguard.agent import AgentConfig, ConfigError
-from trainguard.agent._keystore import (
+from trainguard.agent.keys._keystore import (
     InsecureKeyFile,
     KeyStore,
     KeyStoreError,
@@ -24,7 +24,7 @@ from trainguard.agent._keystore import (
     public_key_id,
     public_pem,
 )
-from trainguard.daemon._keys_admin import KeyAdmin
+from trainguard.daemon.admin._keys import KeyAdmin
 
 
 @pytest.fixture

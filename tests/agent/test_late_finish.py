@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.agent._supervisor import _finished_before
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
+from trainguard.agent.supervisor._supervisor import _finished_before
 from trainguard.schemas import ClockTick, Heartbeat, Lifecycle, Message, encode
 
 pytestmark = pytest.mark.anyio

@@ -36,8 +36,6 @@ from tests.agent._outage import (
 )
 from tests.kafka_dev import KAFKA_DEV_STOP_TIMEOUT_S, dev_broker, kafka_dev
 from trainguard.agent._link import Link
-from trainguard.agent._spool import read_journal
-from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor
 from trainguard.agent.bus import (
     DEFAULT_TOPICS,
     Bus,
@@ -48,7 +46,9 @@ from trainguard.agent.bus import (
     patiently,
 )
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.daemon._rehearsal import read_job_record, start_daemon, stop_process, supervise
+from trainguard.agent.supervisor._spool import read_journal
+from trainguard.agent.supervisor._supervisor import EXIT_SIGNALLED, Supervisor
+from trainguard.daemon.demo._harness import read_job_record, start_daemon, stop_process, supervise
 from trainguard.schemas import Heartbeat, JobRequest, Lifecycle, decode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(600)]

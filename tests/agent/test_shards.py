@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainguard.agent import ShardCorrupt, ShardError, ShardMissing
-from trainguard.agent._shards import (
+from trainguard.agent.checkpoint._shards import (
     HostStager,
     capture_rng,
     load_shard,

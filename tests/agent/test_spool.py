@@ -1,4 +1,4 @@
-"""The spool (``trainguard.agent._spool``): what a worker's agent writes, and what its supervisor
+"""The spool (``trainguard.agent.supervisor._spool``): what a worker's agent writes, and what its supervisor
 reads back after the worker ended: the unsettled events, in ``seq`` order; torn or damaged
 lines skipped with a warning, never a crash. And the supervisor's journal, read back in the
 order its events were put."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from trainguard.agent._spool import Spool, read_journal, read_spool
+from trainguard.agent.supervisor._spool import Spool, read_journal, read_spool
 from trainguard.schemas import JobRequest, Lifecycle, encode
 
 

@@ -8,7 +8,7 @@ import pytest
 import structlog
 
 from trainguard.agent import Agent
-from trainguard.agent._step_file import StepRecorder, read_step_file, reset_step_file
+from trainguard.agent.checkpoint._step_file import StepRecorder, read_step_file, reset_step_file
 
 
 def test_a_recorded_step_is_read_back_and_a_reset_file_holds_none(tmp_path: Path) -> None:

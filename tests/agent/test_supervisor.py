@@ -20,7 +20,9 @@ import pytest
 import structlog
 
 from trainguard.agent import ConfigError
-from trainguard.agent._supervisor import (
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, TopicPartition, open_bus
+from trainguard.agent.bus._partitioner import partition_for
+from trainguard.agent.supervisor._supervisor import (
     EXIT_ABORTED,
     EXIT_SIGNALLED,
     EXIT_STOPPED,
@@ -28,10 +30,8 @@ from trainguard.agent._supervisor import (
     Supervisor,
     SupervisorConfig,
 )
-from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, TopicPartition, open_bus
-from trainguard.agent.bus._partitioner import partition_for
-from trainguard.daemon._audit import decision_entry
-from trainguard.daemon._decisions import Anomaly
+from trainguard.daemon.core._audit_entry import decision_entry
+from trainguard.daemon.core._decisions import Anomaly
 from trainguard.schemas import (
     Abort,
     AbortOutcome,

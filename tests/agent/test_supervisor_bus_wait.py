@@ -21,7 +21,6 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.agent._outage import until
-from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor, SupervisorConfig
 from trainguard.agent.bus import (
     DEFAULT_TOPICS,
     BusConfig,
@@ -30,6 +29,7 @@ from trainguard.agent.bus import (
     Signalled,
     patiently,
 )
+from trainguard.agent.supervisor._supervisor import EXIT_SIGNALLED, Supervisor, SupervisorConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

@@ -24,9 +24,9 @@ from tests.agent._outage import (
     wait_for_events,
 )
 from tests.agent.test_agent_link import write_locked
-from trainguard.agent._spool import Spool, read_journal, read_spool
-from trainguard.agent._supervisor import EXIT_SIGNALLED, Supervisor
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, Record, open_bus
+from trainguard.agent.supervisor._spool import Spool, read_journal, read_spool
+from trainguard.agent.supervisor._supervisor import EXIT_SIGNALLED, Supervisor
 from trainguard.schemas import JobRequest, Lifecycle, Restore, decode, encode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 
 from tests.kafka_dev import dev_broker
 from trainguard.agent import Agent, AgentConfig
-from trainguard.daemon._rehearsal import start_daemon, supervise
+from trainguard.daemon.demo._harness import start_daemon, supervise
 
 pytestmark = pytest.mark.kafka
 

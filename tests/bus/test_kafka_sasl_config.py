@@ -16,7 +16,7 @@ from cryptography.x509.oid import NameOID
 from trainguard.agent import AgentConfig, ConfigError
 from trainguard.agent.bus import BusConfig, KafkaSecurity, load_kafka_security
 from trainguard.agent.bus._kafka import KafkaBus
-from trainguard.daemon._settings import load_daemon_config
+from trainguard.daemon.service._settings import load_daemon_config
 
 PASSWORD = "pw-Zq8#vX2,=]"
 

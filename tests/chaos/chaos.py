@@ -38,7 +38,7 @@ from tests.kafka_dev import (
 )
 from tests.scenarios.harness import JobRun
 from trainguard.agent.bus import BusUnavailable
-from trainguard.daemon._rehearsal import Stamped
+from trainguard.daemon.demo._harness import Stamped
 
 #: Seconds every wait for a condition may take at most: it only bounds a hang (2 loaded cores).
 DEADLINE_S = 120.0

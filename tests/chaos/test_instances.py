@@ -51,10 +51,10 @@ from tests.chaos.chaos import (
     wait_until,
 )
 from tests.scenarios.harness import WORLD_SIZE, JobRun, Shape
-from trainguard.agent._supervisor import EXIT_STOPPED
 from trainguard.agent.bus import BusUnavailable
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.daemon._rehearsal import follow_job, stop_process
+from trainguard.agent.supervisor._supervisor import EXIT_STOPPED
+from trainguard.daemon.demo._harness import follow_job, stop_process
 from trainguard.schemas import Abort, Command, Manifest, Restore, Resume, decode
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(900)]

@@ -44,7 +44,7 @@ from tests.scenarios.harness import (
     assert_targets_newest_good,
     is_restore,
 )
-from trainguard.daemon._rehearsal import reference_run, stop_process
+from trainguard.daemon.demo._harness import reference_run, stop_process
 from trainguard.schemas import Manifest, Restore
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(600)]

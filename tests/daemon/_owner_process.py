@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig
 from trainguard.daemon import DaemonService, MachineConfig
-from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon.service._settings import DaemonConfig
 
 
 class StopsItself(DaemonService):

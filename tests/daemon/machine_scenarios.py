@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import Decision, Issue
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide, fold, unacted_command
-from trainguard.daemon._state import JobState, new_job
+from trainguard.daemon.core._decisions import Decision, Issue
+from trainguard.daemon.core._inputs import Input, Observed, Tick
+from trainguard.daemon.core._machine import decide, fold, unacted_command
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import JobState, new_job
 from trainguard.schemas import (
     Checkpoint,
     CheckpointMeta,

@@ -19,7 +19,7 @@ from tests.buses import BusFactory
 from tests.daemon.service_support import eventually, running
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, Record
 from trainguard.daemon import DaemonService, MachineConfig
-from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import (
     Checkpoint,
     DataCursor,

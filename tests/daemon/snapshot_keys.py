@@ -1,5 +1,5 @@
 """Daemon keys for the snapshot tests: what the key store hands the daemon
-(:class:`trainguard.daemon._snapshots.SnapshotKeys`), made from fixed seeds so that failures
+(:class:`trainguard.daemon.service._snapshot_store.SnapshotKeys`), made from fixed seeds so that failures
 reproduce."""
 
 from __future__ import annotations

@@ -25,23 +25,23 @@ from tests.buses import BusFactory
 from tests.daemon.service_support import JobEvents, eventually, read_all, running
 from tests.schemas.mac_mutations import maced_records
 from tests.schemas.support import STRATEGIES
-from trainguard.agent._command_gate import CommandGate, Ignored
-from trainguard.agent._keystore import (
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus
+from trainguard.agent.keys._command_gate import CommandGate, Ignored
+from trainguard.agent.keys._keystore import (
     DaemonKeys,
     KeyStore,
     KeyStoreError,
     key_id,
     load_public_keys,
 )
-from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.daemon import DaemonService, MachineConfig
-from trainguard.daemon._inputs import Observed
-from trainguard.daemon._intake import INPUT_TYPES, AuthRefusal, RawRecord, Refused, Taken, take
-from trainguard.daemon._joblog import read_bus
-from trainguard.daemon._keys_admin import KeyAdmin
-from trainguard.daemon._replay import replay, verify
-from trainguard.daemon._security import EventAuth, load_keys
-from trainguard.daemon._settings import DaemonConfig, SecurityConfig, load_daemon_config
+from trainguard.daemon.admin._keys import KeyAdmin
+from trainguard.daemon.core._inputs import Observed
+from trainguard.daemon.core._intake import INPUT_TYPES, AuthRefusal, RawRecord, Refused, Taken, take
+from trainguard.daemon.forensics._job_log import read_bus
+from trainguard.daemon.forensics._replay import replay, verify
+from trainguard.daemon.service._security import EventAuth, load_keys
+from trainguard.daemon.service._settings import DaemonConfig, SecurityConfig, load_daemon_config
 from trainguard.schemas import (
     ClockTick,
     Event,

@@ -33,8 +33,8 @@ from tests.http_get import http_get
 from tests.kafka_dev import KAFKA_DEV_STOP_TIMEOUT_S, KAFKA_DEV_TIMEOUT_S, dev_broker, kafka_dev
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService
-from trainguard.daemon._http import HealthServer
-from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon.service._http import HealthServer
+from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import encode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -34,7 +34,7 @@ from tests.daemon.test_service import daemon_config, publish
 from tests.http_get import http_get
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService
-from trainguard.daemon._rehearsal import start_daemon, stop_process
+from trainguard.daemon.demo._harness import start_daemon, stop_process
 
 pytestmark = pytest.mark.timeout(180)
 

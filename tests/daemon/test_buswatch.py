@@ -22,8 +22,8 @@ from tests.daemon.service_support import JobEvents, eventually, running
 from tests.daemon.test_service import daemon_config, publish
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusUnavailable, Record, TopicPartition
 from trainguard.daemon import DaemonService
-from trainguard.daemon._buswatch import BusWatch
-from trainguard.daemon._metrics import DaemonMetrics
+from trainguard.daemon.service._bus_watch import BusWatch
+from trainguard.daemon.service._metrics import DaemonMetrics
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from trainguard.daemon._catalog import Catalog, SeedRequest, compat, lookup
-from trainguard.daemon._report_record import AuditDigest, Opened, Restored
+from trainguard.daemon.catalog._catalog import Catalog, SeedRequest, compat, lookup
+from trainguard.daemon.forensics._report_record import AuditDigest, Opened, Restored
 from trainguard.schemas import CheckpointMeta, DataCursor, JSONValue, Manifest, Shard
 
 S = 1_000_000_000

@@ -21,14 +21,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tests.daemon.machine_scenarios import DAEMON, T0, S, Sim, config
 from tests.daemon.machine_scenarios import JOB as SIM_JOB
 from tests.daemon.test_catalog import manifest
-from trainguard.agent._keystore import KeyStore, public_key_id
 from trainguard.agent.bus import BusConfig, open_bus
-from trainguard.daemon._audit import config_entry, config_id, decision_entry, input_id
-from trainguard.daemon._decisions import Committed
-from trainguard.daemon._inputs import Observed
-from trainguard.daemon._keys_admin import KeyAdmin
-from trainguard.daemon._machine import decide
-from trainguard.daemon._state import new_job
+from trainguard.agent.keys._keystore import KeyStore, public_key_id
+from trainguard.daemon.admin._keys import KeyAdmin
+from trainguard.daemon.core._audit_entry import config_entry, config_id, decision_entry, input_id
+from trainguard.daemon.core._decisions import Committed
+from trainguard.daemon.core._inputs import Observed
+from trainguard.daemon.core._machine import decide
+from trainguard.daemon.core._state import new_job
 from trainguard.schemas import JSONValue, Manifest, Shard, encode, sign
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from examples.charlm.ledger import ledger_path, read_ledger
-from trainguard.daemon._rehearsal import (
+from trainguard.daemon.demo._harness import (
     charlm_command,
     charlm_env,
     start_daemon,

@@ -11,10 +11,10 @@ import pytest
 from tests.buses import BusFactory
 from tests.daemon.service_support import eventually, running
 from tests.daemon.test_service import daemon_config, publish, shard, started
-from trainguard.agent._manifests import read_manifests
 from trainguard.agent.bus import DEFAULT_TOPICS
+from trainguard.agent.checkpoint._manifests import read_manifests
 from trainguard.daemon import DaemonService
-from trainguard.daemon._catalog import Catalog
+from trainguard.daemon.catalog._catalog import Catalog
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 

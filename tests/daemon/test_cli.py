@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,15 +12,29 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from trainguard.daemon.cli import app
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_help_lists_the_commands() -> None:
-    out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("daemon", "run", "demo", "bus", "version"):
-        assert command in out
+COMMANDS = {
+    "version", "daemon", "run", "demo", "status", "report", "replay", "export", "import", "stop",
+    "bus", "checkpoints", "keys", "snapshots",
+}  # fmt: skip
+
+
+def test_help_lists_exactly_the_commands_and_each_one_has_help() -> None:
+    runner = CliRunner()
+    out = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    listed = {m.group(1) for m in re.finditer(r"^│ ([a-z]+) {2,}\S", out, re.MULTILINE)}
+    assert listed == COMMANDS, out
+    for command in sorted(COMMANDS):
+        result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (command, result.output)
+        assert f" {command} " in result.output.split("\n", 3)[1], result.output
 
 
 def test_daemon_logs_json_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:

@@ -22,8 +22,8 @@ from trainguard.agent.bus import DEFAULT_TOPICS, Bus, TopicPartition, Transactio
 from trainguard.agent.bus import _kafka as kafka_adapter
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon import DaemonService
-from trainguard.daemon._owned import CommitFailures, Owned
-from trainguard.daemon._service import COMMIT_FAILING_MIN_S
+from trainguard.daemon.service._daemon import COMMIT_FAILING_MIN_S
+from trainguard.daemon.service._partitions import CommitFailures, Owned
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 

@@ -35,7 +35,7 @@ from tests.daemon.traces import (
     progress_bound_ns,
     simulate,
 )
-from trainguard.daemon._decisions import (
+from trainguard.daemon.core._decisions import (
     Anomaly,
     Committed,
     IncidentOpened,
@@ -43,9 +43,9 @@ from trainguard.daemon._decisions import (
     JobFailed,
     Rejected,
 )
-from trainguard.daemon._inputs import Observed
-from trainguard.daemon._machine import fold
-from trainguard.daemon._state import new_job
+from trainguard.daemon.core._inputs import Observed
+from trainguard.daemon.core._machine import fold
+from trainguard.daemon.core._state import new_job
 from trainguard.schemas import Heartbeat, Phase, Restore
 
 CFG = config()

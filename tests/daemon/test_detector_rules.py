@@ -24,8 +24,7 @@ from tests.daemon.machine_scenarios import (
     run,
 )
 from tests.daemon.traces import Faults, Job, Pace, drive, every, opened, simulate
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import (
+from trainguard.daemon.core._decisions import (
     Anomaly,
     Committed,
     Decision,
@@ -35,12 +34,13 @@ from trainguard.daemon._decisions import (
     Rejected,
     Transition,
 )
-from trainguard.daemon._divergence import judge_loss, spike_threshold
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide, next_deadline, unacted_command
-from trainguard.daemon._state import JobState, Trend, Watch
-from trainguard.daemon._trend import advance
-from trainguard.daemon._window import MAD_TO_SIGMA, median_and_mad
+from trainguard.daemon.core._inputs import Input, Observed, Tick
+from trainguard.daemon.core._machine import decide, next_deadline, unacted_command
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import JobState, Trend, Watch
+from trainguard.daemon.core._window import MAD_TO_SIGMA, median_and_mad
+from trainguard.daemon.core.detectors._divergence import judge_loss, spike_threshold
+from trainguard.daemon.core.detectors._trend import advance
 from trainguard.schemas import Restore, Resume, StepRange
 
 CFG = config()

@@ -31,7 +31,7 @@ from tests.daemon.traces import (
     progress_bound_ns,
     simulate,
 )
-from trainguard.daemon._decisions import (
+from trainguard.daemon.core._decisions import (
     Anomaly,
     Committed,
     IncidentClosed,
@@ -39,9 +39,9 @@ from trainguard.daemon._decisions import (
     Issue,
     JobFailed,
 )
-from trainguard.daemon._inputs import Input
-from trainguard.daemon._machine import next_deadline
-from trainguard.daemon._state import JobState
+from trainguard.daemon.core._inputs import Input
+from trainguard.daemon.core._machine import next_deadline
+from trainguard.daemon.core._state import JobState
 from trainguard.schemas import Abort, Restore, Resume, StepRange
 
 CFG = config()

@@ -26,8 +26,8 @@ from tests.daemon.service_support import JobEvents, eventually, read_all, runnin
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.agent.bus._sqlite_lock import DaemonLock, DaemonLockHeld, daemon_lock_path
 from trainguard.daemon import DaemonService, MachineConfig
-from trainguard.daemon._rehearsal import start_daemon, stop_process
-from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon.demo._harness import start_daemon, stop_process
+from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import Event, Lifecycle, Restore, Resume, decode, encode
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]

@@ -20,7 +20,13 @@ from tests.buses import BusFactory
 from tests.daemon import recorded
 from tests.daemon.recorded import JOB
 from trainguard.agent.bus import Record
-from trainguard.daemon._export import JOB_TOPICS, ExportHeader, MalformedExport, dump, load
+from trainguard.daemon.forensics._export_file import (
+    JOB_TOPICS,
+    ExportHeader,
+    MalformedExport,
+    dump,
+    load,
+)
 
 pytestmark = pytest.mark.timeout(180)
 

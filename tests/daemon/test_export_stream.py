@@ -23,12 +23,12 @@ from tests.daemon import recorded
 from tests.daemon.recorded import JOB
 from tests.daemon.test_export import DAMAGES, _header, _record
 from trainguard.agent.bus import Record
-from trainguard.daemon._audit import MalformedAudit
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._export import FILE_ORDER, MalformedExport, dump, load
-from trainguard.daemon._export_stream import BATCH, EventStream
-from trainguard.daemon._joblog import UnknownJob, read_bus, read_file, replay_file
-from trainguard.daemon._replay import replay, verify
+from trainguard.daemon.core._audit_entry import MalformedAudit
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.forensics._export_file import FILE_ORDER, MalformedExport, dump, load
+from trainguard.daemon.forensics._export_stream import BATCH, EventStream
+from trainguard.daemon.forensics._job_log import UnknownJob, read_bus, read_file, replay_file
+from trainguard.daemon.forensics._replay import replay, verify
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -281,7 +281,7 @@ def test_a_process_started_with_closed_standard_streams_still_gets_its_records(
     script = (
         "import json, os, sys\n"
         "from pathlib import Path\n"
-        "from trainguard.daemon._export_stream import EventStream\n"
+        "from trainguard.daemon.forensics._export_stream import EventStream\n"
         "os.close(0); os.close(1)\n"
         "with EventStream(Path(sys.argv[1]), process=True) as stream:\n"
         "    offsets = [r.offset for r in stream]\n"

@@ -14,10 +14,11 @@ from typer.testing import CliRunner
 
 from trainguard.agent import ConfigError
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
-from trainguard.daemon import _demo, _rehearsal
-from trainguard.daemon._demo import DemoOptions, run_demo
-from trainguard.daemon._rehearsal import charlm_env, reference_run, stop_process, supervise
 from trainguard.daemon.cli import app
+from trainguard.daemon.demo import _demo
+from trainguard.daemon.demo import _harness as _rehearsal
+from trainguard.daemon.demo._demo import DemoOptions, run_demo
+from trainguard.daemon.demo._harness import charlm_env, reference_run, stop_process, supervise
 
 REPO = Path(__file__).resolve().parents[2]
 

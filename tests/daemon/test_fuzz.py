@@ -38,7 +38,6 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from tests.daemon.machine_scenarios import Sim
-from trainguard.agent._keystore import DaemonKeys, KeyStore
 from trainguard.agent.bus import (
     DEFAULT_TOPICS,
     BusConfig,
@@ -47,13 +46,14 @@ from trainguard.agent.bus import (
     TopicSpec,
     open_bus,
 )
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._intake import Taken, take
-from trainguard.daemon._keys_admin import KeyAdmin
-from trainguard.daemon._machine import decide, unacted_command
-from trainguard.daemon._service import DaemonService
-from trainguard.daemon._settings import DaemonConfig, SecurityConfig
-from trainguard.daemon._state import JobState, new_job
+from trainguard.agent.keys._keystore import DaemonKeys, KeyStore
+from trainguard.daemon.admin._keys import KeyAdmin
+from trainguard.daemon.core._intake import Taken, take
+from trainguard.daemon.core._machine import decide, unacted_command
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import JobState, new_job
+from trainguard.daemon.service._daemon import DaemonService
+from trainguard.daemon.service._settings import DaemonConfig, SecurityConfig
 from trainguard.schemas import ClockTick, Event, add_mac, encode
 from trainguard.schemas._auth import received_canonical_bytes
 from trainguard.schemas._codec import DEFAULT_MAX_BYTES

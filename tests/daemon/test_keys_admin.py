@@ -11,8 +11,13 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from trainguard.agent._keystore import KeyStore, KeyStoreError, load_event_key, load_public_keys
-from trainguard.daemon._keys_admin import KeyAdmin
+from trainguard.agent.keys._keystore import (
+    KeyStore,
+    KeyStoreError,
+    load_event_key,
+    load_public_keys,
+)
+from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.cli import app
 
 

@@ -17,12 +17,12 @@ from tests.daemon.machine_scenarios import (
     run,
     two_ranks_training,
 )
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import Anomaly, Committed, Decision, IncidentOpened, Issue
-from trainguard.daemon._inputs import Tick
-from trainguard.daemon._machine import decide, next_deadline
-from trainguard.daemon._state import JobState
-from trainguard.daemon._state_codec import decode_state, encode_state
+from trainguard.daemon.core._decisions import Anomaly, Committed, Decision, IncidentOpened, Issue
+from trainguard.daemon.core._inputs import Tick
+from trainguard.daemon.core._machine import decide, next_deadline
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import JobState
+from trainguard.daemon.core._state_codec import decode_state, encode_state
 from trainguard.schemas import Restore
 
 CFG = config()

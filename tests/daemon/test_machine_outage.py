@@ -46,8 +46,7 @@ from tests.daemon.traces import (
     progress_bound_ns,
     simulate,
 )
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import (
+from trainguard.daemon.core._decisions import (
     Anomaly,
     Committed,
     Decision,
@@ -57,9 +56,10 @@ from trainguard.daemon._decisions import (
     Rejected,
     Transition,
 )
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide, next_deadline
-from trainguard.daemon._state import JobState
+from trainguard.daemon.core._inputs import Input, Observed, Tick
+from trainguard.daemon.core._machine import decide, next_deadline
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import JobState
 from trainguard.schemas import Abort, Checkpoint, Heartbeat, JobRequest, Restore, Resume
 
 CFG = config()
@@ -306,7 +306,7 @@ def test_the_issue_s_two_jobs_survive_a_broker_stop_of_20_s_and_a_sigstop_of_60_
 def test_the_gap_moves_every_anchor_forward_and_nothing_else() -> None:
     """What ``bridge`` changes: every daemon-clock time the detectors count from, by the gap;
     the recorded facts (the opening time of an incident, a rank's delay floor) stay."""
-    from trainguard.daemon._outage import bridge
+    from trainguard.daemon.core._outage import bridge
 
     sim = Sim(world_size=2)
     state, _ = run([*two_ranks_training(sim, 30), sim.lifecycle(0, "started", T0 + 32 * S)])

@@ -29,7 +29,7 @@ from tests.daemon.machine_scenarios import (
     restores_by_incident,
     run,
 )
-from trainguard.daemon._decisions import (
+from trainguard.daemon.core._decisions import (
     Anomaly,
     Committed,
     IncidentClosed,
@@ -37,9 +37,9 @@ from trainguard.daemon._decisions import (
     JobFailed,
     Rejected,
 )
-from trainguard.daemon._inputs import Input, Observed
-from trainguard.daemon._machine import decide, fold
-from trainguard.daemon._state import TERMINAL_PHASES, new_job
+from trainguard.daemon.core._inputs import Input, Observed
+from trainguard.daemon.core._machine import decide, fold
+from trainguard.daemon.core._state import TERMINAL_PHASES, new_job
 from trainguard.schemas import Abort, Checkpoint, Restore
 
 CFG = config()

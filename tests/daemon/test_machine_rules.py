@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-from pathlib import Path
 
 import orjson
 import pytest
@@ -24,8 +22,7 @@ from tests.daemon.machine_scenarios import (
     run,
     running_job,
 )
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import (
+from trainguard.daemon.core._decisions import (
     Anomaly,
     Committed,
     IncidentClosed,
@@ -35,9 +32,10 @@ from trainguard.daemon._decisions import (
     Rejected,
     Transition,
 )
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide, next_deadline
-from trainguard.daemon._state import new_job
+from trainguard.daemon.core._inputs import Input, Observed, Tick
+from trainguard.daemon.core._machine import decide, next_deadline
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import new_job
 from trainguard.schemas import Abort, Checkpoint, Lifecycle, Restore, Resume
 
 CFG = config()
@@ -607,49 +605,6 @@ def test_config_converts_seconds_to_nanoseconds() -> None:
     cfg = MachineConfig(daemon_id="d", heartbeat_timeout_s=2.5, bus_gap_s=2.0)
     assert cfg.heartbeat_timeout_ns == 2_500_000_000
     assert cfg.startup_timeout_ns == 120 * S
-
-
-PURE = (
-    "_commit",
-    "_config",
-    "_decisions",
-    "_divergence",
-    "_evidence",
-    "_inputs",
-    "_machine",
-    "_outage",
-    "_recovery",
-    "_stall",
-    "_state",
-    "_trend",
-    "_window",
-)
-FORBIDDEN = {
-    "asyncio",
-    "socket",
-    "sqlite3",
-    "aiokafka",
-    "os",
-    "time",
-    "random",
-    "logging",
-    "structlog",
-}
-
-
-@pytest.mark.parametrize("module", PURE)
-def test_pure_core_imports_nothing_that_does_io(module: str) -> None:
-    import trainguard.daemon._machine as machine
-
-    path = Path(machine.__file__).with_name(f"{module}.py")
-    imported: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            imported |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            imported.add(node.module.split(".")[0])
-    assert imported, "the parse found no import at all"
-    assert not imported & FORBIDDEN
 
 
 def test_new_job_starts_in_generation_zero() -> None:

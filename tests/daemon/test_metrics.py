@@ -28,9 +28,13 @@ from tests.daemon.test_service import (
 from tests.http_get import http_get
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.daemon import DaemonService, IncidentOpened, Observed, Tick, decide, new_job
-from trainguard.daemon._http import HealthServer
-from trainguard.daemon._metrics import DaemonMetrics, detection_latency_s, schema_error_class
-from trainguard.daemon._settings import load_daemon_config
+from trainguard.daemon.service._http import HealthServer
+from trainguard.daemon.service._metrics import (
+    DaemonMetrics,
+    detection_latency_s,
+    schema_error_class,
+)
+from trainguard.daemon.service._settings import load_daemon_config
 from trainguard.schemas import (
     Event,
     Lifecycle,

@@ -1,4 +1,4 @@
-"""The pulse rule (:class:`trainguard.daemon._pulse.Pulse`): a quiet live job gets a tick per
+"""The pulse rule (:class:`trainguard.daemon.service._pulse.Pulse`): a quiet live job gets a tick per
 ``pulse_s``, a busy or ended job none; and the service writes them into the log."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from tests.daemon.service_support import JobEvents, eventually, read_all, runnin
 from tests.daemon.test_service import daemon_config, publish
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService, new_job
-from trainguard.daemon._pulse import Pulse
-from trainguard.daemon._settings import DaemonConfig, load_daemon_config
-from trainguard.daemon._state import JobPhase
+from trainguard.daemon.core._state import JobPhase
+from trainguard.daemon.service._pulse import Pulse
+from trainguard.daemon.service._settings import DaemonConfig, load_daemon_config
 from trainguard.schemas import ClockTick, Lifecycle, decode
 
 PULSE_S = 1.0

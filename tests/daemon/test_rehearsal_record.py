@@ -15,10 +15,10 @@ import pytest
 from tests.agent import _jobbus as daemon
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig
 from trainguard.agent.bus._sqlite import SQLiteBus
-from trainguard.daemon import _rehearsal
-from trainguard.daemon._audit import decision_entry
-from trainguard.daemon._decisions import Issue
-from trainguard.daemon._rehearsal import read_job_record, reference_run
+from trainguard.daemon.core._audit_entry import decision_entry
+from trainguard.daemon.core._decisions import Issue
+from trainguard.daemon.demo import _harness as _rehearsal
+from trainguard.daemon.demo._harness import read_job_record, reference_run
 from trainguard.schemas import Command, StepRange, encode
 
 REPO = Path(__file__).resolve().parents[2]

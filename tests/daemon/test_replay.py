@@ -1,4 +1,4 @@
-"""The pure replay (``trainguard.daemon._replay``): a job's log folded again reproduces the
+"""The pure replay (``trainguard.daemon.forensics._replay``): a job's log folded again reproduces the
 decisions its daemons recorded, across daemon restarts with another configuration and
 re-derived duplicates; a tampered trail is caught at the first difference; a what-if run
 under another configuration shows the decisions that change (architecture invariant 1).
@@ -21,20 +21,20 @@ import pytest
 from tests.daemon.machine_scenarios import AWAY, JOB, T0, S, Sim, config, killed_in_an_outage
 from tests.daemon.traces import Faults, Job, Pace, drive, simulate
 from trainguard.agent.bus import Record
-from trainguard.daemon._audit import (
+from trainguard.daemon.core._audit_entry import (
     AuditTrail,
     Group,
     config_entry,
     decision_entry,
     read_trail,
 )
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import IncidentOpened, Issue
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._intake import Taken, take
-from trainguard.daemon._machine import decide
-from trainguard.daemon._replay import Replay, _replay_runs, replay, verify, what_if
-from trainguard.daemon._state import new_job
+from trainguard.daemon.core._decisions import IncidentOpened, Issue
+from trainguard.daemon.core._inputs import Input, Observed, Tick
+from trainguard.daemon.core._intake import Taken, take
+from trainguard.daemon.core._machine import decide
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import new_job
+from trainguard.daemon.forensics._replay import Replay, _replay_runs, replay, verify, what_if
 from trainguard.schemas import ClockTick, Restore, encode
 
 HANG = Job(

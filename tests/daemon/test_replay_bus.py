@@ -18,9 +18,9 @@ from tests.daemon import recorded
 from tests.daemon.recorded import JOB, record_job
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
 from trainguard.daemon import MachineConfig
-from trainguard.daemon._cli_replay import handover_text
-from trainguard.daemon._joblog import read_bus
-from trainguard.daemon._replay import replay, verify
+from trainguard.daemon.cli._replay import handover_text
+from trainguard.daemon.forensics._job_log import read_bus
+from trainguard.daemon.forensics._replay import replay, verify
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,20 +17,20 @@ from typing import Any
 
 import pytest
 
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import Decision, Issue
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide, next_deadline
-from trainguard.daemon._rehearsal import Stamped
-from trainguard.daemon._report import (
+from trainguard.daemon.core._decisions import Decision, Issue
+from trainguard.daemon.core._inputs import Input, Observed, Tick
+from trainguard.daemon.core._machine import decide, next_deadline
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import JobState, new_job
+from trainguard.daemon.demo._harness import Stamped
+from trainguard.daemon.forensics._report import (
     SEGMENT_KINDS,
     JobReport,
     build_report,
     daly_interval_s,
     young_interval_s,
 )
-from trainguard.daemon._report_html import MAX_RANK_LANES, render_html
-from trainguard.daemon._state import JobState, new_job
+from trainguard.daemon.forensics._report_html import MAX_RANK_LANES, render_html
 from trainguard.schemas import (
     Checkpoint,
     CheckpointMeta,

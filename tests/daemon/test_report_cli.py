@@ -32,9 +32,9 @@ from tests.daemon.test_service import beat, daemon_config, publish, started
 from tests.daemon.test_status import record_forgery
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, open_bus
 from trainguard.daemon import DaemonService, MachineConfig
-from trainguard.daemon._export import ExportHeader, dump
-from trainguard.daemon._joblog import read_bus
-from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon.forensics._export_file import ExportHeader, dump
+from trainguard.daemon.forensics._job_log import read_bus
+from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import (
     Command,
     Event,

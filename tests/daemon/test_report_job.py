@@ -23,7 +23,7 @@ import pytest
 
 from tests.buses import BusFactory
 from tests.scenarios.harness import JOB, JobRun, Shape
-from trainguard.daemon._report_html import KIND_COLORS, PHASE_COLORS
+from trainguard.daemon.forensics._report_html import KIND_COLORS, PHASE_COLORS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

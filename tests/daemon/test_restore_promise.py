@@ -25,18 +25,18 @@ from tests.daemon.machine_scenarios import (
     of_type,
     run,
 )
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import (
+from trainguard.daemon.core._decisions import (
     Anomaly,
     Committed,
     Decision,
     IncidentOpened,
     JobFailed,
 )
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide
-from trainguard.daemon._state import JobState
-from trainguard.daemon._state_codec import decode_state, encode_state
+from trainguard.daemon.core._inputs import Input, Observed, Tick
+from trainguard.daemon.core._machine import decide
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import JobState
+from trainguard.daemon.core._state_codec import decode_state, encode_state
 from trainguard.schemas import (
     Abort,
     Checkpoint,

@@ -20,9 +20,9 @@ from tests.daemon.service_support import JobEvents, eventually, read_all, runnin
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, Record, TopicPartition
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon import DaemonService, MachineConfig
-from trainguard.daemon._catalog import Catalog
-from trainguard.daemon._report_record import read_audit
-from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon.catalog._catalog import Catalog
+from trainguard.daemon.forensics._report_record import read_audit
+from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import (
     Abort,
     ClockTick,

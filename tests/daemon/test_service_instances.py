@@ -34,7 +34,7 @@ from trainguard.agent.bus import (
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._sqlite import SQLiteBus
 from trainguard.daemon import DaemonService, MachineConfig
-from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import Event, Restore, decode, encode
 
 pytestmark = [pytest.mark.anyio]
@@ -125,7 +125,7 @@ async def test_an_owner_back_from_a_pause_to_the_same_partitions_decides_nothing
     The daemon lock (one daemon per bus file) would keep B out: it is lifted here to check the
     layer beneath it, which holds where the lock does not (a file system without working
     ``flock``)."""
-    monkeypatch.setattr("trainguard.daemon._service.serving_lock", _no_daemon_lock)
+    monkeypatch.setattr("trainguard.daemon.service._daemon.serving_lock", _no_daemon_lock)
     factory = BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
     config = DaemonConfig(
         bus=factory.config(topics=DEFAULT_TOPICS, session_timeout_s=1.0),

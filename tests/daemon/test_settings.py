@@ -27,7 +27,7 @@ from trainguard.agent.bus import (
     TopicSpec,
 )
 from trainguard.daemon import MachineConfig
-from trainguard.daemon._settings import DaemonConfig, SecurityConfig, load_daemon_config
+from trainguard.daemon.service._settings import DaemonConfig, SecurityConfig, load_daemon_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "daemon.example.toml"
 

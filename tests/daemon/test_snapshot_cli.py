@@ -11,14 +11,14 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from trainguard.agent._keystore import DaemonKeys
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._keys_admin import KeyAdmin
-from trainguard.daemon._snapshot import Round, seal
-from trainguard.daemon._state import JobState, new_job
+from trainguard.agent.keys._keystore import DaemonKeys
+from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.cli import app
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import JobState, new_job
+from trainguard.daemon.service._snapshot_envelope import Round, seal
 
 PARTITIONS = next(t.partitions for t in DEFAULT_TOPICS if t.name == "snapshots")
 _NAMES = [f"cli-{i}" for i in range(100)]

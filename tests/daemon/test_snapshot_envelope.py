@@ -27,8 +27,10 @@ from tests.daemon.machine_scenarios import (
     run,
 )
 from tests.daemon.snapshot_keys import Keys, make_keys, rotated
-from trainguard.daemon._machine import decide
-from trainguard.daemon._snapshot import (
+from trainguard.daemon.core._machine import decide
+from trainguard.daemon.core._state import JobPhase, JobState, new_job
+from trainguard.daemon.core._state_codec import LAYOUT, decode_state, encode_state
+from trainguard.daemon.service._snapshot_envelope import (
     FORMAT,
     SIGNING_CONTEXT,
     Round,
@@ -38,9 +40,7 @@ from trainguard.daemon._snapshot import (
     read_header,
     seal,
 )
-from trainguard.daemon._snapshots import Fallback, Rebuild, plan_partition
-from trainguard.daemon._state import JobPhase, JobState, new_job
-from trainguard.daemon._state_codec import LAYOUT, decode_state, encode_state
+from trainguard.daemon.service._snapshot_store import Fallback, Rebuild, plan_partition
 
 KEYS = make_keys(1)
 OTHER = make_keys(2)
@@ -231,7 +231,7 @@ def test_a_state_of_another_layout_or_configuration_is_refused(
     # Without an expected configuration (inspection tools) it is not checked.
     open_snapshot(sealed(restoring, cfg=stricter), KEYS.verify, KEYS.data, JOB)
 
-    monkeypatch.setattr("trainguard.daemon._snapshot.LAYOUT", "0" * 16)
+    monkeypatch.setattr("trainguard.daemon.service._snapshot_envelope.LAYOUT", "0" * 16)
     old_build = sealed(restoring)
     monkeypatch.undo()
     exc = refused(old_build)
@@ -253,8 +253,8 @@ def test_a_snapshot_written_before_the_outage_rule_opens_with_its_fields_at_thei
     assert fold_config_id(config(loss_spike_false_alarm=1e-6)) != fold_config_id(CFG)
     old = OLD_BUILD.read_bytes()
     state = decode_state(old)
-    monkeypatch.setattr("trainguard.daemon._snapshot.LAYOUT", "c35900be070fb0d2")
-    monkeypatch.setattr("trainguard.daemon._snapshot.encode_state", lambda _: old)
+    monkeypatch.setattr("trainguard.daemon.service._snapshot_envelope.LAYOUT", "c35900be070fb0d2")
+    monkeypatch.setattr("trainguard.daemon.service._snapshot_envelope.encode_state", lambda _: old)
     written = sealed(state)
     monkeypatch.undo()
     header, back = opened(written)

@@ -20,17 +20,17 @@ from structlog.testing import capture_logs
 from tests.buses import BusFactory
 from tests.daemon.service_support import eventually, read_all, running
 from tests.daemon.snapshot_keys import make_keys
-from trainguard.agent._keystore import DaemonKeys
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, TopicPartition
 from trainguard.agent.bus._partitioner import partition_for
+from trainguard.agent.keys._keystore import DaemonKeys
 from trainguard.daemon import DaemonService, MachineConfig
-from trainguard.daemon._joblog import read_bus
-from trainguard.daemon._keys_admin import KeyAdmin
-from trainguard.daemon._machine import unacted_command
-from trainguard.daemon._replay import replay, verify
-from trainguard.daemon._settings import DaemonConfig, SecurityConfig
-from trainguard.daemon._snapshot import SnapshotHeader, read_header
-from trainguard.daemon._snapshots import SnapshotKeys
+from trainguard.daemon.admin._keys import KeyAdmin
+from trainguard.daemon.core._machine import unacted_command
+from trainguard.daemon.forensics._job_log import read_bus
+from trainguard.daemon.forensics._replay import replay, verify
+from trainguard.daemon.service._settings import DaemonConfig, SecurityConfig
+from trainguard.daemon.service._snapshot_envelope import SnapshotHeader, read_header
+from trainguard.daemon.service._snapshot_store import SnapshotKeys
 from trainguard.schemas import (
     Checkpoint,
     DataCursor,

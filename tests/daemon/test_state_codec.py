@@ -37,11 +37,11 @@ from tests.daemon.machine_scenarios import (
     two_ranks_training,
 )
 from tests.daemon.traces import Faults, Job, PhaseSpec, drive, paces, simulate
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import Decision
-from trainguard.daemon._inputs import Input, Tick
-from trainguard.daemon._machine import decide
-from trainguard.daemon._state import (
+from trainguard.daemon.core._decisions import Decision
+from trainguard.daemon.core._inputs import Input, Tick
+from trainguard.daemon.core._machine import decide
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import (
     Incident,
     JobState,
     Left,
@@ -51,7 +51,7 @@ from trainguard.daemon._state import (
     Watch,
     new_job,
 )
-from trainguard.daemon._state_codec import (
+from trainguard.daemon.core._state_codec import (
     FORMAT,
     LAYOUT,
     READABLE_LAYOUTS,
@@ -62,7 +62,7 @@ from trainguard.daemon._state_codec import (
     state_from_dict,
     state_to_dict,
 )
-from trainguard.daemon._window import Window
+from trainguard.daemon.core._window import Window
 from trainguard.schemas import Restore
 
 CFG = config()
@@ -469,7 +469,7 @@ STRING_KEYS = """
 import sys
 from rpds import HashTrieMap
 from tests.daemon.machine_scenarios import killed_job
-from trainguard.daemon._state_codec import encode_state
+from trainguard.daemon.core._state_codec import encode_state
 _, state, _ = killed_job()
 versions = HashTrieMap({f"v{i}": i for i in range(40)})
 state = state._replace(watch=state.watch._replace(versions=versions))

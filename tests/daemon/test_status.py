@@ -28,13 +28,13 @@ from tests.daemon.test_service import (
     started,
 )
 from tests.daemon.test_stop import request
-from trainguard.agent._keystore import KeyStore
 from trainguard.agent.bus import DEFAULT_TOPICS
+from trainguard.agent.keys._keystore import KeyStore
 from trainguard.daemon import DaemonService
-from trainguard.daemon._keys_admin import KeyAdmin
-from trainguard.daemon._machine import unacted_command
-from trainguard.daemon._state import JobState
-from trainguard.daemon._status import JobStatus, job_summary, read_status
+from trainguard.daemon.admin._keys import KeyAdmin
+from trainguard.daemon.core._machine import unacted_command
+from trainguard.daemon.core._state import JobState
+from trainguard.daemon.forensics._status import JobStatus, job_summary, read_status
 from trainguard.schemas import Event, add_mac, encode
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]

@@ -27,17 +27,17 @@ from tests.daemon.machine_scenarios import (
     run,
     running_job,
 )
-from trainguard.daemon._decisions import (
+from trainguard.daemon.core._decisions import (
     IncidentClosed,
     IncidentOpened,
     Issue,
     Rejected,
     Transition,
 )
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import next_deadline
-from trainguard.daemon._state import JobState, new_job
-from trainguard.daemon._state_codec import decode_state, encode_state
+from trainguard.daemon.core._inputs import Input, Observed, Tick
+from trainguard.daemon.core._machine import next_deadline
+from trainguard.daemon.core._state import JobState, new_job
+from trainguard.daemon.core._state_codec import decode_state, encode_state
 from trainguard.schemas import Abort, JobRequest, RequestKind, Restore, Resume
 
 CFG = config()

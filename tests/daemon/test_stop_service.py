@@ -13,12 +13,12 @@ import pytest
 from tests.buses import BusFactory
 from tests.daemon.service_support import JobEvents, eventually, read_all, running
 from tests.daemon.test_service import commands, daemon_config, publish
-from trainguard.agent._keystore import AgentKeys, EventKey, KeyStore
-from trainguard.agent._requests import encode_request
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
+from trainguard.agent.keys._keystore import AgentKeys, EventKey, KeyStore
+from trainguard.agent.supervisor._requests import encode_request
 from trainguard.daemon import DaemonService
-from trainguard.daemon._cli_stop import EXIT_NOT_STOPPED, EXIT_UNCONFIRMED, stop_job
-from trainguard.daemon._keys_admin import KeyAdmin
+from trainguard.daemon.admin._keys import KeyAdmin
+from trainguard.daemon.cli._stop import EXIT_NOT_STOPPED, EXIT_UNCONFIRMED, stop_job
 from trainguard.schemas import Abort, Lifecycle, Restore, add_mac, encode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]

@@ -31,11 +31,11 @@ from hypothesis import strategies as st
 from tests.daemon.machine_scenarios import JOB, T0, S, config, host_of
 from trainguard.agent._config import AgentConfig
 from trainguard.agent._outbox import Kind, Outbox, Queued
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import Decision, IncidentOpened
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide, next_deadline, unacted_command
-from trainguard.daemon._state import TERMINAL_PHASES, JobState, new_job
+from trainguard.daemon.core._decisions import Decision, IncidentOpened
+from trainguard.daemon.core._inputs import Input, Observed, Tick
+from trainguard.daemon.core._machine import decide, next_deadline, unacted_command
+from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._state import TERMINAL_PHASES, JobState, new_job
 from trainguard.schemas import (
     Checkpoint,
     DataCursor,

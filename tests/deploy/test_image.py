@@ -14,7 +14,7 @@ import pytest
 from dockerfile_parse import DockerfileParser
 
 from tests.deploy.support import DEPLOY, REPO, parse_cli
-from trainguard.daemon._settings import DaemonConfig
+from trainguard.daemon.service._settings import DaemonConfig
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from tests.deploy.support import DEPLOY, parse_cli, trainguard_variables, variables_read_by_the_code
-from trainguard.agent._supervisor import EXIT_ABORTED, EXIT_STOPPED
-from trainguard.daemon._settings import load_daemon_config
+from trainguard.agent.supervisor._supervisor import EXIT_ABORTED, EXIT_STOPPED
+from trainguard.daemon.service._settings import load_daemon_config
 
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
 # The oldest Kubernetes whose Job API has everything job.yaml uses (podFailurePolicy GA), and

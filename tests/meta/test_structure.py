@@ -1,5 +1,17 @@
-"""Structure the design relies on: the pure core does no I/O, each package's façade exports
-exactly what it documents, and ``trainguard`` stays a namespace over three source roots."""
+"""The layout the design relies on, checked by folder (``docs/architecture.md``).
+
+* ``trainguard`` is a namespace over three source roots, each holding one part of it.
+* A *part* is a package with a façade (``__init__`` with ``__all__``): ``trainguard.schemas``,
+  ``trainguard.agent`` (with its folders ``checkpoint``, ``data``, ``faults``, ``keys``,
+  ``supervisor``), ``trainguard.agent.bus``, and each sub-package of ``trainguard.daemon``
+  (``core``, ``service``, ``forensics``, ``catalog``, ``admin``, ``demo``, ``cli``). A module
+  imports another part only through that part's public names, never its ``_private`` modules.
+* Parts depend in one direction (:data:`MAY_IMPORT`): the pure core imports only the wire
+  contract, the wire contract nothing of the agent or the daemon, the agent nothing of the
+  daemon.
+* The pure core (everything under ``daemon/core/``, and the agent's cursor arithmetic) imports
+  no module that does I/O, reads a clock or draws random numbers (ARCHITECTURE.md section 4).
+"""
 
 from __future__ import annotations
 
@@ -11,88 +23,193 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+ROOTS = [REPO / "schemas" / "src", REPO / "agent" / "src", REPO / "daemon" / "src"]
 
-PURE_MODULES = [
-    "daemon/src/trainguard/daemon/_machine.py",
-    "daemon/src/trainguard/daemon/_state.py",
-    "daemon/src/trainguard/daemon/_decisions.py",
-    "daemon/src/trainguard/daemon/_inputs.py",
-    "daemon/src/trainguard/daemon/_config.py",
-    "daemon/src/trainguard/daemon/_commit.py",
-    "daemon/src/trainguard/daemon/_evidence.py",
-    "daemon/src/trainguard/daemon/_recovery.py",
-    "daemon/src/trainguard/daemon/_outage.py",
-    "daemon/src/trainguard/daemon/_stop.py",
-    "daemon/src/trainguard/daemon/_stall.py",
-    "daemon/src/trainguard/daemon/_divergence.py",
-    "daemon/src/trainguard/daemon/_trend.py",
-    "daemon/src/trainguard/daemon/_window.py",
-    "daemon/src/trainguard/daemon/_audit.py",
-    "daemon/src/trainguard/daemon/_intake.py",
-    "daemon/src/trainguard/daemon/_replay.py",
-    "daemon/src/trainguard/daemon/_state_codec.py",
-    "daemon/src/trainguard/daemon/_catalog.py",
-    "daemon/src/trainguard/daemon/_report_record.py",
-    "agent/src/trainguard/agent/_cursor.py",
-    "agent/src/trainguard/agent/_errors.py",
-]
-"""The state machine, its detectors and the cursor arithmetic (ARCHITECTURE.md section 4),
-the replay that folds a recorded log through them (with its intake and audit format), and the
-catalog and report digests built from the same records."""
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "trainguard.schemas": frozenset(),
+    "trainguard.agent.bus": frozenset({"trainguard.schemas"}),
+    "trainguard.agent": frozenset({"trainguard.schemas", "trainguard.agent.bus"}),
+    "trainguard.daemon": frozenset({"trainguard.daemon.core", "trainguard.daemon.service"}),
+    "trainguard.daemon.core": frozenset({"trainguard.schemas"}),
+    "trainguard.daemon.service": frozenset(
+        {"trainguard.schemas", "trainguard.agent", "trainguard.agent.bus", "trainguard.daemon.core"}
+    ),
+    "trainguard.daemon.forensics": frozenset(
+        {"trainguard.schemas", "trainguard.agent.bus", "trainguard.daemon.core"}
+    ),
+    "trainguard.daemon.catalog": frozenset(
+        {"trainguard.schemas", "trainguard.daemon.core", "trainguard.daemon.forensics"}
+    ),
+    "trainguard.daemon.admin": frozenset({"trainguard.agent"}),
+    "trainguard.daemon.demo": frozenset(
+        {"trainguard.schemas", "trainguard.agent", "trainguard.agent.bus"}
+    ),
+    "trainguard.daemon.cli": frozenset(
+        {
+            "trainguard.schemas",
+            "trainguard.agent",
+            "trainguard.agent.bus",
+            "trainguard.daemon.core",
+            "trainguard.daemon.service",
+            "trainguard.daemon.forensics",
+            "trainguard.daemon.catalog",
+            "trainguard.daemon.admin",
+            "trainguard.daemon.demo",
+        }
+    ),
+}
+"""Each part -> the other parts its modules may import. A new part must be added here: where it
+sits in the layering is a decision, not a default."""
+
+PURE = ("daemon/src/trainguard/daemon/core/", "agent/src/trainguard/agent/data/_cursor.py")
+"""The pure core, by folder: the state machine, its rules and detectors, and the cursor
+arithmetic an agent resumes its data position with."""
 
 IO_MODULES = {
     "asyncio", "anyio", "socket", "sqlite3", "aiokafka", "os", "io", "time", "random",
     "logging", "structlog", "subprocess", "threading", "multiprocessing", "pathlib", "shutil",
     "tempfile", "urllib", "http", "signal", "select", "selectors", "datetime", "uuid",
-    "torch", "numpy", "trainguard.agent.bus",
+    "torch", "numpy", "importlib",
 }  # fmt: skip
 
 
-PURE_PACKAGES = ("trainguard.schemas",)
-"""Pure dependencies the core may import (the wire contract: typed messages and the codec)."""
+def _modules() -> list[tuple[str, Path]]:
+    """Every source module as (dotted name, path), packages by their ``__init__``."""
+    found = []
+    for root in ROOTS:
+        for path in sorted(root.rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            found.append((name.removesuffix(".__init__"), path))
+    return found
 
 
-def _module_name(path: str) -> str:
-    parts = Path(path).with_suffix("").parts
-    return ".".join(parts[parts.index("trainguard") :])
+MODULES = _modules()
 
 
-def _imports(module: str) -> set[str]:
-    """Absolute names of the modules ``module`` imports (relative imports resolved)."""
-    path = REPO / next(p for p in PURE_MODULES if _module_name(p) == module)
-    package = module.rsplit(".", 1)[0]
-    names: set[str] = set()
+def part_of(module: str) -> str:
+    """The part a dotted module name belongs to (its public package prefix, cut as above)."""
+    public = []
+    for component in module.split("."):
+        if component.startswith("_"):
+            break
+        public.append(component)
+    if public[:2] == ["trainguard", "daemon"] and len(public) > 2:
+        return ".".join(public[:3])
+    if public[:3] == ["trainguard", "agent", "bus"]:
+        return "trainguard.agent.bus"
+    return ".".join(public[:2])
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int]]:
+    """``(absolute imported module, line)`` for every import of ``module``'s source, relative
+    imports resolved; ``from package import _module`` counts as an import of that module."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-        elif isinstance(node, ast.ImportFrom) and node.level == 1:
-            names.add(f"{package}.{node.module}" if node.module else package)
-    return names
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            found.append((target, node.lineno))
+            found += [(f"{target}.{a.name}", node.lineno) for a in node.names if a.name[0] == "_"]
+    return found
 
 
-@pytest.mark.parametrize("path", PURE_MODULES)
-def test_pure_core_imports_no_io(path: str) -> None:
-    """Neither the module nor any trainguard module it imports touches I/O modules: every
-    trainguard import of a pure module is another pure module or the wire contract."""
-    pure = {_module_name(p) for p in PURE_MODULES}
-    imported = _imports(_module_name(path))
-    io = {n for n in imported if any(n == m or n.startswith(m + ".") for m in IO_MODULES)}
-    assert not io, f"{path} imports I/O modules {sorted(io)}"
-    impure = {
-        n
-        for n in imported
-        if n.startswith("trainguard.")
-        and n not in pure
-        and not any(n == p or n.startswith(p + ".") for p in PURE_PACKAGES)
-    }
-    assert not impure, f"{path} imports trainguard modules outside the pure core: {sorted(impure)}"
+def _trainguard_imports(module: str, path: Path) -> list[tuple[str, int]]:
+    return [(n, line) for n, line in _imports(module, path) if n.startswith("trainguard.")]
+
+
+@pytest.mark.parametrize(("module", "path"), MODULES, ids=[m for m, _ in MODULES])
+def test_parts_meet_only_through_public_names(module: str, path: Path) -> None:
+    mine = part_of(module)
+    crossing = [
+        f"line {line}: {name}"
+        for name, line in _trainguard_imports(module, path)
+        if part_of(name) != mine and any(c.startswith("_") for c in name.split("."))
+    ]
+    assert not crossing, f"{module} imports private modules of other parts: {crossing}"
+
+
+@pytest.mark.parametrize(("module", "path"), MODULES, ids=[m for m, _ in MODULES])
+def test_parts_depend_in_one_direction(module: str, path: Path) -> None:
+    mine = part_of(module)
+    assert mine in MAY_IMPORT, f"{mine} is a new part: say in MAY_IMPORT what it may import"
+    against = [
+        f"line {line}: {name}"
+        for name, line in _trainguard_imports(module, path)
+        if part_of(name) not in MAY_IMPORT[mine] | {mine}
+    ]
+    assert not against, (
+        f"{module} ({mine}) imports parts outside {sorted(MAY_IMPORT[mine])}: {against}"
+    )
+
+
+PURE_MODULES = [(m, p) for m, p in MODULES if str(p.relative_to(REPO)).startswith(PURE)]
+
+
+def test_the_pure_core_is_where_the_layout_says() -> None:
+    names = {m for m, _ in PURE_MODULES}
+    assert {"trainguard.daemon.core._machine", "trainguard.agent.data._cursor"} <= names
+    assert "trainguard.daemon.core.detectors._stall" in names
+
+
+@pytest.mark.parametrize(("module", "path"), PURE_MODULES, ids=[m for m, _ in PURE_MODULES])
+def test_the_pure_core_does_no_io(module: str, path: Path) -> None:
+    """No import of a module that does I/O, reads a clock or draws random numbers; trainguard
+    imports stay inside the pure core's own part or the wire contract (checked above)."""
+    io = [
+        f"line {line}: {name}"
+        for name, line in _imports(module, path)
+        if any(name == m or name.startswith(m + ".") for m in IO_MODULES)
+    ]
+    assert not io, f"{module} imports I/O modules: {io}"
+    outside = [
+        name
+        for name, _ in _trainguard_imports(module, path)
+        if part_of(name) not in {part_of(module), "trainguard.schemas"}
+    ]
+    assert not outside, f"{module} imports beyond the pure core: {outside}"
+
+
+def _distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions)."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        previous, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (ca != cb))
+    return row[-1]
+
+
+def test_no_two_module_names_of_a_folder_differ_by_one_letter() -> None:
+    by_folder: dict[Path, list[str]] = {}
+    for _, path in MODULES:
+        by_folder.setdefault(path.parent, []).append(path.stem)
+    close = [
+        (str(folder.relative_to(REPO)), a, b)
+        for folder, stems in by_folder.items()
+        for i, a in enumerate(stems)
+        for b in stems[i + 1 :]
+        if _distance(a, b) <= 1
+    ]
+    assert not close, f"module names one letter apart: {close}"
+
+
+FACADES = sorted({m for m, p in MODULES if p.name == "__init__.py" and m != "trainguard"})
+
+
+@pytest.mark.parametrize("package", FACADES)
+def test_every_package_says_what_it_holds(package: str) -> None:
+    module = importlib.import_module(package)
+    assert (module.__doc__ or "").strip(), f"{package} has no docstring"
 
 
 @pytest.mark.parametrize(
-    "package",
-    ["trainguard.schemas", "trainguard.agent", "trainguard.agent.bus", "trainguard.daemon"],
+    "package", [p for p in FACADES if hasattr(importlib.import_module(p), "__all__")]
 )
 def test_facade_exports_exactly_its_public_names(package: str) -> None:
     module = importlib.import_module(package)
@@ -108,6 +225,12 @@ def test_facade_exports_exactly_its_public_names(package: str) -> None:
         and name not in {"annotations", "TYPE_CHECKING", "Any"}
     }
     assert public <= exported, f"{package} has public names outside __all__: {public - exported}"
+
+
+def test_every_part_has_a_facade() -> None:
+    parts = {part_of(m) for m, _ in MODULES} - {"trainguard"}
+    without = {p for p in parts if not hasattr(importlib.import_module(p), "__all__")}
+    assert not without, f"parts without __all__: {sorted(without)}"
 
 
 def test_trainguard_is_a_namespace_over_the_three_roots() -> None:

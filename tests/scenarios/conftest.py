@@ -9,7 +9,7 @@ import pytest
 
 from tests.buses import BusFactory
 from tests.scenarios.harness import REPO, WORLD_SIZE, JobRun, Shape
-from trainguard.daemon._rehearsal import reference_run
+from trainguard.daemon.demo._harness import reference_run
 
 SHAPE = Shape()
 

@@ -1,7 +1,7 @@
 """Scenario harness: the ``examples/charlm`` job under a real daemon and supervisor on one bus,
 watched live on the bus, and judged against an uninterrupted reference run.
 
-Built on :mod:`trainguard.daemon._rehearsal` (processes, live following, the job's record); this
+Built on :mod:`trainguard.daemon.demo._harness` (processes, live following, the job's record); this
 module adds what the scenario tests need on top: one object per run that owns its processes
 (and kills whatever is left at teardown), waiting for a message on the bus with a deadline, and
 the checks of issue 3's invariants (exactly one restore per incident attempt, restore targets
@@ -29,8 +29,7 @@ import orjson
 from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
 from tests.buses import BusFactory
 from trainguard.daemon import MachineConfig
-from trainguard.daemon._joblog import read_bus
-from trainguard.daemon._rehearsal import (
+from trainguard.daemon.demo._harness import (
     JobRecord,
     Stamped,
     charlm_command,
@@ -41,8 +40,9 @@ from trainguard.daemon._rehearsal import (
     stop_process,
     supervise,
 )
-from trainguard.daemon._replay import replay, verify
-from trainguard.daemon._timeline import difference_json
+from trainguard.daemon.forensics._job_log import read_bus
+from trainguard.daemon.forensics._replay import replay, verify
+from trainguard.daemon.forensics._timeline import difference_json
 from trainguard.schemas import Lifecycle, Restore
 
 REPO = Path(__file__).resolve().parents[2]

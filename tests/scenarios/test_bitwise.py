@@ -18,7 +18,7 @@ import pytest
 
 from tests.buses import BusFactory
 from tests.scenarios.harness import REPO, JobRun, Shape, assert_exact, only
-from trainguard.daemon._rehearsal import reference_run
+from trainguard.daemon.demo._harness import reference_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -46,8 +46,8 @@ from tests.scenarios.harness import (
     only,
     restore_decisions,
 )
-from trainguard.agent._supervisor import EXIT_ABORTED
-from trainguard.daemon._rehearsal import (
+from trainguard.agent.supervisor._supervisor import EXIT_ABORTED
+from trainguard.daemon.demo._harness import (
     JobRecord,
     charlm_command,
     charlm_env,

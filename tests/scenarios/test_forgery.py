@@ -24,9 +24,9 @@ import pytest
 from tests.buses import BusFactory
 from tests.scenarios.conftest import SHAPE
 from tests.scenarios.harness import JOB, JobRun, Shape, assert_exact, is_restore, only
-from trainguard.agent._keystore import KeyStore
 from trainguard.agent.bus import BusConfig, open_bus
-from trainguard.daemon._keys_admin import KeyAdmin
+from trainguard.agent.keys._keystore import KeyStore
+from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.schemas import Heartbeat, add_mac, encode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

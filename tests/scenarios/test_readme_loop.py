@@ -24,7 +24,7 @@ from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
 from tests.agent import _jobbus as daemon
 from tests.buses import BusFactory
 from tests.scenarios.readme_job import JOB, REPO, expected_ledger, write_worker
-from trainguard.daemon._rehearsal import read_job_record, start_daemon, stop_process, supervise
+from trainguard.daemon.demo._harness import read_job_record, start_daemon, stop_process, supervise
 from trainguard.schemas import Checkpoint, StepRange
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -34,9 +34,9 @@ from tests.scenarios.harness import (
     assert_targets_newest_good,
     only,
 )
-from trainguard.agent._shards import uri_to_path
-from trainguard.agent._supervisor import EXIT_ABORTED
-from trainguard.daemon._rehearsal import (
+from trainguard.agent.checkpoint._shards import uri_to_path
+from trainguard.agent.supervisor._supervisor import EXIT_ABORTED
+from trainguard.daemon.demo._harness import (
     charlm_command,
     charlm_env,
     read_job_record,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.scenarios.harness import JOB, JobRun, assert_exact, is_restore, restore_decisions
-from trainguard.agent._supervisor import EXIT_STOPPED
-from trainguard.daemon._rehearsal import JobRecord, stop_process
+from trainguard.agent.supervisor._supervisor import EXIT_STOPPED
+from trainguard.daemon.demo._harness import JobRecord, stop_process
 from trainguard.schemas import JobRequest, Lifecycle, Manifest, Resume
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

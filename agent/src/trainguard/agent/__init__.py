@@ -18,15 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.agent._agent import RESERVED_KEY, Agent, AgentStats
 from trainguard.agent._config import DEFAULT_BUS_URL, AgentConfig
-from trainguard.agent._cursor import (
-    MAX_DATASET_LEN,
-    CursorMismatch,
-    DataVersionMismatch,
-    GlobalOrder,
-    KeyedPermutation,
-    epoch_permutation,
-)
-from trainguard.agent._dataset_version import ManifestEntry, dataset_manifest, dataset_version
 from trainguard.agent._errors import (
     AgentError,
     ConfigError,
@@ -38,11 +29,20 @@ from trainguard.agent._errors import (
     ShardMissing,
     StaleGeneration,
 )
-from trainguard.agent._faults import Fault, FaultKind, parse_faults
+from trainguard.agent.data._cursor import (
+    MAX_DATASET_LEN,
+    CursorMismatch,
+    DataVersionMismatch,
+    GlobalOrder,
+    KeyedPermutation,
+    epoch_permutation,
+)
+from trainguard.agent.data._dataset_version import ManifestEntry, dataset_manifest, dataset_version
+from trainguard.agent.faults._plan import Fault, FaultKind, parse_faults
 
 if TYPE_CHECKING:
     from trainguard.agent._ddp import ordered_allreduce, ordered_allreduce_hook
-    from trainguard.agent._sampler import ResumableDistributedSampler
+    from trainguard.agent.data._sampler import ResumableDistributedSampler
 
 __all__ = [
     "DEFAULT_BUS_URL",
@@ -81,7 +81,7 @@ def __getattr__(name: str) -> Any:
     # The sampler subclasses torch's Sampler, the DDP hook uses torch.distributed: load torch
     # only when they are asked for.
     if name == "ResumableDistributedSampler":
-        from trainguard.agent._sampler import ResumableDistributedSampler
+        from trainguard.agent.data._sampler import ResumableDistributedSampler
 
         return ResumableDistributedSampler
     if name in ("ordered_allreduce", "ordered_allreduce_hook"):

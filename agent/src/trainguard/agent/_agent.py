@@ -25,11 +25,10 @@ from trainguard.agent._errors import (
     ShardMissing,
     StaleGeneration,
 )
-from trainguard.agent._faults import parse_faults
-from trainguard.agent._injector import FaultInjector, Scalable
 from trainguard.agent._link import Commands, Link
-from trainguard.agent._manifests import fetch_manifest
-from trainguard.agent._shards import (
+from trainguard.agent.bus import BusConfig
+from trainguard.agent.checkpoint._manifests import fetch_manifest
+from trainguard.agent.checkpoint._shards import (
     HostStager,
     capture_rng,
     load_shard,
@@ -37,8 +36,9 @@ from trainguard.agent._shards import (
     shard_path,
     write_shard,
 )
-from trainguard.agent._step_file import StepRecorder
-from trainguard.agent.bus import BusConfig
+from trainguard.agent.checkpoint._step_file import StepRecorder
+from trainguard.agent.faults._injector import FaultInjector, Scalable
+from trainguard.agent.faults._plan import parse_faults
 from trainguard.schemas import (
     Abort,
     Checkpoint,
@@ -90,7 +90,7 @@ class AgentStats:
         commands_ignored: commands not acted on (older generations, undecodable ones, and with
             the daemon's public keys unsigned, badly signed, other jobs' and replayed ones).
         commands_ignored_by_reason: the same by reason (``unsigned``, ``bad_signature``,
-            ``replayed``, ...; see ``trainguard.agent._command_gate``).
+            ``replayed``, ...; see ``trainguard.agent.keys._command_gate``).
         checkpoints_written: shards written and announced.
         checkpoint_failures: shards that could not be written (their futures hold the error).
     """
@@ -662,7 +662,7 @@ class Agent:
         return self._faults.loss(step, loss)
 
     def _send_checksum(self, model: nn.Module) -> None:
-        from trainguard.agent._checksum import parameter_checksum
+        from trainguard.agent.checkpoint._checksum import parameter_checksum
 
         checksum = parameter_checksum(model)
         self._link.submit(

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.agent._errors import ConfigError
-from trainguard.agent._faults import parse_faults
-from trainguard.agent._keystore import AgentKeys, agent_keys_from_env
 from trainguard.agent.bus import (
     DEFAULT_BUS_URL,
     BusURLError,
@@ -25,6 +23,8 @@ from trainguard.agent.bus import (
     load_kafka_security,
     parse_bus_url,
 )
+from trainguard.agent.faults._plan import parse_faults
+from trainguard.agent.keys._keystore import AgentKeys, agent_keys_from_env
 from trainguard.schemas import Checkpoint, CheckpointMeta, DataCursor, SchemaError, encode
 
 __all__ = ["DEFAULT_BUS_URL", "AgentConfig"]

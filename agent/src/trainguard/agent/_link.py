@@ -53,10 +53,7 @@ from typing import Any, TypeVar
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from structlog.typing import FilteringBoundLogger
 
-from trainguard.agent._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
-from trainguard.agent._keystore import EventKey
 from trainguard.agent._outbox import Kind, Outbox, Queued
-from trainguard.agent._spool import Spool
 from trainguard.agent.bus import (
     Bus,
     BusConfig,
@@ -67,8 +64,11 @@ from trainguard.agent.bus import (
     TopicPartition,
     open_bus,
     parse_bus_url,
+    partition_for,
 )
-from trainguard.agent.bus._partitioner import partition_for
+from trainguard.agent.keys._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
+from trainguard.agent.keys._keystore import EventKey
+from trainguard.agent.supervisor._spool import Spool
 from trainguard.schemas import (
     Abort,
     DataCursorEvent,

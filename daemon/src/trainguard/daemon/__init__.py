@@ -11,44 +11,45 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trainguard.daemon._commit import snapshot_id
-from trainguard.daemon._config import MachineConfig
-from trainguard.daemon._decisions import (
+from trainguard.daemon.core import (
+    TERMINAL_PHASES,
     Anomaly,
     AnomalyKind,
     Committed,
     Decision,
+    Incident,
+    IncidentCause,
     IncidentClosed,
     IncidentOpened,
     IncidentOutcome,
+    Input,
     Issue,
     JobFailed,
-    RejectCode,
-    Rejected,
-    Transition,
-)
-from trainguard.daemon._evidence import Measures
-from trainguard.daemon._inputs import Input, Observed, Tick
-from trainguard.daemon._machine import decide, fold, next_deadline
-from trainguard.daemon._state import (
-    TERMINAL_PHASES,
-    Incident,
-    IncidentCause,
     JobPhase,
     JobState,
+    MachineConfig,
+    Measures,
+    Observed,
     RankState,
     RankStatus,
+    RejectCode,
+    Rejected,
+    Tick,
+    Transition,
+    decide,
+    fold,
     new_job,
+    next_deadline,
+    snapshot_id,
 )
 
 if TYPE_CHECKING:
-    from trainguard.daemon._service import DaemonService
-    from trainguard.daemon._settings import DaemonConfig, load_daemon_config
+    from trainguard.daemon.service import DaemonConfig, DaemonService, load_daemon_config
 
 _LAZY = {
-    "DaemonService": "trainguard.daemon._service",
-    "DaemonConfig": "trainguard.daemon._settings",
-    "load_daemon_config": "trainguard.daemon._settings",
+    "DaemonService": "trainguard.daemon.service",
+    "DaemonConfig": "trainguard.daemon.service",
+    "load_daemon_config": "trainguard.daemon.service",
 }
 """Names imported on first use (PEP 562): the service and its settings bring the bus adapters
 and the HTTP server along (0.17 s), which the pure core, the CLI's read-only commands and the

@@ -22,7 +22,7 @@ whole. That saves validating the ``auth`` member and parsing the message a secon
 rebuild its canonical bytes. For anything else :func:`split_mac` says nothing, and
 :func:`verify_mac` after ``decode`` gives the verdict, which the three never contradict.
 
-**Keys** are passed in by the caller (``trainguard.agent._keystore`` loads them): an event key
+**Keys** are passed in by the caller (``trainguard.agent.keys._keystore`` loads them): an event key
 is 32 random bytes, a signing key an Ed25519 key pair (``cryptography``). A key id (``kid``)
 names the key a MAC or signature was made with, so that keys can rotate.
 

@@ -9,6 +9,9 @@ bus", lambda: started(open_bus(config)), stop, warn_every_s=30.0)``), which a si
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from trainguard.agent.bus._config import (
     DEFAULT_BUS_URL,
     DEFAULT_TOPICS,
@@ -41,9 +44,44 @@ from trainguard.agent.bus._port import (
     TopicPartition,
     TopicSpec,
 )
-from trainguard.agent.bus._wait import Signalled, close_soon, patiently, started
+from trainguard.agent.bus._wait import (
+    ABANDON_GRACE_S,
+    Signalled,
+    abandon,
+    close_soon,
+    or_stop,
+    patiently,
+    started,
+)
+
+if TYPE_CHECKING:
+    from trainguard.agent.bus._kafka_logs import quiet_kafka_logs
+    from trainguard.agent.bus._partitioner import partition_for
+    from trainguard.agent.bus._sqlite import SQLiteBus
+    from trainguard.agent.bus._sqlite_lock import serving_lock
+
+_LAZY: dict[str, str] = {
+    "SQLiteBus": "trainguard.agent.bus._sqlite",
+    "partition_for": "trainguard.agent.bus._partitioner",
+    "quiet_kafka_logs": "trainguard.agent.bus._kafka_logs",
+    "serving_lock": "trainguard.agent.bus._sqlite_lock",
+}
+"""Names imported on first use (PEP 562): the partitioner imports aiokafka (for murmur2), the
+others one adapter's machinery, which a process that uses the other adapter does not need."""
+
+
+def __getattr__(name: str) -> Any:
+    """The names of :data:`_LAZY`, imported when first asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
+    "ABANDON_GRACE_S",
     "DEFAULT_BUS_URL",
     "DEFAULT_TOPICS",
     "SECURITY_ENVIRONMENT",
@@ -60,18 +98,24 @@ __all__ = [
     "KafkaSecurity",
     "PartitionWriter",
     "Record",
+    "SQLiteBus",
     "Signalled",
     "TopicPartition",
     "TopicSpec",
     "TransactionExpired",
     "TransactionInDoubt",
+    "abandon",
     "close_soon",
     "default_bus_url",
     "default_state_dir",
     "load_kafka_security",
     "open_bus",
+    "or_stop",
     "parse_bus_url",
+    "partition_for",
     "patiently",
+    "quiet_kafka_logs",
+    "serving_lock",
     "sqlite_url",
     "started",
     "topic_prefixes",

@@ -4,7 +4,7 @@ While a broker is away aiokafka logs every failed connection, bootstrap and meta
 about 200 lines a second per process (measured with ``kafka-dev stop``), into the daemon's log
 and every worker's stderr; after a fence its orphaned tasks add "exception was never
 retrieved" tracebacks. trainguard's own outage lines (``bus outage started`` / ``ended``,
-:mod:`trainguard.daemon._buswatch`) are the ones to alert on; these are detail.
+:mod:`trainguard.daemon.service._bus_watch`) are the ones to alert on; these are detail.
 
 The rule, per message template (logger, level and the format string before its arguments
 are filled in): the first line goes through, and then at most one per :data:`WINDOW_S`

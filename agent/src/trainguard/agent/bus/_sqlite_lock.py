@@ -9,7 +9,7 @@ waits for it takes over at once; a *paused* holder (SIGSTOP, a debugger) keeps i
 never two deciders. The file holds the holder's pid and the time it took the lock, for the
 message of the daemon refused, and stays after the holder exits (removing it could let two
 processes lock two different files of one name). Same pattern as the supervisors' node slot
-(:mod:`trainguard.agent._node_slot`).
+(:mod:`trainguard.agent.supervisor._node_slot`).
 """
 
 from __future__ import annotations

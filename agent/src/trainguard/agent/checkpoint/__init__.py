@@ -1,0 +1,26 @@
+"""A rank's checkpoint shards and the committed snapshots' manifests.
+
+:mod:`._shards` writes and verifies one rank's shard (``torch.save``, SHA-256 of the bytes,
+verified before loading), :mod:`._checksum` digests parameters for the cross-rank checksum
+detector, :mod:`._step_file` records a worker's last finished step for its supervisor, and
+:mod:`._manifests` reads the signed manifests of committed snapshots from the ``manifests``
+topic.
+"""
+
+from __future__ import annotations
+
+from trainguard.agent.checkpoint._manifests import (
+    ManifestLog,
+    fetch_manifest,
+    read_manifests,
+)
+from trainguard.agent.checkpoint._shards import (
+    uri_to_path,
+)
+
+__all__ = [
+    "ManifestLog",
+    "fetch_manifest",
+    "read_manifests",
+    "uri_to_path",
+]
