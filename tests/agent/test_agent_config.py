@@ -138,9 +138,17 @@ def test_none_arguments_and_empty_variables_count_as_unset():
     ("env", "settings", "match"),
     [
         ({}, {}, "job id missing"),
-        ({"TRAINGUARD_RANK": "one"}, {"job_id": "j"}, "TRAINGUARD_RANK='one'"),
-        ({"WORLD_SIZE": "2.5"}, {"job_id": "j"}, "WORLD_SIZE='2.5'"),
-        ({}, {"job_id": "j", "colour": "red"}, "unknown agent setting.*colour"),
+        (
+            {"TRAINGUARD_RANK": "one"},
+            {"job_id": "j"},
+            r"TRAINGUARD_RANK \(rank\): expected a whole number, got 'one'",
+        ),
+        (
+            {"WORLD_SIZE": "2.5"},
+            {"job_id": "j"},
+            r"WORLD_SIZE \(world_size\): expected a whole number, got '2.5'",
+        ),
+        ({}, {"job_id": "j", "colour": "red"}, r"agent setting: unknown key\(s\) \['colour'\]"),
         ({"RANK": "2", "WORLD_SIZE": "2"}, {"job_id": "j"}, "rank 2 is outside world size 2"),
         ({}, {"job_id": "no spaces"}, "job_id"),
         ({}, {"job_id": "j", "host": ""}, "host"),
@@ -153,7 +161,11 @@ def test_none_arguments_and_empty_variables_count_as_unset():
         ({"TRAINGUARD_BUS": "redis://x"}, {"job_id": "j"}, "scheme must be sqlite or kafka"),
         ({"TRAINGUARD_FAULTS": "kill@step=1"}, {"job_id": "j"}, "missing rank"),
         ({"TRAINGUARD_CHECKSUM_EVERY": "-1"}, {"job_id": "j"}, "checksum_every must be >= 0"),
-        ({"TRAINGUARD_IN_PROCESS_RESTORE": "maybe"}, {"job_id": "j"}, "IN_PROCESS_RESTORE"),
+        (
+            {"TRAINGUARD_IN_PROCESS_RESTORE": "maybe"},
+            {"job_id": "j"},
+            "IN_PROCESS_RESTORE.*expected true or false, got 'maybe'",
+        ),
         ({}, {"job_id": "j", "hyperparameters": {"f": object()}}, "hyperparameters"),
     ],
 )

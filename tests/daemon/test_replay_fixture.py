@@ -23,9 +23,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_a_job_recorded_before_the_move_replays_and_verifies() -> None:
+    command = ["replay", "charlm-demo", "--file", str(RECORD), "--format", "jsonl"]
     done = subprocess.run(
-        [sys.executable, "-m", "trainguard.daemon.cli", "replay", "charlm-demo"]
-        + ["--file", str(RECORD), "--format", "jsonl"],
+        [sys.executable, "-m", "trainguard.daemon.cli", *command],
         capture_output=True,
         text=True,
         timeout=90,

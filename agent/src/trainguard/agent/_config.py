@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import os
 import socket
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,46 +26,34 @@ from trainguard.agent.bus import (
 from trainguard.agent.faults._plan import parse_faults
 from trainguard.agent.keys._keystore import AgentKeys, agent_keys_from_env
 from trainguard.schemas import Checkpoint, CheckpointMeta, DataCursor, SchemaError, encode
+from trainguard.schemas.settings import build, from_environment
 
 __all__ = ["DEFAULT_BUS_URL", "AgentConfig"]
 
 
-def _boolean(raw: str) -> bool:
-    """``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case).
-
-    Raises:
-        ValueError: anything else.
-    """
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {raw!r}")
-
-
-_ENVIRONMENT: Mapping[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
-    "job_id": (("TRAINGUARD_JOB",), str),
-    "bus_url": (("TRAINGUARD_BUS",), str),
-    "topic_prefix": (("TRAINGUARD_TOPIC_PREFIX",), str),
-    "rank": (("TRAINGUARD_RANK", "RANK"), int),
-    "world_size": (("TRAINGUARD_WORLD_SIZE", "WORLD_SIZE"), int),
-    "generation": (("TRAINGUARD_GENERATION",), int),
-    "checkpoint_dir": (("TRAINGUARD_CHECKPOINT_DIR",), Path),
-    "heartbeat_interval_s": (("TRAINGUARD_HEARTBEAT_INTERVAL",), float),
-    "restore_timeout_s": (("TRAINGUARD_RESTORE_TIMEOUT",), float),
-    "resume_timeout_s": (("TRAINGUARD_RESUME_TIMEOUT",), float),
-    "faults": (("TRAINGUARD_FAULTS",), str),
-    "checksum_every": (("TRAINGUARD_CHECKSUM_EVERY",), int),
-    "in_process_restore": (("TRAINGUARD_IN_PROCESS_RESTORE",), _boolean),
-    "code_version": (("TRAINGUARD_CODE_VERSION",), str),
-    "init_from": (("TRAINGUARD_INIT_FROM",), str),
-    "step_file": (("TRAINGUARD_STEP_FILE",), Path),
-    "outbox_max_events": (("TRAINGUARD_OUTBOX_MAX_EVENTS",), int),
-    "spool_dir": (("TRAINGUARD_SPOOL_DIR",), Path),
-    "close_timeout_s": (("TRAINGUARD_CLOSE_TIMEOUT",), float),
+_ENVIRONMENT: Mapping[str, tuple[str, ...]] = {
+    "job_id": ("TRAINGUARD_JOB",),
+    "bus_url": ("TRAINGUARD_BUS",),
+    "topic_prefix": ("TRAINGUARD_TOPIC_PREFIX",),
+    "rank": ("TRAINGUARD_RANK", "RANK"),
+    "world_size": ("TRAINGUARD_WORLD_SIZE", "WORLD_SIZE"),
+    "generation": ("TRAINGUARD_GENERATION",),
+    "checkpoint_dir": ("TRAINGUARD_CHECKPOINT_DIR",),
+    "heartbeat_interval_s": ("TRAINGUARD_HEARTBEAT_INTERVAL",),
+    "restore_timeout_s": ("TRAINGUARD_RESTORE_TIMEOUT",),
+    "resume_timeout_s": ("TRAINGUARD_RESUME_TIMEOUT",),
+    "faults": ("TRAINGUARD_FAULTS",),
+    "checksum_every": ("TRAINGUARD_CHECKSUM_EVERY",),
+    "in_process_restore": ("TRAINGUARD_IN_PROCESS_RESTORE",),
+    "code_version": ("TRAINGUARD_CODE_VERSION",),
+    "init_from": ("TRAINGUARD_INIT_FROM",),
+    "step_file": ("TRAINGUARD_STEP_FILE",),
+    "outbox_max_events": ("TRAINGUARD_OUTBOX_MAX_EVENTS",),
+    "spool_dir": ("TRAINGUARD_SPOOL_DIR",),
+    "close_timeout_s": ("TRAINGUARD_CLOSE_TIMEOUT",),
 }
-"""Setting name -> (environment variables, highest precedence first; parser of their value)."""
+"""Setting name -> the environment variables that set it, highest precedence first; each
+value is parsed by the field's annotation (:func:`trainguard.schemas.settings.parse_text`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,32 +199,23 @@ class AgentConfig:
                 not parse, or an invalid value (see the class docstring).
         """
         env = os.environ if env is None else env
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(overrides.keys() - known)
-        if unknown:
-            raise ConfigError(f"unknown agent setting(s): {', '.join(unknown)}")
-        values: dict[str, Any] = {}
-        for name, (variables, parse) in _ENVIRONMENT.items():
-            raw = next((env[v] for v in variables if env.get(v)), None)
-            if raw is None:
-                continue
-            try:
-                values[name] = parse(raw)
-            except ValueError as exc:
-                var = next(v for v in variables if env.get(v))
-                raise ConfigError(f"{var}={raw!r}: not a valid {name}") from exc
         try:
-            values["kafka_security"] = load_kafka_security(env=env)
+            values = from_environment(cls, env, _ENVIRONMENT)
+            kafka_security = load_kafka_security(env=env)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        values["keys"] = agent_keys_from_env(env)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("job_id"):
             raise ConfigError("job id missing: pass job_id=... or set TRAINGUARD_JOB")
-        for name in ("checkpoint_dir", "step_file", "spool_dir"):
-            if name in values:
-                values[name] = Path(values[name])
-        return cls(**values)
+        # Built from several variables each, not parsed from one: passed through as given.
+        built = {
+            "kafka_security": values.pop("kafka_security", kafka_security),
+            "keys": values.pop("keys", None) or agent_keys_from_env(env),
+        }
+        try:
+            return build("agent setting", cls, values, **built)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def checkpoint_template(self, *, step: int, cursor: DataCursor, pid: int) -> Checkpoint:
         """A checkpoint event of this rank for ``step`` with placeholder shard fields

@@ -9,7 +9,9 @@ authenticate a message (events carry an HMAC-SHA256, commands and manifests the 
 Ed25519 signature, in ``auth``); ``verify_mac``/``verify_signature`` check received bytes and
 raise :class:`Unauthenticated`; ``split_mac``/``verify_raw_mac``/``decode_maced`` check the MAC
 of an event laid out as ``encode`` writes it before decoding it. ``docs/wire-contract.md``
-describes the messages, the version rule, authentication and the errors.
+describes the messages, the version rule, authentication and the errors. Beside the messages,
+:mod:`trainguard.schemas.settings` is the contract of settings: every party's configuration
+(TOML tables, overrides, environment variables) is checked by it against its dataclass.
 
 Example::
 

@@ -12,6 +12,7 @@ from urllib.parse import unquote, urlsplit
 
 from trainguard.agent.bus._errors import BusURLError
 from trainguard.agent.bus._port import TopicSpec
+from trainguard.schemas.settings import check
 
 __all__ = [
     "DEFAULT_BUS_URL",
@@ -226,9 +227,7 @@ def load_kafka_security(
             f"[bus.security]: unknown key(s) {sorted(unknown)}; known: "
             f"{sorted(SECURITY_ENVIRONMENT)}"
         )
-    for key, value in values.items():
-        if not isinstance(value, str):
-            raise ValueError(f"[bus.security] {key}: expected a string, got {type(value).__name__}")
+    values = {key: check(f"[bus.security] {key}", str, value) for key, value in values.items()}
     _one_password_form(values, "[bus.security] sasl_password and sasl_password_file")
     from_env = {key: env[var] for key, var in SECURITY_ENVIRONMENT.items() if env.get(var)}
     _one_password_form(

@@ -3,8 +3,8 @@
 :class:`DaemonService` (:mod:`._daemon`) consumes ``events`` as a consumer group, folds each
 job's records through :func:`trainguard.daemon.core.decide`, and writes what the decisions say
 (commands, manifests, audit entries, ticks) in one transaction per owned partition
-(:mod:`._partitions`). Around it: the settings file (:mod:`._settings`, its type checks
-:mod:`._settings_types`), keys and authentication (:mod:`._security`), state snapshots (the
+(:mod:`._partitions`). Around it: the settings file (:mod:`._settings`, checked by
+:mod:`trainguard.schemas.settings`), keys and authentication (:mod:`._security`), state snapshots (the
 signed and encrypted envelope :mod:`._snapshot_envelope`, the topic's reader and writer
 :mod:`._snapshot_store`), pulse ticks (:mod:`._pulse`), the bus probe (:mod:`._bus_watch`),
 metrics and HTTP endpoints (:mod:`._metrics`, :mod:`._http`) and log set-up (:mod:`._logging`).

@@ -7,7 +7,7 @@ beat ``[bus.security]`` key by key. The file has up to four tables,
 (``MachineConfig`` fields, seconds as floats), ``[service]`` (``DaemonConfig`` loop
 settings) and ``[security]`` (:class:`SecurityConfig`: keys and authentication);
 ``deploy/daemon.example.toml`` lists every key with its default. Every value is checked
-against its field's type and range (:mod:`trainguard.daemon.service._settings_types`); errors name the
+against its field's type and range (:mod:`trainguard.schemas.settings`); errors name the
 file, the table and the key.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, load_kafka_security, parse_bus_url
 from trainguard.daemon.core import MachineConfig
-from trainguard.daemon.service._settings_types import build, check
+from trainguard.schemas.settings import build, check
 
 __all__ = ["MAX_COMMIT_INTERVAL_S", "DaemonConfig", "SecurityConfig", "load_daemon_config"]
 
@@ -213,7 +213,7 @@ def load_daemon_config(
     Every value is checked against the annotation of its field (``float`` fields take
     integers too, never booleans or strings, and refuse ``inf`` and ``nan``; ``Literal``
     fields take one of their choices; paths are strings) by
-    :func:`~trainguard.daemon.service._settings_types.build`, then against the ranges the dataclasses
+    :func:`~trainguard.schemas.settings.build`, then against the ranges the dataclasses
     check.
 
     Raises:

@@ -1,16 +1,26 @@
-"""Type checks of configuration-file tables against the dataclass they build.
+"""trainguard's one settings mechanism: values checked against the dataclass they build.
 
-TOML values arrive untyped (``metrics_port = "abc"`` parses fine), and dataclasses do not
-check their annotations, so every table of the daemon's file goes through :func:`build`: it
-checks each value against the field's annotation (read with :func:`typing.get_type_hints`),
-converts where the file's type differs from the field's (a string to a ``Path``, an int to a
-float, an array of tables to a tuple of dataclasses, a table to a read-only mapping), builds
-the object and names the table and key in every error, including the range errors the
-dataclass's ``__post_init__`` raises. Pure: no I/O.
+Every party's settings are a frozen dataclass (the daemon's ``DaemonConfig`` and its tables,
+the bus's ``BusConfig``, the agent's ``AgentConfig``); this module fills one from where its
+values come, with the same checks and the same error messages:
+
+* a TOML table or keyword overrides (:func:`build`): TOML values arrive untyped
+  (``metrics_port = "abc"`` parses fine), and dataclasses do not check their annotations, so
+  each value is checked against the field's annotation (read with
+  :func:`typing.get_type_hints`) and converted where the file's type differs from the
+  field's (a string to a ``Path``, an int to a float, an array of tables to a tuple of
+  dataclasses, a table to a read-only mapping);
+* environment variables (:func:`from_environment`): each variable's text is parsed by the
+  annotation of the field it sets (a whole number, a finite number, ``true``/``false``, a
+  path, one of a ``Literal``'s strings) and then checked the same way.
+
+Errors name the table and key, or the variable, including the range errors the dataclass's
+``__post_init__`` raises. Pure: no I/O (the caller passes the environment).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import reprlib
@@ -20,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-__all__ = ["build", "check"]
+__all__ = ["build", "check", "from_environment", "parse_text"]
 
 _T = TypeVar("_T")
 
@@ -173,3 +183,59 @@ def _float(value: Any, name: str) -> float:
 
 def _unit(name: str) -> str:
     return next((f" of {unit}" for suffix, unit in _UNITS.items() if name.endswith(suffix)), "")
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def from_environment(
+    cls: type, env: Mapping[str, str], variables: Mapping[str, tuple[str, ...]]
+) -> dict[str, Any]:
+    """The values the environment sets for ``cls``'s fields, parsed by their annotations.
+
+    Args:
+        cls: the dataclass the values are for.
+        env: the environment (``os.environ`` or a test's mapping).
+        variables: field name -> the variables that set it, highest precedence first. An
+            empty variable counts as unset.
+
+    Returns:
+        field name -> value (:func:`parse_text` of the first set variable), for the fields
+        some variable sets; ready for :func:`build`.
+
+    Raises:
+        ValueError: ``"<VARIABLE> (<field>): expected <what>, got <text> (a string)"``.
+    """
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for name, names in variables.items():
+        variable = next((v for v in names if env.get(v)), None)
+        if variable is not None:
+            values[name] = parse_text(f"{variable} ({name})", hints[name], env[variable], name)
+    return values
+
+
+def parse_text(where: str, hint: Any, text: str, name: str = "") -> Any:
+    """``text`` (an environment variable's value) as a value of the annotation ``hint``.
+
+    A whole number for ``int``, a finite number for ``float``, ``1``/``true``/``yes``/``on``
+    or ``0``/``false``/``no``/``off`` (any case) for ``bool``, the text itself for ``str``,
+    ``Path`` and ``Literal`` strings; ``X | None`` parses as ``X``. The result is then checked
+    as :func:`check` does.
+
+    Raises:
+        ValueError: ``"<where>: expected <what>, got <text> (a string)"``.
+    """
+    options = [a for a in typing.get_args(hint) if a is not type(None)]
+    target = options[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+    value: Any = text
+    if target is bool and text.strip().lower() in _TRUE | _FALSE:
+        value = text.strip().lower() in _TRUE
+    elif target is int:
+        with contextlib.suppress(ValueError):
+            value = int(text.strip())
+    elif target is float:
+        with contextlib.suppress(ValueError):
+            value = float(text.strip())
+    return check(where, hint, value, name)
