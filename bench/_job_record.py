@@ -30,8 +30,10 @@ record goes through :func:`~trainguard.daemon.core._intake.take` and
 service's order (commands on ``commands``, committed manifests on ``manifests``, the config
 entry once and a decision entry per deciding input on ``audit``, built by
 :mod:`trainguard.daemon.core._audit_entry`); its ticks are written where the service's loop would write
-them, modelled as ``_replay.what_if`` models them: at ``max(next_deadline, last tick +
-tick_interval_s) + poll_s``, whenever that comes before the next record. Append times are
+them, modelled as ``_replay.what_if`` models them, plus the service's pulse: at ``max(min(next_deadline,
+last input + pulse_s), last tick + tick_interval_s) + poll_s``, whenever that comes before the
+next record (without the pulse, a wait for a deadline would read as a bus outage, whose rule
+stops the job's clock). Append times are
 whole milliseconds (bus times are) and never decrease.
 
 Deterministic: the same :class:`Plan` gives the same record, byte for byte.
@@ -117,6 +119,8 @@ class Plan:
         daemon_id: the recording daemon's id (its ``MachineConfig``; defaults otherwise).
         tick_interval_s: the daemon's least time between two ticks of the job, seconds.
         poll_s: the daemon's longest wait between two looks at the clock, seconds.
+        pulse_s: the daemon's pulse: a job with nothing folded for this long gets a tick
+            (``DaemonConfig.pulse_s``), seconds.
     """
 
     events: int = 1_000_000
@@ -133,6 +137,7 @@ class Plan:
     daemon_id: str = "daemon-bench"
     tick_interval_s: float = 0.25
     poll_s: float = 0.05
+    pulse_s: float = 1.0
 
     @property
     def machine(self) -> MachineConfig:
@@ -249,6 +254,7 @@ class _Simulation:
         self.seqs: dict[tuple[int | None, str, int], int] = {}
         self.tick_seq = itertools.count(1)
         self.last_tick_ns = 0
+        self.last_sent_ns = 0
         self.now_ms = T0_MS
         hosts = -(-plan.world_size // plan.ranks_per_host)
         self.hosts = [f"gpu-{h:03d}" for h in range(hosts)]
@@ -303,6 +309,7 @@ class _Simulation:
         )
 
     def send(self, message: Event | ClockTick, at_ms: int) -> None:
+        self.last_sent_ns = at_ms * _NS_PER_MS
         for d in self.daemon.append(message, at_ms):
             if isinstance(d, IncidentOpened):
                 self.opened.append((d.cause, self.step))
@@ -342,9 +349,13 @@ class _Simulation:
         if state.phase in TERMINAL_PHASES:
             return None
         due = next_deadline(state, self.daemon.machine)
-        if due is None:
+        if due is None and not self.queue:
             return None
-        at_ns = max(due, self.last_tick_ns + round(self.plan.tick_interval_s * 1e9))
+        # The daemon's pulse keeps a quiet job's inputs dense (service/_pulse.py): without it a
+        # wait for a deadline would look like a bus outage, which stops the job's clock.
+        pulse = self.last_sent_ns + round(self.plan.pulse_s * 1e9)
+        at_ns = pulse if due is None else min(due, pulse)
+        at_ns = max(at_ns, self.last_tick_ns + round(self.plan.tick_interval_s * 1e9))
         at_ns += round(self.plan.poll_s * 1e9)
         return max(self.now_ms, -(-at_ns // _NS_PER_MS))
 

@@ -9,7 +9,9 @@ and audit records).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import lazy_loader
 
 from trainguard.daemon.core import (
     TERMINAL_PHASES,
@@ -44,29 +46,16 @@ from trainguard.daemon.core import (
 )
 
 if TYPE_CHECKING:
-    from trainguard.daemon.service import DaemonConfig, DaemonService, load_daemon_config
+    from trainguard.daemon.service import DaemonConfig as DaemonConfig
+    from trainguard.daemon.service import DaemonService as DaemonService
+    from trainguard.daemon.service import load_daemon_config as load_daemon_config
 
-_LAZY = {
-    "DaemonService": "trainguard.daemon.service",
-    "DaemonConfig": "trainguard.daemon.service",
-    "load_daemon_config": "trainguard.daemon.service",
-}
-"""Names imported on first use (PEP 562): the service and its settings bring the bus adapters
-and the HTTP server along (0.17 s), which the pure core, the CLI's read-only commands and the
-export reader process do not need."""
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :data:`_LAZY`, imported when first asked for."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+# Imported on first use (PEP 562): the service and its settings bring the bus adapters and the
+# HTTP server along (0.17 s), which the pure core, the CLI's read-only commands and the export
+# reader process do not need.
+__getattr__, __dir__, _ = lazy_loader.attach(
+    __name__, submod_attrs={"service": ["DaemonConfig", "DaemonService", "load_daemon_config"]}
+)
 
 __all__ = [
     "TERMINAL_PHASES",

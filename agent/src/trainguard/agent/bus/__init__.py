@@ -9,8 +9,9 @@ bus", lambda: started(open_bus(config)), stop, warn_every_s=30.0)``), which a si
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import lazy_loader
 
 from trainguard.agent.bus._config import (
     DEFAULT_BUS_URL,
@@ -55,30 +56,22 @@ from trainguard.agent.bus._wait import (
 )
 
 if TYPE_CHECKING:
-    from trainguard.agent.bus._kafka_logs import quiet_kafka_logs
-    from trainguard.agent.bus._partitioner import partition_for
-    from trainguard.agent.bus._sqlite import SQLiteBus
-    from trainguard.agent.bus._sqlite_lock import serving_lock
+    from trainguard.agent.bus._kafka_logs import quiet_kafka_logs as quiet_kafka_logs
+    from trainguard.agent.bus._partitioner import partition_for as partition_for
+    from trainguard.agent.bus._sqlite import SQLiteBus as SQLiteBus
+    from trainguard.agent.bus._sqlite_lock import serving_lock as serving_lock
 
-_LAZY: dict[str, str] = {
-    "SQLiteBus": "trainguard.agent.bus._sqlite",
-    "partition_for": "trainguard.agent.bus._partitioner",
-    "quiet_kafka_logs": "trainguard.agent.bus._kafka_logs",
-    "serving_lock": "trainguard.agent.bus._sqlite_lock",
-}
-"""Names imported on first use (PEP 562): the partitioner imports aiokafka (for murmur2), the
-others one adapter's machinery, which a process that uses the other adapter does not need."""
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :data:`_LAZY`, imported when first asked for."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+# Imported on first use (PEP 562): the partitioner imports aiokafka (for murmur2, 0.2 s), the
+# others one adapter's machinery, which a process that uses the other adapter does not need.
+__getattr__, _, _ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "_kafka_logs": ["quiet_kafka_logs"],
+        "_partitioner": ["partition_for"],
+        "_sqlite": ["SQLiteBus"],
+        "_sqlite_lock": ["serving_lock"],
+    },
+)
 
 __all__ = [
     "ABANDON_GRACE_S",

@@ -9,6 +9,8 @@ existing directory to ``init``, a current key to ``retire``). Nothing prints a s
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -61,6 +63,18 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """A key-store or file-system error inside the block ends the command with its message
+    and exit status 2."""
+    from trainguard.agent.keys import KeyStoreError
+
+    try:
+        yield
+    except (KeyStoreError, OSError) as exc:
+        _fail(str(exc))
+
+
 @keys_app.command("init")
 def init(
     keys: KeysDir = None,
@@ -69,13 +83,9 @@ def init(
     ] = None,
 ) -> None:
     """Create the key directory with a signing key (Ed25519) and a data key (AES-256-GCM)."""
-    from trainguard.agent.keys import KeyStoreError
-
     admin = _admin(keys)
-    try:
+    with _refusals():
         made = admin.init(job or ())
-    except (KeyStoreError, OSError) as exc:
-        _fail(str(exc))
     for info in made:
         job_text = f" for job {info.job_id}" if info.job_id else ""
         typer.echo(f"created {info.kind} key {info.kid}{job_text}")
@@ -88,12 +98,8 @@ def job_key(
     keys: KeysDir = None,
 ) -> None:
     """Create a job's event key (HMAC-SHA256), before the job starts."""
-    from trainguard.agent.keys import KeyStoreError
-
-    try:
+    with _refusals():
         info = _admin(keys).add_job(job)
-    except (KeyStoreError, OSError) as exc:
-        _fail(str(exc))
     typer.echo(f"created event key {info.kid} for job {job}")
 
 
@@ -105,19 +111,15 @@ def rotate(
     job: Annotated[str | None, typer.Option(help="A new event key for this job.")] = None,
 ) -> None:
     """Add a new current key of one kind; the previous ones stay valid until retired."""
-    from trainguard.agent.keys import KeyStoreError
-
     chosen = [kind for kind, on in (("signing", signing), ("data", data), ("event", job)) if on]
     if len(chosen) != 1:
         _fail("give exactly one of --signing, --data, --job JOB")
     admin = _admin(keys)
-    try:
+    with _refusals():
         if job is not None:
             info = admin.rotate("event", job)
         else:
             info = admin.rotate("signing" if signing else "data")
-    except (KeyStoreError, OSError) as exc:
-        _fail(str(exc))
     job_text = f" for job {info.job_id}" if info.job_id else ""
     typer.echo(f"created {info.kind} key {info.kid}{job_text} (now current)")
 
@@ -128,12 +130,8 @@ def retire(
     keys: KeysDir = None,
 ) -> None:
     """Move a key to retired/: it no longer verifies new input."""
-    from trainguard.agent.keys import KeyStoreError
-
-    try:
+    with _refusals():
         info = _admin(keys).retire(kid)
-    except (KeyStoreError, OSError) as exc:
-        _fail(str(exc))
     typer.echo(f"retired {info.kind} key {kid}")
 
 
@@ -160,17 +158,13 @@ def show(
 ) -> None:
     """List every key (kind, kid, job, created, current, retired) and the public keys; no
     secret is printed, except the one --export-agent asks for."""
-    from trainguard.agent.keys import KeyStoreError
-
     admin = _admin(keys)
-    try:
+    with _refusals():
         if export_agent is not None:
             _export(admin, export_agent, out)
             return
         infos = admin.all_keys()
         public = admin.store.public_keys()
-    except (KeyStoreError, OSError) as exc:
-        _fail(str(exc))
     if output_format is OutputFormat.json:
         from trainguard.agent.keys import public_pem
 

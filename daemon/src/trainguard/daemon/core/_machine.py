@@ -47,6 +47,7 @@ from trainguard.daemon.core._decisions import (
     Decision,
     IncidentClosed,
     Issue,
+    RejectCode,
     Rejected,
     Transition,
 )
@@ -146,16 +147,21 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
         case Observed(at_ns=at_ns, event=event):
             if isinstance(event, JobRequest):
                 return on_request(state, event, at_ns, config)
-            if type(event) is Heartbeat:
-                sender = _admitted(state, event, at_ns, config)
-                if sender is not None:
-                    state, bridged = _bridged(state, at_ns, config)
-                    # The hot path: the heartbeat handler records time and seq itself, sparing
-                    # a copy of the state.
-                    state, decisions = _on_heartbeat(state, event, at_ns, sender, config)
-                    return _settled(state, config, bridged + decisions if bridged else decisions)
-            rejected = _screen(state, event) or _from_the_future(event, at_ns, config)
-            if rejected is not None:
+            broken = _broken_rule(state, event, at_ns, config)
+            if (
+                broken is None
+                and type(event) is Heartbeat
+                and state.world_size_generation == state.generation
+            ):
+                # The hot path: a heartbeat of the generation's stated world size (the rules
+                # held, so it states that one). Its handler records time and seq itself,
+                # sparing a copy of the state.
+                state, bridged = _bridged(state, at_ns, config)
+                sender = (event.rank, event.host, event.pid)
+                state, decisions = _on_heartbeat(state, event, at_ns, sender, config)
+                return _settled(state, config, bridged + decisions if bridged else decisions)
+            if broken is not None:
+                rejected = _rejection(state, event, at_ns, config, broken)
                 if rejected.code == "stale_generation" and isinstance(
                     event, Lifecycle | Checkpoint
                 ):
@@ -216,25 +222,6 @@ def _settled(
             return state, decisions
     state, settled = _settle(state, config)
     return _expire(state, config, decisions + settled if settled else decisions)
-
-
-def _admitted(state: JobState, beat: Heartbeat, at_ns: int, config: MachineConfig) -> Sender | None:
-    """The sender of a heartbeat of the current generation that :func:`_screen` and
-    :func:`_from_the_future` pass and that states the generation's world size (the common
-    case), else ``None``: the heartbeat then takes the general path."""
-    world_size = state.world_size
-    if (
-        beat.job_id != state.job_id
-        or beat.generation != state.generation
-        or state.world_size_generation != state.generation
-        or beat.world_size != world_size
-        or not 0 <= beat.rank < world_size
-        or beat.ts - at_ns > config.max_clock_skew_ns
-    ):
-        return None
-    sender = (beat.rank, beat.host, beat.pid)
-    last = state.senders.get(sender)
-    return sender if last is None or beat.seq > last else None
 
 
 def fold(
@@ -336,59 +323,95 @@ def _stated_world_size(event: Event) -> int | None:
     return event.world_size
 
 
-def _from_the_future(event: Event, at_ns: int, config: MachineConfig) -> Rejected | None:
-    """A rejection when ``event``'s sender time is more than ``max_clock_skew_s`` ahead of
-    its bus append time ``at_ns`` (ns), else ``None``."""
-    ahead = event.ts - at_ns
-    if ahead <= config.max_clock_skew_ns:
-        return None
-    return Rejected(
-        code="future_timestamp",
-        reason=f"{_sender(event)} is timestamped {seconds_text(ahead)} after the bus received "
-        f"it (at most {seconds_text(config.max_clock_skew_ns)} allowed: max_clock_skew_s)",
-    )
+def _broken_rule(
+    state: JobState, event: Event, at_ns: int, config: MachineConfig
+) -> RejectCode | None:
+    """The first rule ``event`` breaks, in the order below, or ``None`` when it may be applied
+    to ``state``: the one place the admission rules are written (:func:`_rejection` words
+    them). Cheap when every rule holds, since every event pays for it.
 
-
-def _screen(state: JobState, event: Event) -> Rejected | None:
-    """Why ``event`` must not be applied to ``state``, or ``None`` when it may be."""
+    1. ``wrong_job``: the event is for another job.
+    2. ``stale_generation``, ``future_generation``: it is not of the job's generation.
+    3. ``duplicate``: its ``seq`` is not above the last one accepted from its sender.
+    4. ``world_size_conflict``: it states a world size other than the one the generation
+       already stated.
+    5. ``rank_out_of_range``: a rank it names is outside the world size it states (else the
+       job's).
+    6. ``future_timestamp``: it is timestamped more than ``max_clock_skew_s`` after its bus
+       append time ``at_ns`` (ns).
+    """
     if event.job_id != state.job_id:
-        return _wrong_job(state, event)
-    if event.generation < state.generation:
-        return Rejected(
-            code="stale_generation",
-            reason=f"stale generation: {_sender(event)} is of generation {event.generation}, "
-            f"the job is in generation {state.generation}",
-        )
-    if event.generation > state.generation:
-        return Rejected(
-            code="future_generation",
-            reason=f"{_sender(event)} claims generation {event.generation}, but the daemon has "
-            f"only created up to generation {state.generation}",
-        )
+        return "wrong_job"
+    if event.generation != state.generation:
+        return "stale_generation" if event.generation < state.generation else "future_generation"
     last = state.senders.get((event.rank, event.host, event.pid))
     if last is not None and event.seq <= last:
-        return Rejected(
-            code="duplicate",
-            reason=f"duplicate: {_sender(event)} has seq {event.seq}, already accepted up to "
-            f"seq {last}",
-        )
+        return "duplicate"
     stated = _stated_world_size(event)
-    current = state.world_size_generation == state.generation
-    if stated is not None and current and stated != state.world_size:
-        return Rejected(
-            code="world_size_conflict",
-            reason=f"{_sender(event)} states world size {stated}, but generation "
-            f"{state.generation} runs with world size {state.world_size}",
-        )
-    bound = stated if stated is not None else state.world_size
-    named = (event.rank,) if event.rank is not None else _group_ranks(event)
-    outside = [r for r in named if r < 0 or (bound is not None and r >= bound)]
-    if outside:
-        return Rejected(
-            code="rank_out_of_range",
-            reason=f"{_sender(event)} names {ranks_text(outside)}, outside world size {bound}",
-        )
+    if (
+        stated is not None
+        and stated != state.world_size
+        and state.world_size_generation == state.generation
+    ):
+        return "world_size_conflict"
+    if _outside(state, event, stated):
+        return "rank_out_of_range"
+    if event.ts - at_ns > config.max_clock_skew_ns:
+        return "future_timestamp"
     return None
+
+
+def _outside(state: JobState, event: Event, stated: int | None) -> list[int]:
+    """The ranks ``event`` names (its sender's, or a supervisor's group) outside the world size
+    it states, else the job's (when known)."""
+    bound = stated if stated is not None else state.world_size
+    rank = event.rank
+    if rank is not None:  # a worker's event: the common case, without building a list
+        if rank >= 0 and (bound is None or rank < bound):
+            return []
+        return [rank]
+    return [r for r in _group_ranks(event) if r < 0 or (bound is not None and r >= bound)]
+
+
+def _rejection(
+    state: JobState, event: Event, at_ns: int, config: MachineConfig, code: RejectCode
+) -> Rejected:
+    """The rejection of ``event`` for the rule ``code`` of :func:`_broken_rule` it broke, its
+    reason naming the evidence."""
+    if code == "wrong_job":
+        return _wrong_job(state, event)
+    if code == "stale_generation":
+        reason = (
+            f"stale generation: {_sender(event)} is of generation {event.generation}, "
+            f"the job is in generation {state.generation}"
+        )
+    elif code == "future_generation":
+        reason = (
+            f"{_sender(event)} claims generation {event.generation}, but the daemon has "
+            f"only created up to generation {state.generation}"
+        )
+    elif code == "duplicate":
+        last = state.senders.get((event.rank, event.host, event.pid))
+        reason = (
+            f"duplicate: {_sender(event)} has seq {event.seq}, already accepted up to seq {last}"
+        )
+    elif code == "world_size_conflict":
+        reason = (
+            f"{_sender(event)} states world size {_stated_world_size(event)}, but generation "
+            f"{state.generation} runs with world size {state.world_size}"
+        )
+    elif code == "rank_out_of_range":
+        stated = _stated_world_size(event)
+        bound = stated if stated is not None else state.world_size
+        outside = _outside(state, event, stated)
+        reason = f"{_sender(event)} names {ranks_text(outside)}, outside world size {bound}"
+    else:
+        reason = (
+            f"{_sender(event)} is timestamped {seconds_text(event.ts - at_ns)} after the bus "
+            f"received it (at most {seconds_text(config.max_clock_skew_ns)} allowed: "
+            "max_clock_skew_s)"
+        )
+    return Rejected(code=code, reason=reason)
 
 
 def _wrong_job(state: JobState, event: Event) -> Rejected:

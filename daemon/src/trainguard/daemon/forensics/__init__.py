@@ -11,173 +11,96 @@ goodput, incidents and their causes.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import lazy_loader
 
 if TYPE_CHECKING:
-    from trainguard.daemon.forensics._export_file import (
-        ExportHeader,
-        ImportRefused,
-        MalformedExport,
-        dump,
-        import_file,
-    )
-    from trainguard.daemon.forensics._job_log import (
-        JobLog,
-        UnknownJob,
-        Window,
-        parse_time,
-        read_bus,
-        read_file,
-        replay_file,
-    )
-    from trainguard.daemon.forensics._replay import (
-        Replay,
-        replay,
-        verify,
-        what_if,
-    )
-    from trainguard.daemon.forensics._report import (
-        JobReport,
-        build_report,
-    )
-    from trainguard.daemon.forensics._report_html import (
-        render_html,
-    )
-    from trainguard.daemon.forensics._report_record import (
-        AuditDigest,
-        read_audit,
-    )
-    from trainguard.daemon.forensics._report_tables import (
-        CAUSE_HEADER,
-        DEFINITIONS,
-        INCIDENT_HEADER,
-        NUMERIC_COLUMNS,
-        advice_rows,
-        cause_rows,
-        headline,
-        incident_notes,
-        incident_rows,
-        time_rows,
-    )
-    from trainguard.daemon.forensics._status import (
-        job_summary,
-        rank_summaries,
-        read_status,
-        read_topic,
-    )
-    from trainguard.daemon.forensics._timeline import (
-        change_json,
-        difference_json,
-        iso,
-        print_config_change,
-        print_difference,
-        print_timeline,
-        print_what_if,
-        row_json,
-    )
+    from trainguard.daemon.forensics._export_file import ExportHeader as ExportHeader
+    from trainguard.daemon.forensics._export_file import ImportRefused as ImportRefused
+    from trainguard.daemon.forensics._export_file import MalformedExport as MalformedExport
+    from trainguard.daemon.forensics._export_file import dump as dump
+    from trainguard.daemon.forensics._export_file import import_file as import_file
+    from trainguard.daemon.forensics._job_log import JobLog as JobLog
+    from trainguard.daemon.forensics._job_log import UnknownJob as UnknownJob
+    from trainguard.daemon.forensics._job_log import Window as Window
+    from trainguard.daemon.forensics._job_log import parse_time as parse_time
+    from trainguard.daemon.forensics._job_log import read_bus as read_bus
+    from trainguard.daemon.forensics._job_log import read_file as read_file
+    from trainguard.daemon.forensics._job_log import replay_file as replay_file
+    from trainguard.daemon.forensics._replay import Replay as Replay
+    from trainguard.daemon.forensics._replay import replay as replay
+    from trainguard.daemon.forensics._replay import verify as verify
+    from trainguard.daemon.forensics._replay import what_if as what_if
+    from trainguard.daemon.forensics._report import JobReport as JobReport
+    from trainguard.daemon.forensics._report import build_report as build_report
+    from trainguard.daemon.forensics._report_html import render_html as render_html
+    from trainguard.daemon.forensics._report_record import AuditDigest as AuditDigest
+    from trainguard.daemon.forensics._report_record import read_audit as read_audit
+    from trainguard.daemon.forensics._report_tables import CAUSE_HEADER as CAUSE_HEADER
+    from trainguard.daemon.forensics._report_tables import DEFINITIONS as DEFINITIONS
+    from trainguard.daemon.forensics._report_tables import INCIDENT_HEADER as INCIDENT_HEADER
+    from trainguard.daemon.forensics._report_tables import NUMERIC_COLUMNS as NUMERIC_COLUMNS
+    from trainguard.daemon.forensics._report_tables import advice_rows as advice_rows
+    from trainguard.daemon.forensics._report_tables import cause_rows as cause_rows
+    from trainguard.daemon.forensics._report_tables import headline as headline
+    from trainguard.daemon.forensics._report_tables import incident_notes as incident_notes
+    from trainguard.daemon.forensics._report_tables import incident_rows as incident_rows
+    from trainguard.daemon.forensics._report_tables import time_rows as time_rows
+    from trainguard.daemon.forensics._status import job_summary as job_summary
+    from trainguard.daemon.forensics._status import rank_summaries as rank_summaries
+    from trainguard.daemon.forensics._status import read_status as read_status
+    from trainguard.daemon.forensics._status import read_topic as read_topic
+    from trainguard.daemon.forensics._timeline import change_json as change_json
+    from trainguard.daemon.forensics._timeline import difference_json as difference_json
+    from trainguard.daemon.forensics._timeline import iso as iso
+    from trainguard.daemon.forensics._timeline import print_config_change as print_config_change
+    from trainguard.daemon.forensics._timeline import print_difference as print_difference
+    from trainguard.daemon.forensics._timeline import print_timeline as print_timeline
+    from trainguard.daemon.forensics._timeline import print_what_if as print_what_if
+    from trainguard.daemon.forensics._timeline import row_json as row_json
 
-_LAZY: dict[str, str] = {
-    "ExportHeader": "trainguard.daemon.forensics._export_file",
-    "ImportRefused": "trainguard.daemon.forensics._export_file",
-    "MalformedExport": "trainguard.daemon.forensics._export_file",
-    "dump": "trainguard.daemon.forensics._export_file",
-    "import_file": "trainguard.daemon.forensics._export_file",
-    "JobLog": "trainguard.daemon.forensics._job_log",
-    "UnknownJob": "trainguard.daemon.forensics._job_log",
-    "Window": "trainguard.daemon.forensics._job_log",
-    "parse_time": "trainguard.daemon.forensics._job_log",
-    "read_bus": "trainguard.daemon.forensics._job_log",
-    "read_file": "trainguard.daemon.forensics._job_log",
-    "replay_file": "trainguard.daemon.forensics._job_log",
-    "Replay": "trainguard.daemon.forensics._replay",
-    "replay": "trainguard.daemon.forensics._replay",
-    "verify": "trainguard.daemon.forensics._replay",
-    "what_if": "trainguard.daemon.forensics._replay",
-    "JobReport": "trainguard.daemon.forensics._report",
-    "build_report": "trainguard.daemon.forensics._report",
-    "render_html": "trainguard.daemon.forensics._report_html",
-    "AuditDigest": "trainguard.daemon.forensics._report_record",
-    "read_audit": "trainguard.daemon.forensics._report_record",
-    "CAUSE_HEADER": "trainguard.daemon.forensics._report_tables",
-    "DEFINITIONS": "trainguard.daemon.forensics._report_tables",
-    "INCIDENT_HEADER": "trainguard.daemon.forensics._report_tables",
-    "NUMERIC_COLUMNS": "trainguard.daemon.forensics._report_tables",
-    "advice_rows": "trainguard.daemon.forensics._report_tables",
-    "cause_rows": "trainguard.daemon.forensics._report_tables",
-    "headline": "trainguard.daemon.forensics._report_tables",
-    "incident_notes": "trainguard.daemon.forensics._report_tables",
-    "incident_rows": "trainguard.daemon.forensics._report_tables",
-    "time_rows": "trainguard.daemon.forensics._report_tables",
-    "job_summary": "trainguard.daemon.forensics._status",
-    "rank_summaries": "trainguard.daemon.forensics._status",
-    "read_status": "trainguard.daemon.forensics._status",
-    "read_topic": "trainguard.daemon.forensics._status",
-    "change_json": "trainguard.daemon.forensics._timeline",
-    "difference_json": "trainguard.daemon.forensics._timeline",
-    "iso": "trainguard.daemon.forensics._timeline",
-    "print_config_change": "trainguard.daemon.forensics._timeline",
-    "print_difference": "trainguard.daemon.forensics._timeline",
-    "print_timeline": "trainguard.daemon.forensics._timeline",
-    "print_what_if": "trainguard.daemon.forensics._timeline",
-    "row_json": "trainguard.daemon.forensics._timeline",
-}
-"""Each public name -> the module that defines it; imported on first use, so that one command (or the export reader process) imports only
-the modules it uses."""
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :data:`_LAZY`, imported when first asked for (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = [
-    "CAUSE_HEADER",
-    "DEFINITIONS",
-    "INCIDENT_HEADER",
-    "NUMERIC_COLUMNS",
-    "AuditDigest",
-    "ExportHeader",
-    "ImportRefused",
-    "JobLog",
-    "JobReport",
-    "MalformedExport",
-    "Replay",
-    "UnknownJob",
-    "Window",
-    "advice_rows",
-    "build_report",
-    "cause_rows",
-    "change_json",
-    "difference_json",
-    "dump",
-    "headline",
-    "import_file",
-    "incident_notes",
-    "incident_rows",
-    "iso",
-    "job_summary",
-    "parse_time",
-    "print_config_change",
-    "print_difference",
-    "print_timeline",
-    "print_what_if",
-    "rank_summaries",
-    "read_audit",
-    "read_bus",
-    "read_file",
-    "read_status",
-    "read_topic",
-    "render_html",
-    "replay",
-    "replay_file",
-    "row_json",
-    "time_rows",
-    "verify",
-    "what_if",
-]
+# Each name is imported on first use (PEP 562), so that one command (or the export reader
+# process) imports only the modules it uses.
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "_export_file": ["ExportHeader", "ImportRefused", "MalformedExport", "dump", "import_file"],
+        "_job_log": [
+            "JobLog",
+            "UnknownJob",
+            "Window",
+            "parse_time",
+            "read_bus",
+            "read_file",
+            "replay_file",
+        ],
+        "_replay": ["Replay", "replay", "verify", "what_if"],
+        "_report": ["JobReport", "build_report"],
+        "_report_html": ["render_html"],
+        "_report_record": ["AuditDigest", "read_audit"],
+        "_report_tables": [
+            "CAUSE_HEADER",
+            "DEFINITIONS",
+            "INCIDENT_HEADER",
+            "NUMERIC_COLUMNS",
+            "advice_rows",
+            "cause_rows",
+            "headline",
+            "incident_notes",
+            "incident_rows",
+            "time_rows",
+        ],
+        "_status": ["job_summary", "rank_summaries", "read_status", "read_topic"],
+        "_timeline": [
+            "change_json",
+            "difference_json",
+            "iso",
+            "print_config_change",
+            "print_difference",
+            "print_timeline",
+            "print_what_if",
+            "row_json",
+        ],
+    },
+)

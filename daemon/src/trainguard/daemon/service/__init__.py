@@ -12,76 +12,35 @@ metrics and HTTP endpoints (:mod:`._metrics`, :mod:`._http`) and log set-up (:mo
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import lazy_loader
 
 if TYPE_CHECKING:
-    from trainguard.daemon.service._daemon import (
-        DaemonService,
-    )
-    from trainguard.daemon.service._http import (
-        HealthServer,
-    )
-    from trainguard.daemon.service._logging import (
-        configure_logging,
-    )
-    from trainguard.daemon.service._security import (
-        load_keys,
-    )
-    from trainguard.daemon.service._settings import (
-        DaemonConfig,
-        load_daemon_config,
-    )
-    from trainguard.daemon.service._snapshot_envelope import (
-        SnapshotRefused,
-        fold_config_id,
-        open_snapshot,
-        read_header,
-    )
-    from trainguard.daemon.service._snapshot_store import (
-        Fallback,
-        plan_partition,
-    )
+    from trainguard.daemon.service._daemon import DaemonService as DaemonService
+    from trainguard.daemon.service._http import HealthServer as HealthServer
+    from trainguard.daemon.service._logging import configure_logging as configure_logging
+    from trainguard.daemon.service._security import load_keys as load_keys
+    from trainguard.daemon.service._settings import DaemonConfig as DaemonConfig
+    from trainguard.daemon.service._settings import load_daemon_config as load_daemon_config
+    from trainguard.daemon.service._snapshot_envelope import SnapshotRefused as SnapshotRefused
+    from trainguard.daemon.service._snapshot_envelope import fold_config_id as fold_config_id
+    from trainguard.daemon.service._snapshot_envelope import open_snapshot as open_snapshot
+    from trainguard.daemon.service._snapshot_envelope import read_header as read_header
+    from trainguard.daemon.service._snapshot_store import Fallback as Fallback
+    from trainguard.daemon.service._snapshot_store import plan_partition as plan_partition
 
-_LAZY: dict[str, str] = {
-    "DaemonService": "trainguard.daemon.service._daemon",
-    "HealthServer": "trainguard.daemon.service._http",
-    "configure_logging": "trainguard.daemon.service._logging",
-    "load_keys": "trainguard.daemon.service._security",
-    "DaemonConfig": "trainguard.daemon.service._settings",
-    "load_daemon_config": "trainguard.daemon.service._settings",
-    "SnapshotRefused": "trainguard.daemon.service._snapshot_envelope",
-    "fold_config_id": "trainguard.daemon.service._snapshot_envelope",
-    "open_snapshot": "trainguard.daemon.service._snapshot_envelope",
-    "read_header": "trainguard.daemon.service._snapshot_envelope",
-    "Fallback": "trainguard.daemon.service._snapshot_store",
-    "plan_partition": "trainguard.daemon.service._snapshot_store",
-}
-"""Each public name -> the module that defines it; imported on first use: the service brings the bus adapters and the HTTP server along,
-which the CLI's read-only commands do not need."""
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :data:`_LAZY`, imported when first asked for (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = [
-    "DaemonConfig",
-    "DaemonService",
-    "Fallback",
-    "HealthServer",
-    "SnapshotRefused",
-    "configure_logging",
-    "fold_config_id",
-    "load_daemon_config",
-    "load_keys",
-    "open_snapshot",
-    "plan_partition",
-    "read_header",
-]
+# Each name is imported on first use (PEP 562): the service brings the bus adapters and the
+# HTTP server along, which the CLI's read-only commands do not need.
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "_daemon": ["DaemonService"],
+        "_http": ["HealthServer"],
+        "_logging": ["configure_logging"],
+        "_security": ["load_keys"],
+        "_settings": ["DaemonConfig", "load_daemon_config"],
+        "_snapshot_envelope": ["SnapshotRefused", "fold_config_id", "open_snapshot", "read_header"],
+        "_snapshot_store": ["Fallback", "plan_partition"],
+    },
+)
