@@ -6,7 +6,7 @@ Usage (from the repository root)::
     python bench/crypto.py [--events 200000] [--rounds 3] [--no-bus] [--markdown] [--json FILE]
 
 **Snapshots** (:mod:`trainguard.daemon.service._snapshot_envelope`): the states of running jobs of 4, 64 and 512
-ranks, each built by folding a simulated trace (``tests/daemon/traces.py``: heartbeats every
+ranks, each built by folding a simulated trace (``tests/support/traces.py``: heartbeats every
 ~1 s, checkpoint shards every 10 steps, parameter checksums every 10 steps; folded with ticks
 at the deadlines, up to just before the last step completes) are sealed (``seal``: state codec,
 AES-256-GCM, Ed25519 signature) and opened (``open_snapshot``: signature, GCM tag, state
@@ -149,10 +149,10 @@ if str(REPO) not in sys.path:
 from bench._report import Report, print_report  # noqa: E402
 from bench._summary import machine_notes  # noqa: E402
 
-from tests.daemon.traces import Job, drive, simulate  # noqa: E402
+from tests.support.traces import Job, drive, simulate  # noqa: E402
 
 JOB = "job"
-"""The simulated job (``tests/daemon/traces.py`` names every event's job so)."""
+"""The simulated job (``tests/support/traces.py`` names every event's job so)."""
 TARGET_RATIO = 0.75
 """Fold rate with authentication over the rate without, at least (issue 6: costs <= 25 %)."""
 SNAPSHOT_RANKS = (4, 64, 512)
@@ -280,7 +280,7 @@ class Stream:
 def fold_stream(events: int, config: MachineConfig, event_key: tuple[str, bytes]) -> Stream:
     """About ``events`` heartbeats of a healthy ``FOLD_RANKS``-rank job (one per rank and ~1 s
     step), with the other events it sends, in arrival order, and the ticks a daemon folding
-    them would write at each deadline (``tests/daemon/traces.py``: ``simulate``, ``drive``).
+    them would write at each deadline (``tests/support/traces.py``: ``simulate``, ``drive``).
 
     Raises:
         RuntimeError: the fold committed no manifest (fewer than ``FOLD_CHECKPOINT_EVERY``

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.buses import BusFactory
-from tests.kafka_dev import CLUSTER_READY_TIMEOUT_S, dev_broker, wait_for_cluster
+from tests.support.buses import BusFactory
+from tests.support.kafka_dev import CLUSTER_READY_TIMEOUT_S, dev_broker, wait_for_cluster
 
 _BROKER_LABEL = pytest.StashKey[str]()
 

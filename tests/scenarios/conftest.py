@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.buses import BusFactory
 from tests.scenarios.harness import REPO, WORLD_SIZE, JobRun, Shape
+from tests.support.buses import BusFactory
 from trainguard.daemon.demo._harness import reference_run
 
 SHAPE = Shape()

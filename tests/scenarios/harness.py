@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import orjson
 
 from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
-from tests.buses import BusFactory
+from tests.support.buses import BusFactory
 from trainguard.daemon import MachineConfig
 from trainguard.daemon.demo._harness import (
     JobRecord,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.buses import BusFactory
 from tests.scenarios.harness import REPO, JobRun, Shape, assert_exact, only
+from tests.support.buses import BusFactory
 from trainguard.daemon.demo._harness import reference_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -4,7 +4,7 @@
 
 Every job trains the 120 steps and seed of the session's reference run (``conftest.SHAPE``),
 checkpointing every 10 steps instead of 20: the interval does not change the numbers (shards
-are copies; ``tests/examples/test_charlm_runs.py`` shows two intervals give equal runs), so a
+are copies; ``tests/scenarios/test_charlm_runs.py`` shows two intervals give equal runs), so a
 recovered job must end bitwise equal to that reference.
 
 Pace. charlm's steps take about 17 ms here; the detectors that learn the job's pace need
@@ -33,7 +33,6 @@ from examples.charlm.ledger import (
     ledger_path,
     read_ledger,
 )
-from tests.buses import BusFactory
 from tests.scenarios.conftest import SHAPE
 from tests.scenarios.harness import (
     GRACE_S,
@@ -46,6 +45,7 @@ from tests.scenarios.harness import (
     only,
     restore_decisions,
 )
+from tests.support.buses import BusFactory
 from trainguard.agent.supervisor._supervisor import EXIT_ABORTED
 from trainguard.daemon.demo._harness import (
     JobRecord,

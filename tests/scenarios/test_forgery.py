@@ -21,9 +21,9 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.buses import BusFactory
 from tests.scenarios.conftest import SHAPE
 from tests.scenarios.harness import JOB, JobRun, Shape, assert_exact, is_restore, only
+from tests.support.buses import BusFactory
 from trainguard.agent.bus import BusConfig, open_bus
 from trainguard.agent.keys._keystore import KeyStore
 from trainguard.daemon.admin._keys import KeyAdmin

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
-from tests.agent import _jobbus as daemon
-from tests.buses import BusFactory
 from tests.scenarios.readme_job import JOB, REPO, expected_ledger, write_worker
+from tests.support import jobbus as daemon
+from tests.support.buses import BusFactory
 from trainguard.daemon.demo._harness import read_job_record, start_daemon, stop_process, supervise
 from trainguard.schemas import Checkpoint, StepRange
 

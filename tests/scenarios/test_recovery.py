@@ -23,8 +23,6 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.buses import BusFactory
-from tests.http_get import http_get
 from tests.scenarios.harness import (
     GRACE_S,
     REPO,
@@ -34,6 +32,8 @@ from tests.scenarios.harness import (
     assert_targets_newest_good,
     only,
 )
+from tests.support.buses import BusFactory
+from tests.support.http_get import http_get
 from trainguard.agent.checkpoint._shards import uri_to_path
 from trainguard.agent.supervisor._supervisor import EXIT_ABORTED
 from trainguard.daemon.demo._harness import (

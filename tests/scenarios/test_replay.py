@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.buses import BusFactory
 from tests.scenarios.harness import JOB, JobRun, Shape, only
+from tests.support.buses import BusFactory
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -3,7 +3,7 @@
 The files live in ``json/`` next to this module (package data): ``<type>.v<major>.json`` per
 message type and major version, and ``common.v1.json`` with the shared ``$defs``. They are
 draft 2020-12 documents; fastjsonschema (which implements drafts 4 to 7) compiles them because
-they only use keywords both drafts define alike (``tests/schemas`` checks it against
+they only use keywords both drafts define alike (``tests/contract/schemas`` checks it against
 jsonschema's 2020-12 validator).
 """
 

@@ -8,7 +8,7 @@ records with one key (one job) are totally ordered. Consumers either join a cons
 which assigns each partition to one member and stores the group's committed positions, or read
 from explicit offsets without a group.
 
-Semantics shared by both adapters (tested by ``tests/bus/test_contract.py``):
+Semantics shared by both adapters (tested by ``tests/contract/bus/test_contract.py``):
 
 * ``send``/``publish`` are at-least-once; a record is durable once its delivery resolved.
 * Order is kept per partition, hence per key.

@@ -1,0 +1,191 @@
+"""The restore protocol of a restarted process, against a real embedded bus: the ``restore``
+command of its generation names the target; ``load`` verifies the shard and puts back the RNG
+streams; ``ready`` acknowledges and waits for ``resume``. Commands are published by hand, as
+the daemon would."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import structlog
+import torch
+
+from tests.support import jobbus as daemon
+from tests.support.jobbus import JOB, lifecycles, read_events
+from trainguard.agent import (
+    Agent,
+    AgentError,
+    JobAborted,
+    RestoreTimeout,
+    ShardCorrupt,
+    ShardMissing,
+    StaleGeneration,
+)
+from trainguard.agent.checkpoint._shards import uri_to_path
+from trainguard.schemas import DataCursor, Manifest
+
+CURSOR = DataCursor(data_version="v1", seed=5, epoch=0, offset=80, world_size=1)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A committed snapshot of step 10 and the random numbers drawn right after saving it."""
+
+    manifest: Manifest
+    torch_draw: torch.Tensor
+    python_draw: float
+    numpy_draw: np.ndarray
+
+
+@pytest.fixture
+def saved(make_agent: Callable[..., Agent], bus_url: str) -> Saved:
+    """Generation 0 trains to step 10 and checkpoints it; the manifest is built from its
+    checkpoint event."""
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    with make_agent() as agent:
+        agent.ready(0)
+        agent.step(10)
+        agent.checkpoint(10, {"w": torch.arange(3.0), "extra": {"n": 4}}, cursor=CURSOR)
+        draws = (torch.rand(3), random.random(), np.random.rand(3))
+    manifest = daemon.committed_manifest(read_events(bus_url, JOB), JOB, world_size=1)
+    assert manifest is not None
+    return Saved(manifest, *draws)
+
+
+def scramble_rng() -> None:
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+
+
+def test_generation_zero_starts_fresh_without_waiting(make_agent, bus_url):
+    with make_agent() as agent:
+        assert agent.restore_target() is None
+        agent.ready(0)
+    assert not lifecycles(read_events(bus_url, JOB), "restored")
+
+
+def test_restore_verifies_the_shard_and_puts_back_every_rng_stream(make_agent, bus_url, saved):
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    scramble_rng()
+    with make_agent(generation=1) as agent:
+        target = agent.restore_target()
+        assert target == saved.manifest
+        state = agent.load(target)
+        assert torch.rand(3).equal(saved.torch_draw)
+        assert random.random() == saved.python_draw
+        assert np.array_equal(np.random.rand(3), saved.numpy_draw)
+        assert set(state) == {"w", "extra"}  # what was given to checkpoint(), no more
+        assert torch.equal(state["w"], torch.arange(3.0))
+        assert state["extra"] == {"n": 4}
+
+
+def test_a_restore_without_a_target_means_start_from_scratch(make_agent, bus_url):
+    daemon.publish(bus_url, daemon.restore(JOB, 1, None))
+    with make_agent(generation=1) as agent:
+        assert agent.restore_target() is None
+
+
+def test_older_generations_are_ignored_while_waiting(make_agent, bus_url, saved):
+    with make_agent(generation=2) as agent:
+        daemon.publish(bus_url, daemon.restore(JOB, 1, None))
+        later = daemon.restore(JOB, 2, saved.manifest)
+        threading.Timer(0.3, daemon.publish, (bus_url, later)).start()
+        assert agent.restore_target(timeout_s=10.0) == saved.manifest
+        # At least once: a command published while the link connects may be read twice.
+        assert agent.stats.commands_ignored >= 1
+
+
+def test_ready_acknowledges_and_waits_for_resume(make_agent, bus_url, saved):
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    with make_agent(generation=1) as agent:
+        target = agent.restore_target()
+        assert target is not None
+        agent.load(target)
+        helper = daemon.after_acks(bus_url, 1, range(1), daemon.resume(JOB, 1, step=10))
+        agent.ready(10, cursor=target.cursor)
+        helper.join()
+        agent.step(11)
+    (restored,) = lifecycles(read_events(bus_url, JOB), "restored")
+    assert (restored.generation, restored.step, restored.rank) == (1, 10, 0)
+    assert restored.cursor == CURSOR
+    assert restored.snapshot_id == saved.manifest.snapshot_id == f"{JOB}/g0/s10"
+
+
+@pytest.mark.parametrize(
+    ("command", "error", "match"),
+    [
+        (daemon.abort(JOB, 1, "too many restores"), JobAborted, "too many restores"),
+        (daemon.restore(JOB, 2, None), StaleGeneration, "generation 2 already"),
+    ],
+)
+def test_the_daemon_can_end_the_wait_for_resume(make_agent, bus_url, saved, command, error, match):
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    helper = daemon.after_acks(bus_url, 1, range(1), command)
+
+    def restart() -> None:
+        with make_agent(generation=1) as agent:
+            agent.restore_target()
+            agent.ready(10)  # without the cursor: warned, and never resumed by a daemon
+
+    with structlog.testing.capture_logs() as logs, pytest.raises(error, match=match):
+        restart()
+    helper.join()
+    [warned] = [e for e in logs if e["event"].startswith("restore acknowledged without")]
+    assert (warned["log_level"], warned["step"]) == ("warning", 10)
+    # The daemon's own orders are not reported back to it as errors.
+    assert not lifecycles(read_events(bus_url, JOB), "error")
+
+
+def test_missing_commands_time_out(make_agent, bus_url):
+    with make_agent(generation=1, restore_timeout_s=0.2, resume_timeout_s=0.2) as agent:
+        with pytest.raises(RestoreTimeout, match="restore command of generation 1"):
+            agent.restore_target()
+        with pytest.raises(RestoreTimeout, match="resume command of generation 1"):
+            agent.ready(0)
+
+
+def test_a_corrupt_shard_is_reported_and_never_deserialized(
+    make_agent, bus_url, saved, monkeypatch: pytest.MonkeyPatch
+):
+    path = uri_to_path(saved.manifest.shards[0].uri)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.load must not see an unverified shard")
+
+    monkeypatch.setattr(torch, "load", no_load)
+    with pytest.raises(ShardCorrupt), make_agent(generation=1) as agent:
+        agent.load(agent.restore_target())
+    (error,) = lifecycles(read_events(bus_url, JOB), "error")  # reported once, not again on exit
+    assert (error.generation, error.step) == (1, 10)
+    assert error.snapshot_id == saved.manifest.snapshot_id
+    assert error.message.startswith("ShardCorrupt: shard file://")
+
+
+def test_a_manifest_without_this_ranks_shard_is_reported(make_agent, bus_url, saved):
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    with (
+        pytest.raises(ShardMissing, match="no shard for rank 1"),
+        make_agent(generation=1, rank=1, world_size=2) as agent,
+    ):
+        agent.load(agent.restore_target())
+    (error,) = lifecycles(read_events(bus_url, JOB), "error")
+    assert error.snapshot_id == saved.manifest.snapshot_id
+
+
+def test_restore_calls_need_an_entered_agent(make_agent, saved):
+    agent = make_agent(generation=1)
+    for call in (agent.restore_target, lambda: agent.load(saved.manifest), lambda: agent.ready(0)):
+        with pytest.raises(AgentError, match="inside 'with Agent"):
+            call()

@@ -1,0 +1,90 @@
+"""The ``trainguard`` command line as users run it: separate processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from trainguard.daemon.cli import app
+
+CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
+COMMANDS = {
+    "version", "daemon", "run", "demo", "status", "report", "replay", "export", "import", "stop",
+    "bus", "checkpoints", "keys", "snapshots",
+}  # fmt: skip
+
+
+def test_help_lists_exactly_the_commands_and_each_one_has_help() -> None:
+    runner = CliRunner()
+    out = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    listed = {m.group(1) for m in re.finditer(r"^│ ([a-z]+) {2,}\S", out, re.MULTILINE)}
+    assert listed == COMMANDS, out
+    for command in sorted(COMMANDS):
+        result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (command, result.output)
+        assert f" {command} " in result.output.split("\n", 3)[1], result.output
+
+
+def test_daemon_logs_json_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*CLI, "daemon", "--bus", f"sqlite://{tmp_path / 'bus.db'}", "--metrics-port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    lines = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(json.loads(line))  # every line is one JSON object
+        if lines[-1]["event"] == "daemon ready":
+            break
+    else:
+        proc.kill()
+        pytest.fail(f"no 'daemon ready' in {lines}")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    tail = [json.loads(line) for line in proc.stderr.read().splitlines()]
+    assert tail[-1]["event"] == "daemon stopped"
+
+
+def test_an_unreachable_kafka_is_a_clear_error_not_a_hang() -> None:
+    began = time.monotonic()
+    done = subprocess.run(
+        [*CLI, "bus", "check", "--bus", "kafka://127.0.0.1:9", "--timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "Kafka at 127.0.0.1:9" in done.stderr
+    assert time.monotonic() - began < 30
+
+
+def test_a_bad_bus_url_is_a_clear_error() -> None:
+    done = subprocess.run(
+        [*CLI, "bus", "check", "--bus", "redis://x"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "scheme must be sqlite or kafka" in done.stderr
+
+
+def test_a_bad_demo_fault_is_a_clear_error_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [*CLI, "demo", "--fault", "nan@step=5", "--workdir", str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "nan@step=5" in done.stderr, done.stderr
+    assert "missing rank" in done.stderr, done.stderr
+    assert not (tmp_path / "work").exists()  # nothing was started
