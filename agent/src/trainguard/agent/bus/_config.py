@@ -304,7 +304,8 @@ class BusConfig:
             The worst-case delivery latency of an idle consumer; Kafka long-polls instead.
         security: Kafka TLS/SASL settings (built by :func:`load_kafka_security`); ignored by
             the embedded bus.
-        kafka_options: extra keyword arguments for aiokafka producers/consumers (expert use).
+        kafka_options: extra keyword arguments for aiokafka's producers (expert use); the
+            consumers' settings are fixed by the adapter (``read_committed``, no auto-commit).
         create: embedded bus only: whether ``start()`` may create what is missing (the file,
             its folder, its tables, this prefix's topics). Writers (daemon, agents,
             supervisors, ``import``, the demo) keep ``True``; read-only commands pass

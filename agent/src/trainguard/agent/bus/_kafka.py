@@ -117,8 +117,8 @@ class KafkaBus(Bus):
     """The bus on an Apache Kafka cluster (``kafka://host:port[,host:port]``).
 
     Args:
-        config: bus settings; ``config.security`` and ``config.kafka_options`` pass straight to
-            aiokafka's clients.
+        config: bus settings; ``config.security`` passes straight to aiokafka's clients,
+            ``config.kafka_options`` to its producers.
         bootstrap_servers: ``host:port[,host:port]`` from the URL.
     """
 
