@@ -11,7 +11,7 @@ counted and the batches they skipped are read from the daemon's audit trail: the
 topic is compacted (the embedded bus keeps only the job's latest command once it is a minute
 old). Reference runs are cached in ``~/.cache/trainguard/demo`` (``--cache-dir``), one folder
 per distinct run (sources, training data, steps, checkpoint interval, world size, skipped
-steps, torch version and CPU kernels: ``_rehearsal._reference_key``; the training seed is
+steps, torch version and CPU kernels: ``_harness._reference_key``; the training seed is
 fixed, so the default demo reuses one), at most :data:`CACHE_KEEP` of them. The daemon
 restores in process where it can (``restore_mode = "in_process"``: non-finite loss, loss
 spike, checksum mismatch), as charlm reloads in process.

@@ -30,7 +30,7 @@ __all__ = [
 
 
 class Timed(Protocol):
-    """A record of the job with its bus append time (``_rehearsal.Stamped`` is one)."""
+    """A record of the job with its bus append time (``trainguard.daemon.demo._harness.Stamped`` is one)."""
 
     @property
     def at_ms(self) -> int:

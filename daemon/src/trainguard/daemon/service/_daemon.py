@@ -228,7 +228,7 @@ class DaemonService:
         self._c = config
         self._clock = clock
         # The dictionaries below are the books' (one object each, never rebound): rolling a
-        # partition back (_owned.Owned.rollback) updates them in place.
+        # partition back (_partitions.Owned.rollback) updates them in place.
         self._books = Books()
         self.jobs: dict[str, JobState] = self._books.jobs
         self._partitions: dict[int, Owned] = {}
