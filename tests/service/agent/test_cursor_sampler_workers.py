@@ -5,53 +5,9 @@ from __future__ import annotations
 
 import itertools
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from trainguard.agent.data._cursor import GlobalOrder
-from trainguard.agent.data._sampler import ResumableDistributedSampler
-from trainguard.schemas._messages import DataCursor
-
-VERSION = "sha256:" + "cd" * 32
-
-
-class Indices(Dataset[int]):
-    """A dataset whose sample ``i`` is ``i``, so batches show the indices the loader fetched."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
-def samplers(
-    n: int, world_size: int, per_rank: int, seed: int, start: DataCursor | None = None
-) -> list[ResumableDistributedSampler]:
-    return [
-        ResumableDistributedSampler(
-            n,
-            rank=rank,
-            world_size=world_size,
-            per_rank_batch_size=per_rank,
-            seed=seed,
-            data_version=VERSION,
-            start=start,
-        )
-        for rank in range(world_size)
-    ]
-
-
-def expected_batches(
-    order: GlobalOrder, start: DataCursor, global_batch: int, steps: int
-) -> list[list[int]]:
-    cursor, batches = start, []
-    for _ in range(steps):
-        batches.append(list(order.samples(cursor, global_batch)))
-        cursor = order.advance(cursor, global_batch)
-    return batches
+from tests.support.samplers import Indices, expected_batches, samplers
 
 
 def test_cursor_after_is_exact_while_workers_prefetch() -> None:
