@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from msgspec import structs
 
 from tests.support.machine_scenarios import (
     AWAY,
@@ -945,7 +946,7 @@ def test_a_stop_of_a_failed_job_is_late_only_if_nobody_was_heard_since_its_gener
         return Observed(late_at + S, None, replace(stop.event, generation=generation))
 
     assert run([of(3)], state) == (state, ())
-    joined = state._replace(senders=state.senders.insert((0, "h0", 123), 1))
+    joined = structs.replace(state, senders=state.senders.insert((0, "h0", 123), 1))
     assert run([of(0)], joined) == (joined, ())
     assert run([of(0)], state)[0].phase == "stopped"
 

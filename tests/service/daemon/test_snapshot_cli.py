@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+from msgspec import structs
 from typer.testing import CliRunner
 
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
@@ -31,7 +32,9 @@ runner = CliRunner()
 
 
 def state(job: str, phase: Any = "running") -> JobState:
-    return new_job(job)._replace(phase=phase, generation=2, clock_ns=1_767_225_600_000_000_000)
+    return structs.replace(
+        new_job(job), phase=phase, generation=2, clock_ns=1_767_225_600_000_000_000
+    )
 
 
 def sealed(s: JobState, jobs: list[str], offset: int, keys: DaemonKeys) -> bytes:

@@ -12,12 +12,13 @@ from trainguard.daemon.core._state_codec import decode_state
 
 STRING_KEYS = """
 import sys
+from msgspec import structs
 from rpds import HashTrieMap
 from tests.support.machine_scenarios import killed_job
 from trainguard.daemon.core._state_codec import encode_state
 _, state, _ = killed_job()
 versions = HashTrieMap({f"v{i}": i for i in range(40)})
-state = state._replace(watch=state.watch._replace(versions=versions))
+state = structs.replace(state, watch=state.watch._replace(versions=versions))
 sys.stdout.buffer.write(encode_state(state))
 """
 

@@ -9,6 +9,7 @@ import itertools
 import math
 
 import pytest
+from msgspec import structs
 
 from trainguard.daemon import new_job
 from trainguard.daemon.core._state import JobPhase
@@ -24,7 +25,7 @@ def looks(pulse: Pulse, clocks: list[int], *, phase: JobPhase = "running") -> li
     ``clocks`` in turn, writing a tick whenever one is due; the times of the ticks."""
     ticks: list[float] = []
     for i, clock in enumerate(clocks):
-        state = new_job("j")._replace(phase=phase, clock_ns=clock)
+        state = structs.replace(new_job("j"), phase=phase, clock_ns=clock)
         now = i * STEP_S
         if pulse.due("j", state, now):
             pulse.ticked("j", state, now)
@@ -56,7 +57,7 @@ def test_an_ended_job_gets_none_and_is_forgotten() -> None:
     phases: tuple[JobPhase, ...] = ("finished", "failed", "stopped")
     for phase in phases:
         assert looks(pulse, [5] * 41, phase=phase) == []
-    assert pulse.due("j", new_job("j")._replace(phase="running"), 100.0) is False
+    assert pulse.due("j", structs.replace(new_job("j"), phase="running"), 100.0) is False
 
 
 def test_jobs_no_longer_held_are_forgotten() -> None:

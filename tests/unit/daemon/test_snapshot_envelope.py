@@ -15,6 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec import structs
 
 from tests.support.machine_scenarios import (
     JOB,
@@ -161,7 +162,7 @@ def test_a_flipped_bit_anywhere_is_refused_by_the_signature(restoring: JobState,
     assert refused(changed).code == "bad_signature"
 
 
-SMALL = sealed(new_job(JOB)._replace(phase="running", clock_ns=5))
+SMALL = sealed(structs.replace(new_job(JOB), phase="running", clock_ns=5))
 
 
 @settings(max_examples=300, deadline=None)
@@ -213,7 +214,7 @@ def test_unknown_key_ids_are_refused_by_name(restoring: JobState) -> None:
 
 def test_another_jobs_snapshot_under_this_jobs_key_is_refused(restoring: JobState) -> None:
     """A valid snapshot of job ``victim`` published under key ``job``: refused, not loaded."""
-    victim = restoring._replace(job_id="victim")
+    victim = structs.replace(restoring, job_id="victim")
     exc = refused(sealed(victim), job=JOB)
     assert exc.code == "wrong_job"
     assert "victim" in exc.reason
@@ -336,7 +337,7 @@ def test_the_daemon_id_never_changes_a_state(
 
 
 def state_of(job: str, phase: JobPhase = "running", clock: int = 1) -> JobState:
-    return new_job(job)._replace(phase=phase, clock_ns=clock)
+    return structs.replace(new_job(job), phase=phase, clock_ns=clock)
 
 
 def plan(values: dict[str, bytes], committed: int = 1000, partition: int = 2) -> Any:

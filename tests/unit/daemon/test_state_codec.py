@@ -15,6 +15,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec import structs
 from rpds import HashTrieMap, HashTrieSet
 
 from tests.support.machine_scenarios import (
@@ -413,7 +414,8 @@ def test_floats_and_integers_keep_their_exact_values_and_types() -> None:
     """NaN and infinities (written as strings, as the wire contract writes a loss), -0.0,
     subnormal and extreme floats, an int held by a float field, and ns timestamps above 2**53
     come back bit for bit and with their types."""
-    state = new_job(JOB)._replace(
+    state = structs.replace(
+        new_job(JOB),
         clock_ns=T0 + 1,  # 1.7e18 + 1: not representable as a float
         command_seq=2**64 - 1,
         generation_started_ns=-(2**63),
@@ -457,7 +459,7 @@ def test_fields_are_derived_from_the_classes() -> None:
     assert (document["format"], document["layout"]) == (FORMAT, LAYOUT)
     body = document["state"]
     assert isinstance(body, dict)
-    assert list(body) == list(JobState._fields)
+    assert list(body) == list(JobState.__struct_fields__)
     incident = body["incident"]
     assert isinstance(incident, dict)
     assert set(incident) == set(Incident.__dataclass_fields__)
@@ -597,7 +599,7 @@ def test_an_integer_beyond_64_bits_is_refused_both_ways() -> None:
     document = put(recovering_document(), ["state", "clock_ns"], 2**64)
     assert refused_python(document) == "state.clock_ns"
     with pytest.raises(StateFormatError) as caught:
-        encode_state(recovering_state()._replace(command_seq=2**64))
+        encode_state(structs.replace(recovering_state(), command_seq=2**64))
     assert caught.value.path == "state.command_seq"
 
 
@@ -611,17 +613,20 @@ def refused_python(document: dict[str, Any]) -> str | None:
 @pytest.mark.parametrize(
     ("change", "where"),
     [
-        (lambda s: s._replace(committed=list(s.committed)), "state.committed"),
-        (lambda s: s._replace(generation=True), "state.generation"),
-        (lambda s: s._replace(bad_snapshots={"x"}), "state.bad_snapshots"),
-        (lambda s: s._replace(ranks=dict(s.ranks)), "state.ranks"),
-        (lambda s: s._replace(phase="paused"), "state.phase"),
-        (lambda s: s._replace(senders=s.senders.insert((0, 1, 2), 0)), "state.senders[0][0][1]"),
+        (lambda s: structs.replace(s, committed=list(s.committed)), "state.committed"),
+        (lambda s: structs.replace(s, generation=True), "state.generation"),
+        (lambda s: structs.replace(s, bad_snapshots={"x"}), "state.bad_snapshots"),
+        (lambda s: structs.replace(s, ranks=dict(s.ranks)), "state.ranks"),
+        (lambda s: structs.replace(s, phase="paused"), "state.phase"),
         (
-            lambda s: s._replace(committed=(replace(s.committed[0], step=-1),)),
+            lambda s: structs.replace(s, senders=s.senders.insert((0, 1, 2), 0)),
+            "state.senders[0][0][1]",
+        ),
+        (
+            lambda s: structs.replace(s, committed=(replace(s.committed[0], step=-1),)),
             "state.committed[0].step",
         ),
-        (lambda s: s._replace(failure="\ud800"), "state"),
+        (lambda s: structs.replace(s, failure="\ud800"), "state"),
     ],
 )
 def test_a_state_with_a_value_its_types_forbid_is_not_encoded(
@@ -744,7 +749,7 @@ def test_a_document_of_an_earlier_layout_decodes_with_the_new_fields_at_their_de
     assert (state.settle_until_ns, state.held, state.left) == (None, None, None)
     folded, _ = run(old_layout_inputs())
     assert folded.left is not None
-    folded = folded._replace(left=None)
+    folded = structs.replace(folded, left=None)
     assert state == folded
     assert encode_state(state) == encode_state(folded)
 

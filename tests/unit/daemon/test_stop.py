@@ -10,6 +10,7 @@ import itertools
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from msgspec import structs
 
 from tests.support.machine_scenarios import (
     JOB,
@@ -324,7 +325,7 @@ def test_a_failed_job_can_be_continued_and_its_failure_is_cleared() -> None:
 def test_continue_is_refused_when_every_committed_snapshot_is_bad() -> None:
     _, state = stopped_job()
     bad = tuple((m.snapshot_id, "a shard's digest did not match") for m in state.committed)
-    state = state._replace(bad_snapshots=bad)
+    state = structs.replace(state, bad_snapshots=bad)
     at = state.clock_ns + S
     new, decisions = run([request("continue", at, 0, host="h0", pid=5)], state)
     [issue] = decisions
@@ -350,8 +351,8 @@ def test_continue_of_a_job_that_never_committed_restarts_it_from_its_initial_sta
 
 def test_a_redelivered_continue_is_answered_once() -> None:
     _, state = stopped_job()
-    state = state._replace(
-        bad_snapshots=tuple((m.snapshot_id, "digest mismatch") for m in state.committed)
+    state = structs.replace(
+        state, bad_snapshots=tuple((m.snapshot_id, "digest mismatch") for m in state.committed)
     )
     ask = request("continue", state.clock_ns + S, 0, seq=41)
     state, decisions = run([ask, ask], state)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from msgspec import structs
 from rpds import HashTrieMap
 
 from trainguard.daemon.core._decisions import Anomaly, Decision
@@ -159,14 +160,14 @@ def late_shard(
     )
     if len(shards) < world_size:
         left = left._replace(pending=left.pending.insert(step, shards))
-        return state._replace(left=left), (noted,)
+        return structs.replace(state, left=left), (noted,)
     pending = HashTrieMap((s, v) for s, v in left.pending.items() if s > step)
     result = commit(state.job_id, generation, step, world_size, shards, state.clock_ns)
     if isinstance(result, str):
         mismatch = Anomaly(kind="checkpoint_mismatch", reason=result)
-        return state._replace(left=left._replace(pending=pending)), (noted, mismatch)
+        return structs.replace(state, left=left._replace(pending=pending)), (noted, mismatch)
     cuts = (*left.cuts, result)[-config.keep_snapshots :]
-    return state._replace(left=left._replace(pending=pending, cuts=cuts)), (noted,)
+    return structs.replace(state, left=left._replace(pending=pending, cuts=cuts)), (noted,)
 
 
 def disagreement(
@@ -225,7 +226,7 @@ def note_position(
         positions = HashTrieMap(
             (s, p) for s, p in positions.items() if s >= newest - config.max_step_lag
         )
-    return state._replace(watch=watch._replace(positions=positions))
+    return structs.replace(state, watch=watch._replace(positions=positions))
 
 
 def _reference(

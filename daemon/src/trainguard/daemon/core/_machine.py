@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import assert_never
 
+from msgspec import structs
 from rpds import HashTrieMap
 
 from trainguard.daemon.core._commit_rule import commit, disagreement, late_shard, note_position
@@ -89,7 +90,6 @@ from trainguard.daemon.core._state import (
     RankState,
     RankStatus,
     Sender,
-    new_tuple,
 )
 from trainguard.daemon.core._stop import on_request
 from trainguard.daemon.core.detectors._divergence import (
@@ -285,7 +285,7 @@ def _acted(state: JobState, command_seq: int, config: MachineConfig) -> JobState
     if watch.held and seq >= state.command_seq:
         # The resume is out: the ranks' deadlines start now, none earlier than the shortest.
         watch = lower_due(watch._replace(held=False), clock + least_deadline_ns(config))
-    return state._replace(watch=watch)
+    return structs.replace(state, watch=watch)
 
 
 def _restore_acted(state: JobState) -> bool:
@@ -313,7 +313,7 @@ def _advance(state: JobState, at_ns: int) -> JobState:
         return state
     clock = max(state.clock_ns, at_ns)
     started = clock if state.generation_started_ns is None else state.generation_started_ns
-    return state._replace(clock_ns=clock, generation_started_ns=started)
+    return structs.replace(state, clock_ns=clock, generation_started_ns=started)
 
 
 def _stated_world_size(event: Event) -> int | None:
@@ -441,7 +441,9 @@ def _accept(state: JobState, event: Event, at_ns: int) -> JobState:
     if stated is None or (
         stated == state.world_size and state.world_size_generation == state.generation
     ):
-        return state._replace(clock_ns=clock, generation_started_ns=started, senders=senders)
+        return structs.replace(
+            state, clock_ns=clock, generation_started_ns=started, senders=senders
+        )
     # First statement of the world size in this generation: it may differ from the one carried
     # over from the previous generation; ranks heard from beyond it no longer exist.
     ranks, incident, watch = state.ranks, state.incident, state.watch
@@ -458,7 +460,8 @@ def _accept(state: JobState, event: Event, at_ns: int) -> JobState:
             ),
             versions=HashTrieMap(versions.items()),
         )
-    return state._replace(
+    return structs.replace(
+        state,
         clock_ns=clock,
         generation_started_ns=started,
         senders=senders,
@@ -536,43 +539,26 @@ def _on_heartbeat(
             step_done_ns=clock,
         )
     else:
-        # One unpacking instead of a dozen attribute reads (fields as in RankState).
-        (
-            _,
-            _,
-            prev_pid,
-            status,
-            prev_phase,
-            prev_heard_ns,
-            _,
-            prev_advanced_ns,
-            phase_since_ns,
-            first,
-            average,
-            samples,
-            straggling,
-            after_phase,
-            data_version,
-            delay_floor,
-            done_ns,
-            prev_late,
-        ) = prev
+        first, delay_floor, done_ns = prev.first_step, prev.delay_floor_ns, prev.step_done_ns
+        prev_late = prev.late_ns
         advanced = step > prev.step
         if first is None or not training:
             first = step  # in init: where the rank will start from
-        if delay_floor is None or delay < delay_floor or prev_pid != beat.pid:
+        if delay_floor is None or delay < delay_floor or prev.pid != beat.pid:
             delay_floor = delay
         late = delay - delay_floor
         # As late on the machine's clock, which stopped across the job's latest gap.
         behind = clock - bridged_ns(state.last_gap, clock - late) if late else 0
-        advanced_ns = prev_advanced_ns
+        advanced_ns = prev.step_advanced_ns
         if advanced:
             # The step completed step_age_s before the heartbeat was built: its deadline
             # counts from then as the bus clock shows it (late by the delivery), but not
             # before the rank last spoke (a heartbeat that waited in the agent's queue gives
             # the ones behind it time to arrive).
             age_ns = 0 if beat.step_age_s is None else round(beat.step_age_s * 1e9)
-            advanced_ns = clock if beat.step_age_s is None else max(clock - age_ns, prev_heard_ns)
+            advanced_ns = (
+                clock if beat.step_age_s is None else max(clock - age_ns, prev.last_heard_ns)
+            )
             # When the rank stopped, to compare with the others: as it dates it, however long
             # the heartbeat waited (its lateness), on the clock that stopped across a gap.
             done_ns = max(bridged_ns(state.last_gap, clock - late - age_ns), done_ns or 0)
@@ -580,14 +566,15 @@ def _on_heartbeat(
         # The step time spans everything since the rank's previous step: not a sample of the
         # job's pace if that is one of its start-up steps or includes a declared phase of this
         # rank or of another one.
+        average, samples, straggling = prev.step_time_s, prev.step_time_samples, prev.straggling
         if (
             running
             and advanced
             and seconds is not None
-            and not after_phase
+            and not prev.after_phase
             and step - first > config.startup_steps
             and not watch.long_phases
-            and watch.long_phase_ended_ns <= (prev_advanced_ns or 0)
+            and watch.long_phase_ended_ns <= (prev.step_advanced_ns or 0)
         ):
             sampled = True
             average, samples, straggling, report = straggler(
@@ -595,29 +582,23 @@ def _on_heartbeat(
             )
             if report is not None:
                 decisions = (report,)
-        # Every field, in order, built in C (new_tuple).
-        rec = new_tuple(
-            RankState,
-            (
-                rank,
-                host,
-                beat.pid,
-                status,
-                phase,
-                clock,
-                step,
-                advanced_ns,
-                phase_since_ns if prev_phase == phase else clock,
-                first,
-                average,
-                samples,
-                straggling,
-                phase in LONG_PHASES or (after_phase and not advanced),
-                data_version,
-                delay_floor,
-                done_ns,
-                behind,
-            ),
+        rec = structs.replace(
+            prev,
+            host=host,
+            pid=beat.pid,
+            phase=phase,
+            last_heard_ns=clock,
+            step=step,
+            step_advanced_ns=advanced_ns,
+            phase_since_ns=prev.phase_since_ns if prev.phase == phase else clock,
+            first_step=first,
+            step_time_s=average,
+            step_time_samples=samples,
+            straggling=straggling,
+            after_phase=phase in LONG_PHASES or (prev.after_phase and not advanced),
+            delay_floor_ns=delay_floor,
+            step_done_ns=done_ns,
+            late_ns=behind,
         )
     if not advanced or prev is None or prev.phase != phase or behind < prev_late:
         # A rank that advanced in the same phase, its heartbeat no less late than its previous
@@ -649,69 +630,15 @@ def _on_heartbeat(
             spike=spike,
             progress_due_ns=due - shrunk if shrunk and due is not None else due,
         )
-    # Every field in JobState's order (the unpacking above fails if their number changes),
-    # built in C (new_tuple): a third of the cost of ``_replace`` with positional arguments,
-    # less still this way, on the path every heartbeat takes.
-    (
-        job_id,
-        job_phase,
-        generation,
-        _,
-        _,
-        world_size,
-        world_size_generation,
-        ranks,
-        finished_ranks,
-        senders,
-        pending,
-        committed,
-        bad_snapshots,
-        incident,
-        incidents_opened,
-        command_seq,
-        floor,
-        failed,
-        _,
-        _,
-        data_version,
-        loop,
-        continued_generation,
-        settle_until_ns,
-        held,
-        left,
-        last_gap,
-    ) = state
-    state = new_tuple(
-        JobState,
-        (
-            job_id,
-            job_phase,
-            generation,
-            started,
-            clock,
-            world_size,
-            world_size_generation,
-            ranks.insert(rank, rec),
-            finished_ranks,
-            senders.insert(sender, beat.seq),
-            pending,
-            committed,
-            bad_snapshots,
-            incident,
-            incidents_opened,
-            command_seq,
-            clock if floor is None else floor,
-            failed,
-            trend,
-            watch,
-            data_version,
-            loop,
-            continued_generation,
-            settle_until_ns,
-            held,
-            left,
-            last_gap,
-        ),
+    state = structs.replace(
+        state,
+        generation_started_ns=started,
+        clock_ns=clock,
+        ranks=state.ranks.insert(rank, rec),
+        senders=state.senders.insert(sender, beat.seq),
+        silence_floor_ns=clock if state.silence_floor_ns is None else state.silence_floor_ns,
+        trend=trend,
+        watch=watch,
     )
     if not running:
         return state, decisions
@@ -720,7 +647,7 @@ def _on_heartbeat(
     if failure is None and beat.param_checksum is not None:
         judged, anomalies, failure = judge_checksum(state, rec, step, beat.param_checksum, config)
         if judged is not watch:
-            state = state._replace(watch=judged)
+            state = structs.replace(state, watch=judged)
             watch = judged
         decisions = (*decisions, *anomalies)
     if failure is None and training and lead_before - step > config.max_step_lag:
@@ -788,7 +715,8 @@ def _touch(
         newly_finished = record.status == "finished"
     else:
         advanced = step is not None and (restarted or prev.step is None or step > prev.step)
-        record = prev._replace(
+        record = structs.replace(
+            prev,
             host=host,
             pid=pid,
             status=status or prev.status,
@@ -802,7 +730,8 @@ def _touch(
             late_ns=_lateness(state, prev, pid, ts),
         )
         newly_finished = record.status == "finished" and prev.status != "finished"
-    return state._replace(
+    return structs.replace(
+        state,
         ranks=state.ranks.insert(rank, record),
         finished_ranks=state.finished_ranks + newly_finished,
         silence_floor_ns=clock if state.silence_floor_ns is None else state.silence_floor_ns,
@@ -932,18 +861,18 @@ def _add_shard(
     shards = state.pending.get(event.step, HashTrieMap()).insert(event.rank, event)
     world_size = event.world_size  # equal to state.world_size: screened
     if len(shards) < world_size:
-        return state._replace(pending=state.pending.insert(event.step, shards)), _NONE
+        return structs.replace(state, pending=state.pending.insert(event.step, shards)), _NONE
     pending = HashTrieMap((s, v) for s, v in state.pending.items() if s > event.step)
     result = commit(state.job_id, state.generation, event.step, world_size, shards, state.clock_ns)
     if isinstance(result, str):
-        return state._replace(pending=pending), (
+        return structs.replace(state, pending=pending), (
             Anomaly(kind="checkpoint_mismatch", reason=result),
         )
     reason = (
         f"all {world_size} ranks reported their shard of step {event.step} in generation "
         f"{state.generation} (data version {result.data_version!r})"
     )
-    state = state._replace(pending=pending).committing((result,), config.keep_snapshots)
+    state = structs.replace(state, pending=pending).committing((result,), config.keep_snapshots)
     return state, (Committed(manifest=result, reason=reason),)
 
 
@@ -975,8 +904,8 @@ def _on_lifecycle(
     incident = state.incident
     if restored and state.phase == "restoring" and incident is not None:
         ack = Ack(event.snapshot_id, event.step, event.cursor)
-        state = state._replace(
-            incident=replace(incident, acks=incident.acks.insert(event.rank, ack))
+        state = structs.replace(
+            state, incident=replace(incident, acks=incident.acks.insert(event.rank, ack))
         )
     # An acknowledgement's cursor is the snapshot's, not what the rank's data loader reads:
     # only data-cursor events and shards feed the data-version detector.
@@ -1091,7 +1020,7 @@ def _on_error(
         )
     reason = f"{who} reported that snapshot {sid} failed verification{detail}"
     if all(bad != sid for bad, _ in state.bad_snapshots):
-        state = state._replace(bad_snapshots=(*state.bad_snapshots, (sid, reason)))
+        state = structs.replace(state, bad_snapshots=(*state.bad_snapshots, (sid, reason)))
     if not own:
         # Another job's snapshot is the job's initial state (init_from). With no snapshot of
         # its own on the timeline, the ranks of this generation started from it: they cannot
@@ -1153,10 +1082,10 @@ def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions
                     reason=reason,
                 ),
             )
-        return state._replace(phase="finished", incident=None, held=None), decisions
+        return structs.replace(state, phase="finished", incident=None, held=None), decisions
     if state.phase == "starting" and len(state.ranks) == world_size:
         reason = f"all {world_size} ranks reported in generation {generation}"
-        return state._replace(phase="running"), (
+        return structs.replace(state, phase="running"), (
             Transition(old="starting", new="running", generation=generation, reason=reason),
         )
     if state.phase == "restoring" and incident is not None and len(incident.acks) == world_size:
@@ -1180,7 +1109,9 @@ def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions
             daemon_id=config.daemon_id,
             step=step,
         )
-        return state._replace(phase="running", incident=None, command_seq=seq, watch=watch), (
+        return structs.replace(
+            state, phase="running", incident=None, command_seq=seq, watch=watch
+        ), (
             Transition(old="restoring", new="running", generation=generation, reason=reason),
             Issue(command=resume, reason=reason),
             IncidentClosed(
@@ -1267,7 +1198,7 @@ def _scan_silence(state: JobState, config: MachineConfig) -> tuple[JobState, Fai
         elif floor is None or rec.last_heard_ns < floor:
             floor = rec.last_heard_ns
     if not silent:
-        return state._replace(silence_floor_ns=floor), None
+        return structs.replace(state, silence_floor_ns=floor), None
     silent.sort(key=lambda rec: rec.rank)
     longest = max(clock - rec.last_heard_ns for rec in silent)
     measures = Measures(silent_s=longest / 1e9, timeout_s=timeout / 1e9)

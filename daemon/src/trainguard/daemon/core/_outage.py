@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from msgspec import structs
 from rpds import HashTrieMap
 
 from trainguard.daemon.core._decisions import (
@@ -105,7 +106,8 @@ def bridge(
         incident = replace(incident, issued_ns=incident.issued_ns + gap)
     floor, started = state.silence_floor_ns, state.generation_started_ns
     settle_until = at_ns + config.outage_settle_ns
-    bridged = state._replace(
+    bridged = structs.replace(
+        state,
         ranks=ranks,
         watch=watch,
         incident=incident,
@@ -137,7 +139,8 @@ def bridge(
 
 def _shifted_rank(rec: RankState, gap: int) -> RankState:
     advanced, done = rec.step_advanced_ns, rec.step_done_ns
-    return rec._replace(
+    return structs.replace(
+        rec,
         last_heard_ns=rec.last_heard_ns + gap,
         step_advanced_ns=None if advanced is None else advanced + gap,
         phase_since_ns=rec.phase_since_ns + gap,
@@ -200,7 +203,7 @@ def late_finish(
         return None
     left, incident, world_size, restore = pending_restore
     finished = tuple(sorted((*left.finished, event.rank)))
-    state = state._replace(left=left._replace(finished=finished))
+    state = structs.replace(state, left=left._replace(finished=finished))
     noted = Anomaly(
         kind="late_finish",
         reason=f"rank {event.rank} on host {event.host} (pid {event.pid}) reported finished "
@@ -226,7 +229,7 @@ def late_finish(
         for cut in left.cuts
     )
     state = state.committing(left.cuts, config.keep_snapshots)
-    return state._replace(phase="finished", incident=None, held=None), (
+    return structs.replace(state, phase="finished", incident=None, held=None), (
         noted,
         *committed,
         Transition(old="restoring", new="finished", generation=state.generation, reason=reason),

@@ -55,6 +55,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import KW_ONLY, dataclass, replace
 
+from msgspec import structs
 from rpds import HashTrieMap
 
 from trainguard.daemon.core._decisions import (
@@ -172,7 +173,7 @@ def give_up(
     for r in dead:
         record = ranks.get(r)
         if record is not None:
-            ranks = ranks.insert(r, record._replace(status="dead"))
+            ranks = ranks.insert(r, structs.replace(record, status="dead"))
     decisions: list[Decision] = [] if opened is None else [opened]
     decisions += [
         Transition(old=state.phase, new="failed", generation=state.generation, reason=reason),
@@ -196,8 +197,14 @@ def give_up(
             )
         )
     decisions.append(JobFailed(reason=reason))
-    new = state._replace(
-        phase="failed", incident=None, held=None, command_seq=seq, failure=reason, ranks=ranks
+    new = structs.replace(
+        state,
+        phase="failed",
+        incident=None,
+        held=None,
+        command_seq=seq,
+        failure=reason,
+        ranks=ranks,
     )
     return new, tuple(decisions)
 
@@ -212,7 +219,7 @@ def _timeline(state: JobState, target: Manifest | None) -> JobState:
     kept = () if index is None else committed[: index + 1]
     if len(kept) == len(committed):
         return state
-    return state._replace(committed=kept)
+    return structs.replace(state, committed=kept)
 
 
 def _new_generation(
@@ -230,7 +237,8 @@ def _new_generation(
         # it. A retry of a restore nobody joined keeps the generation they ran in.
         finished = sorted(r for r, rec in state.ranks.items() if rec.status == "finished")
         left = Left(state.generation, tuple(finished), pending=state.pending)
-    return _timeline(state, target)._replace(
+    return structs.replace(
+        _timeline(state, target),
         phase="restoring",
         generation=state.generation + 1,
         generation_started_ns=state.clock_ns,
@@ -636,7 +644,7 @@ def fail_now(
     number = state.incidents_opened + 1
     incident_id = f"{state.job_id}/i{number}"
     opened = _opened(state, incident_id, failure)
-    state = state._replace(incidents_opened=number)
+    state = structs.replace(state, incidents_opened=number)
     return give_up(state, f"incident {incident_id}: {failure.reason}", config, opened=opened)
 
 
@@ -652,14 +660,14 @@ def _open(
     if evidence is not None:
         failure = replace(failure, reason=f"{failure.reason}; {_after_restore_text(evidence)}")
     opened = _opened(state, incident_id, failure)
-    state = state._replace(incidents_opened=number)
+    state = structs.replace(state, incidents_opened=number)
     if settling(state):
         return _hold(state, incident_id, failure, evidence, opened)
     awaits = None
     if failure.cause == "exited" and config.cut_settle_ns:
         awaits = awaited_cut(state, failure.ranks, failure.onset_after_step)
     if awaits is not None:
-        state = state._replace(settle_until_ns=state.clock_ns + config.cut_settle_ns)
+        state = structs.replace(state, settle_until_ns=state.clock_ns + config.cut_settle_ns)
         return _hold(state, incident_id, failure, evidence, opened, awaits=awaits)
     return _first_restore(
         state, incident_id, failure, evidence, config, opened=opened, opened_ns=state.clock_ns
@@ -685,7 +693,7 @@ def _first_restore(
     was held). ``restart``: restart whatever ``restore_mode`` says. ``held_note`` ends the
     restore's reason."""
     loop = _next_loop(state, incident_id, failure, evidence, config)
-    state = state._replace(loop=loop)
+    state = structs.replace(state, loop=loop)
     if loop.streak >= config.max_restore_cycles:
         return give_up(state, _loop_reason(loop, failure, config), config, opened=opened)
     target = state.restore_target(failure.onset_after_step)
@@ -801,7 +809,7 @@ def _hold(
         ranks=held.ranks,
         hosts=held.hosts,
     )
-    return state._replace(held=held), (opened, note)
+    return structs.replace(state, held=held), (opened, note)
 
 
 def _join(state: JobState, held: Held, failure: Failure) -> tuple[JobState, tuple[Decision, ...]]:
@@ -831,7 +839,7 @@ def _join(state: JobState, held: Held, failure: Failure) -> tuple[JobState, tupl
         hosts=tuple(sorted(set(failure.hosts))),
         measures=failure.measures,
     )
-    return state._replace(held=joined), (note,)
+    return structs.replace(state, held=joined), (note,)
 
 
 def release(

@@ -11,10 +11,11 @@ Document (``jobstate/1``), one JSON object::
     {"format": "jobstate/1", "layout": "<16 hex digits>", "state": <JobState>}
 
 The form of each value follows its type hint, derived from the state's class definitions
-(``NamedTuple`` fields and ``dataclasses.fields``), never from a hand-written field list:
+(``msgspec`` struct fields, ``NamedTuple`` fields and ``dataclasses.fields``), never from a
+hand-written field list:
 
-* ``NamedTuple`` and (non-message) dataclass records, e.g. ``JobState``, ``RankState``,
-  ``Incident``, ``StepRange``: a JSON object with exactly the class's fields.
+* ``msgspec.Struct``, ``NamedTuple`` and (non-message) dataclass records, e.g. ``JobState``,
+  ``RankState``, ``Watch``, ``Incident``: a JSON object with exactly the class's fields.
 * ``int``: a JSON integer, within ``-2**63 .. 2**64 - 1`` (what orjson writes exactly; ns
   timestamps are about 1.7e18 and never pass through a float).
 * ``float``: a JSON number (orjson writes the shortest form that reads back bit for bit), or
@@ -61,6 +62,7 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Generic, Literal, NamedTuple, TypeVar
 
+import msgspec
 import orjson
 from rpds import HashTrieMap, HashTrieSet
 
@@ -399,7 +401,7 @@ def _map_of(key: _Form, value: _Form) -> _Form:
 
 
 def _record(cls: type[Any]) -> _Form:
-    """A ``NamedTuple`` or dataclass: an object with exactly its fields.
+    """A ``NamedTuple``, ``msgspec.Struct`` or dataclass: an object with exactly its fields.
 
     Raises:
         TypeError: a field's type has no form (naming ``Class.field``), or a dataclass field
@@ -412,6 +414,8 @@ def _record(cls: type[Any]) -> _Form:
         if derived:
             raise TypeError(f"{cls.__name__}.{derived[0]} is not an __init__ field")
         names: tuple[str, ...] = tuple(f.name for f in fields)
+    elif issubclass(cls, msgspec.Struct):
+        names = cls.__struct_fields__
     else:
         names = cls._fields
     forms: list[_Form] = []
@@ -544,7 +548,9 @@ def _build(hint: Any) -> _Form:
     elif hint in MESSAGE_TYPES:
         return _message(hint)
     elif isinstance(hint, type) and (
-        dataclasses.is_dataclass(hint) or (issubclass(hint, tuple) and hasattr(hint, "_fields"))
+        dataclasses.is_dataclass(hint)
+        or issubclass(hint, msgspec.Struct)
+        or (issubclass(hint, tuple) and hasattr(hint, "_fields"))
     ):
         return _record(hint)
     raise TypeError(f"no {FORMAT} form for {hint!r}")

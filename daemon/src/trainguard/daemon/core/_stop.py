@@ -36,6 +36,8 @@ Requests are screened like events first: the job, the sender's clock skew
 
 from __future__ import annotations
 
+from msgspec import structs
+
 from trainguard.daemon.core._decisions import (
     Committed,
     Decision,
@@ -123,7 +125,8 @@ def _screen(
 
 def _accepted(state: JobState, request: JobRequest, at_ns: int) -> JobState:
     """``state`` with the request's time and ``seq`` recorded."""
-    return state._replace(
+    return structs.replace(
+        state,
         clock_ns=max(state.clock_ns, at_ns),
         generation_started_ns=(
             at_ns if state.generation_started_ns is None else state.generation_started_ns
@@ -212,8 +215,8 @@ def _stop(
                 incident_id=state.held.incident_id, outcome="stopped", attempts=0, reason=reason
             )
         )
-    stopped = state._replace(
-        phase="stopped", incident=None, held=None, command_seq=seq, failure=None
+    stopped = structs.replace(
+        state, phase="stopped", incident=None, held=None, command_seq=seq, failure=None
     )
     return stopped, tuple(decisions)
 
@@ -276,8 +279,11 @@ def _continue(
     )
     seq = next_command_seq(state)
     restore = _restore(state, incident, generation + 1, seq, reason, config)
-    new = _new_generation(state, incident=incident, command_seq=seq, incidents=number)._replace(
-        failure=None, loop=Loop(), continued_generation=generation + 1
+    new = structs.replace(
+        _new_generation(state, incident=incident, command_seq=seq, incidents=number),
+        failure=None,
+        loop=Loop(),
+        continued_generation=generation + 1,
     )
     return new, (
         Transition(old=phase, new="restoring", generation=generation + 1, reason=reason),
@@ -312,4 +318,4 @@ def _refuse(
         reason=reason[:_MAX_REASON],
         outcome="stopped" if state.phase == "stopped" else "failed",
     )
-    return state._replace(command_seq=seq), (Issue(command=abort, reason=reason),)
+    return structs.replace(state, command_seq=seq), (Issue(command=abort, reason=reason),)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from msgspec import structs
 from rpds import HashTrieMap
 
 from trainguard.daemon.core._decisions import Anomaly
@@ -386,15 +387,16 @@ def note_data_version(
         left = versions.get(old, 1) - 1
         versions = versions.insert(old, left) if left else versions.remove(old)
     versions = versions.insert(version, versions.get(version, 0) + 1)
-    state = state._replace(
-        ranks=state.ranks.insert(rec.rank, rec._replace(data_version=version)),
+    state = structs.replace(
+        state,
+        ranks=state.ranks.insert(rec.rank, structs.replace(rec, data_version=version)),
         watch=state.watch._replace(versions=versions),
     )
     if len(versions) > 1:
         return state, None, _version_mismatch(state, versions, step), None
     current = state.data_version
     if current is None:
-        return state._replace(data_version=version), None, None, None
+        return structs.replace(state, data_version=version), None, None, None
     if version == current:
         return state, None, None, None
     if not config.allow_data_version_change:
@@ -413,7 +415,7 @@ def note_data_version(
         hosts=(rec.host,),
         measures=Measures(old=current, new=version, step=step),
     )
-    return state._replace(data_version=version), anomaly, None, None
+    return structs.replace(state, data_version=version), anomaly, None, None
 
 
 def _version_mismatch(state: JobState, versions: HashTrieMap[str, int], step: int) -> Failure:

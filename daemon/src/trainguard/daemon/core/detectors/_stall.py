@@ -61,6 +61,8 @@ can pass its progress deadline before its heartbeat timeout.
 
 from __future__ import annotations
 
+from msgspec import structs
+
 from trainguard.daemon.core._decisions import Anomaly
 from trainguard.daemon.core._evidence import (
     Measures,
@@ -208,7 +210,7 @@ def scan_stalls(state: JobState, config: MachineConfig) -> tuple[JobState, Failu
         window = min(_stopped_ns(rec, watch) for rec in training) + config.heartbeat_interval_ns
         first = [rec for rec in training if _stopped_ns(rec, watch) <= window]
         return state, _progress_failure(state, due, sorted(first, key=_rank_of), config)
-    return state._replace(watch=watch._replace(progress_due_ns=nearest)), None
+    return structs.replace(state, watch=watch._replace(progress_due_ns=nearest)), None
 
 
 def _rank_of(rec: RankState) -> int:
