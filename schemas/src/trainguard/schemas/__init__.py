@@ -59,7 +59,6 @@ from trainguard.schemas._messages import (
     Event,
     Heartbeat,
     JobRequest,
-    JSONValue,
     Lifecycle,
     LifecycleKind,
     Mac,
@@ -78,6 +77,7 @@ from trainguard.schemas._messages import (
 )
 from trainguard.schemas._schema_files import SCHEMA_BASE_URI, load_schema, schema_path
 from trainguard.schemas._wire_form import MAX_FREEFORM_DEPTH
+from trainguard.schemas._wire_types import JSONValue
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

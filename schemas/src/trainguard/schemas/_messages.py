@@ -1,8 +1,14 @@
 """Typed message objects of the wire contract (ARCHITECTURE.md section 3).
 
-Every message is an immutable dataclass. The wire form of each class is described by the JSON
-Schema file named in its ``SCHEMA`` class attribute (``<type>/<major>.<minor>``, file
-``json/<type>.v<major>.json``); :mod:`trainguard.schemas._codec` converts between the two.
+Every message is an immutable dataclass, and the dataclasses are the wire contract's one
+definition: :mod:`trainguard.schemas._schema_build` generates from them the JSON Schema file
+named by each class's ``SCHEMA`` attribute (``<type>/<major>.<minor>``, file
+``json/<type>.v<major>.json``) and ``common.v1.json``. A field's Python type gives its JSON type,
+whether it is required (no default) and its default; its ``Annotated`` metadata
+(:class:`~trainguard.schemas._wire_types.Wire`, and the
+:class:`~trainguard.schemas._wire_types.Shared` aliases such as ``JobId`` and ``Rank``) says
+what only the wire states; a class's ``WIRE`` gives its description and rules across fields.
+:mod:`trainguard.schemas._codec` converts between the dataclasses and their wire form.
 
 Conventions shared by every message:
 
@@ -15,8 +21,8 @@ Conventions shared by every message:
   supervisor), ``host`` and ``pid``; commands (sent by the daemon) with ``daemon_id``.
 * Floats that may be non-finite (``loss``) travel as JSON numbers, or as the strings ``"nan"``,
   ``"inf"`` and ``"-inf"``, because JSON has no literal for them.
-* Bounds (ranks < 65536, string lengths, ...) are those of the schema files; see
-  ``docs/wire-contract.md``.
+* Bounds (ranks < 65536, string lengths, ...) are stated by the fields' metadata and checked
+  against the schema files they generate; see ``docs/wire-contract.md``.
 * ``auth``: events (and ticks) may carry a :class:`Mac`, commands and manifests a
   :class:`Signature`, over the message's canonical bytes (:mod:`trainguard.schemas._auth`);
   ``None`` (left out on the wire) when the sender holds no key.
@@ -24,11 +30,35 @@ Conventions shared by every message:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal, TypeAlias
 
-JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
+from trainguard.schemas._wire_types import (
+    Count,
+    DaemonId,
+    Digest,
+    Generation,
+    Host,
+    JobId,
+    JsonObject,
+    JSONValue,
+    Kid,
+    Loss,
+    MessageText,
+    Pid,
+    Rank,
+    Reason,
+    Seed,
+    Seq,
+    Shared,
+    ShortText,
+    SnapshotId,
+    Step,
+    Timestamp,
+    Uri,
+    Wire,
+    WorldSize,
+)
 
 Phase: TypeAlias = Literal["init", "train", "checkpoint", "eval", "data"]
 """What a rank is doing. ``checkpoint``, ``eval``, ``data`` and ``init`` are declared long phases
@@ -50,7 +80,7 @@ class NonFiniteAsString:
     """
 
 
-MaybeNonFinite: TypeAlias = Annotated[float, NonFiniteAsString]
+MaybeNonFinite: TypeAlias = Annotated[float, NonFiniteAsString, Loss]
 """A float that may be non-finite on the wire (see :class:`NonFiniteAsString`)."""
 
 
@@ -65,8 +95,21 @@ class Mac:
             bytes, 32 bytes in standard base64 (RFC 4648 section 4, padded: 44 characters).
     """
 
-    kid: str
-    mac: str
+    WIRE: ClassVar[Shared] = Shared(
+        "mac",
+        "An event's authentication: HMAC-SHA256 under the job's event key kid over the"
+        " message's canonical bytes (docs/wire-contract.md, Authentication).",
+    )
+    kid: Kid
+    mac: Annotated[
+        str,
+        Wire(
+            "The 32-byte HMAC-SHA256, standard base64 with padding.",
+            minLength=44,
+            maxLength=44,
+            pattern="^[A-Za-z0-9+/]{43}=$",
+        ),
+    ]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,8 +123,45 @@ class Signature:
             standard base64 (padded: 88 characters).
     """
 
-    kid: str
-    sig: str
+    WIRE: ClassVar[Shared] = Shared(
+        "signature",
+        "The daemon's signature: Ed25519 under its signing key kid over the message's"
+        " canonical bytes (docs/wire-contract.md, Authentication).",
+    )
+    kid: Kid
+    sig: Annotated[
+        str,
+        Wire(
+            "The 64-byte Ed25519 signature, standard base64 with padding.",
+            minLength=88,
+            maxLength=88,
+            pattern="^[A-Za-z0-9+/]{86}==$",
+        ),
+    ]
+
+
+def _present(name: str) -> dict[str, JSONValue]:
+    """JSON Schema: property ``name`` is present and not null."""
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+def _when(
+    name: str,
+    value: str,
+    doc: str,
+    then: dict[str, JSONValue],
+    *,
+    otherwise: tuple[str, dict[str, JSONValue]] | None = None,
+) -> dict[str, JSONValue]:
+    """JSON Schema rule across fields: when property ``name`` is ``value``, ``then`` holds
+    (described by ``doc``); else the ``otherwise`` properties (``(doc, properties)``) hold."""
+    rule: dict[str, JSONValue] = {
+        "if": {"properties": {name: {"const": value}}, "required": [name]},
+        "then": {"description": doc, **then},
+    }
+    if otherwise is not None:
+        rule["else"] = {"description": otherwise[0], "properties": otherwise[1]}
+    return rule
 
 
 WIRE_OMIT_NONE = "trainguard.wire_omit_none"
@@ -104,11 +184,21 @@ class DataCursor:
             another world size re-partitions the remaining samples).
     """
 
-    data_version: str
-    seed: int
-    epoch: int
-    offset: int
-    world_size: int
+    WIRE: ClassVar[Shared] = Shared("cursor", "Exact, world-size independent data-loader position.")
+    data_version: Annotated[
+        str,
+        Wire(
+            "Digest of the dataset manifest or an id from the user's data versioning tool.",
+            minLength=1,
+            maxLength=255,
+        ),
+    ]
+    seed: Seed
+    epoch: Annotated[Count, Wire("Epoch number.")]
+    offset: Annotated[
+        Count, Wire("Global sample offset within the epoch's permutation, in samples.")
+    ]
+    world_size: Annotated[WorldSize, Wire("World size when the cursor was taken (informational).")]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,9 +212,17 @@ class CheckpointMeta:
         code_version: e.g. a git commit id of the training code.
     """
 
-    hyperparameters: Mapping[str, JSONValue] = field(default_factory=dict)
-    topology: Mapping[str, JSONValue] = field(default_factory=dict)
-    code_version: str = ""
+    WIRE: ClassVar[Shared] = Shared(
+        "metadata", "What a training snapshot is bound to besides its tensors."
+    )
+    hyperparameters: Annotated[JsonObject, Wire("Free-form: learning rate, batch size, ...")] = (
+        field(default_factory=dict)
+    )
+    topology: Annotated[
+        JsonObject,
+        Wire("Free-form: world_size and parallelism degrees (dp, tp, pp) by convention."),
+    ] = field(default_factory=dict)
+    code_version: Annotated[ShortText, Wire("E.g. the git commit id of the training code.")] = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,22 +245,57 @@ class Heartbeat:
     """
 
     SCHEMA: ClassVar[str] = "heartbeat/1.2"
-    job_id: str
-    generation: int
-    ts: int
-    seq: int
-    rank: int
-    host: str
-    pid: int
-    world_size: int
-    step: int
-    phase: Phase
-    step_time_s: float | None = None
-    loss: MaybeNonFinite | None = None
-    samples: int = 0
-    param_checksum: str | None = None
-    step_age_s: float | None = None
-    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
+    WIRE: ClassVar[Wire] = Wire("Periodic liveness and progress report of one rank.")
+    job_id: JobId
+    generation: Annotated[Generation, Wire("Generation the sender runs in.")]
+    ts: Timestamp
+    seq: Seq
+    rank: Rank
+    host: Host
+    pid: Pid
+    world_size: Annotated[WorldSize, Wire("World size the rank runs in.")]
+    step: Annotated[Step, Wire("Last completed training step.")]
+    phase: Annotated[
+        Phase,
+        Wire("What the rank is doing; checkpoint, eval, data and init are long phases."),
+    ]
+    step_time_s: Annotated[
+        float | None,
+        Wire("Duration of the last step in seconds, or null before the first step.", minimum=0),
+    ] = None
+    loss: Annotated[
+        MaybeNonFinite | None,
+        Wire(
+            "Last loss (non-finite as nan/inf/-inf), or null when not reported.",
+            comment="A number or null matches the first branch: validators that try the"
+            " branches in order (fastjsonschema raises and catches an exception per failed"
+            " branch) then pass the common cases without trying another.",
+        ),
+    ] = None
+    samples: Annotated[Count, Wire("Samples this rank has consumed in total.")] = 0
+    param_checksum: Annotated[
+        str | None,
+        Wire(
+            "Cheap deterministic checksum of the parameters at step (lowercase hex), or null.",
+            pattern="^[0-9a-f]{1,128}$",
+        ),
+    ] = None
+    step_age_s: Annotated[
+        float | None,
+        Wire(
+            "Since 1.2: seconds from the completion of step to the building of this"
+            " heartbeat (the sender's monotonic clock), or null when no step has completed"
+            " in this process.",
+            minimum=0,
+        ),
+    ] = None
+    auth: Annotated[
+        Mac | None,
+        Wire(
+            "Since 1.1: HMAC-SHA256 of the sender under its job's event key over the canonical"
+            " bytes; absent or null when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,22 +317,40 @@ class Checkpoint:
     """
 
     SCHEMA: ClassVar[str] = "checkpoint/1.2"
-    job_id: str
-    generation: int
-    ts: int
-    seq: int
-    rank: int
-    host: str
-    pid: int
-    world_size: int
-    step: int
-    shard_uri: str
-    size_bytes: int
-    digest: str
-    cursor: DataCursor
-    metadata: CheckpointMeta = field(default_factory=CheckpointMeta)
-    parent: str | None = None
-    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
+    WIRE: ClassVar[Wire] = Wire(
+        "One rank's shard of a checkpoint, sent after the shard is fsynced and atomically"
+        " renamed into place."
+    )
+    job_id: JobId
+    generation: Annotated[Generation, Wire("Generation the sender runs in.")]
+    ts: Timestamp
+    seq: Seq
+    rank: Rank
+    host: Host
+    pid: Pid
+    world_size: Annotated[WorldSize, Wire("World size the rank runs in.")]
+    step: Annotated[Step, Wire("Training step the shard captures.")]
+    shard_uri: Annotated[Uri, Wire("Where the shard lives.")]
+    size_bytes: Annotated[Count, Wire("Shard size in bytes.")]
+    digest: Annotated[Digest, Wire("SHA-256 of the shard's bytes.")]
+    cursor: Annotated[DataCursor, Wire("Data cursor matching step.")]
+    metadata: Annotated[CheckpointMeta, Wire("Hyperparameters, topology and code version.")] = (
+        field(default_factory=CheckpointMeta)
+    )
+    parent: Annotated[
+        SnapshotId | None,
+        Wire(
+            "Since 1.1: snapshot_id of another job's committed snapshot this job started from"
+            " (fine-tune lineage), or null."
+        ),
+    ] = None
+    auth: Annotated[
+        Mac | None,
+        Wire(
+            "Since 1.2: HMAC-SHA256 of the sender under its job's event key over the canonical"
+            " bytes; absent or null when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
     @property
     def data_version(self) -> str:
@@ -212,16 +363,23 @@ class DataCursorEvent:
     """A rank's data cursor after ``step`` (``data-cursor/1``)."""
 
     SCHEMA: ClassVar[str] = "data-cursor/1.1"
-    job_id: str
-    generation: int
-    ts: int
-    seq: int
-    rank: int
-    host: str
-    pid: int
-    step: int
+    WIRE: ClassVar[Wire] = Wire("A rank's data cursor after step.")
+    job_id: JobId
+    generation: Annotated[Generation, Wire("Generation the sender runs in.")]
+    ts: Timestamp
+    seq: Seq
+    rank: Rank
+    host: Host
+    pid: Pid
+    step: Annotated[Step, Wire("Training step after which the cursor was taken.")]
     cursor: DataCursor
-    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[
+        Mac | None,
+        Wire(
+            "Since 1.1: HMAC-SHA256 of the sender under its job's event key over the canonical"
+            " bytes; absent or null when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -249,34 +407,104 @@ class Lifecycle:
     """
 
     SCHEMA: ClassVar[str] = "lifecycle/1.2"
-    job_id: str
-    generation: int
-    ts: int
-    seq: int
-    rank: int | None
-    host: str
-    pid: int
-    kind: LifecycleKind
-    ranks: tuple[int, ...] = ()
-    exit_code: int | None = None
-    signal: int | None = None
-    step: int | None = None
-    cursor: DataCursor | None = None
-    world_size: int | None = None
-    snapshot_id: str | None = None
-    message: str = ""
-    missed_at_step: int | None = None
-    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
+    WIRE: ClassVar[Wire] = Wire(
+        "A process lifecycle report from a worker or a supervisor.",
+        allOf=[
+            _when("kind", "restored", "kind restored needs step", _present("step")),
+            _when(
+                "kind",
+                "exited",
+                "kind exited needs exit_code or signal",
+                {"anyOf": [_present("exit_code"), _present("signal")]},
+                otherwise=(
+                    "only kind exited carries exit_code or signal",
+                    {"exit_code": {"type": "null"}, "signal": {"type": "null"}},
+                ),
+            ),
+            _when(
+                "kind",
+                "error",
+                "kind error needs a non-empty message",
+                {"required": ["message"], "properties": {"message": {"minLength": 1}}},
+            ),
+        ],
+    )
+    job_id: JobId
+    generation: Annotated[Generation, Wire("Generation the sender runs in.")]
+    ts: Timestamp
+    seq: Seq
+    rank: Annotated[
+        Rank | None,
+        Wire("The worker's rank, or null when a supervisor reports for its whole process group."),
+    ]
+    host: Host
+    pid: Pid
+    kind: Annotated[
+        LifecycleKind,
+        Wire("started, restored (ack of a restore), finished, exited, error."),
+    ]
+    ranks: Annotated[
+        tuple[Rank, ...],
+        Wire(
+            "Ranks the reporting process group hosts (supervisors), else empty.",
+            comment="items and uniqueItems sit in allOf, which validators apply in order, so"
+            " uniqueness is only computed once every item is known to be an integer:"
+            " fastjsonschema checks uniqueItems before items and would otherwise recurse into"
+            " a deeply nested array.",
+            maxItems=65536,
+            unique_items_after=True,
+        ),
+    ] = ()
+    exit_code: Annotated[
+        int | None, Wire("Process exit status for exited, else null.", minimum=0, maximum=255)
+    ] = None
+    signal: Annotated[
+        int | None,
+        Wire(
+            "Number of the signal that ended the process for exited, else null.",
+            minimum=1,
+            maximum=127,
+        ),
+    ] = None
+    step: Annotated[Step | None, Wire("The step the rank stands at, when known.")] = None
+    cursor: Annotated[
+        DataCursor | None,
+        Wire("The data cursor at step (restored: where the rank now stands, when it tracks one)."),
+    ] = None
+    world_size: Annotated[
+        WorldSize | None, Wire("The world size the sender runs in, when known (started).")
+    ] = None
+    snapshot_id: Annotated[
+        SnapshotId | None,
+        Wire("For restored, the snapshot loaded; for error, a snapshot that failed verification."),
+    ] = None
+    message: Annotated[MessageText, Wire("Human-readable detail (required for error).")] = ""
+    missed_at_step: Annotated[
+        Step | None,
+        Wire(
+            "For error: the rank had already completed the at_step of this generation's"
+            " in_process restore when it arrived, so the daemon falls back to a restart; else"
+            " null."
+        ),
+    ] = None
+    auth: Annotated[
+        Mac | None,
+        Wire(
+            "Since 1.2: HMAC-SHA256 of the sender under its job's event key over the canonical"
+            " bytes; absent or null when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shard:
     """One rank's file of a training snapshot."""
 
-    rank: int
-    uri: str
-    size_bytes: int
-    digest: str
+    WIRE: ClassVar[Shared] = Shared("shard", "One rank's file of a training snapshot.")
+    rank: Rank
+    uri: Uri
+    size_bytes: Annotated[Count, Wire("File size in bytes.")]
+    digest: Digest
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -297,17 +525,32 @@ class Manifest:
     """
 
     SCHEMA: ClassVar[str] = "manifest/1.1"
-    job_id: str
-    snapshot_id: str
-    generation: int
-    ts: int
-    step: int
-    world_size: int
-    shards: tuple[Shard, ...]
-    cursor: DataCursor
-    metadata: CheckpointMeta = field(default_factory=CheckpointMeta)
-    parent: str | None = None
-    auth: Signature | None = field(default=None, metadata=_OMIT_NONE)
+    WIRE: ClassVar[Wire] = Wire("A committed training snapshot: what a restore resumes from.")
+    job_id: JobId
+    snapshot_id: SnapshotId
+    generation: Annotated[Generation, Wire("Generation in which the shards were written.")]
+    ts: Annotated[Timestamp, Wire("When the step was committed, nanoseconds since the Unix epoch.")]
+    step: Annotated[Step, Wire("Training step captured.")]
+    world_size: Annotated[WorldSize, Wire("World size the snapshot was written with.")]
+    shards: Annotated[
+        tuple[Shard, ...],
+        Wire("One shard per rank of world_size, ordered by rank.", minItems=1, maxItems=65536),
+    ]
+    cursor: Annotated[DataCursor, Wire("Data cursor at step.")]
+    metadata: Annotated[CheckpointMeta, Wire("Hyperparameters, topology and code version.")] = (
+        field(default_factory=CheckpointMeta)
+    )
+    parent: Annotated[
+        SnapshotId | None,
+        Wire("snapshot_id this job started from (fine-tune lineage), or null."),
+    ] = None
+    auth: Annotated[
+        Signature | None,
+        Wire(
+            "Since 1.1: the daemon's Ed25519 signature over the canonical bytes; absent or null"
+            " when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
     @property
     def data_version(self) -> str:
@@ -330,8 +573,13 @@ class StepRange:
     global batch size is constant over the range.
     """
 
-    from_step: int
-    to_step: int
+    WIRE: ClassVar[Shared] = Shared(
+        "step_range",
+        "Training steps from_step to to_step, both included (from_step <= to_step, which the"
+        " schema cannot state).",
+    )
+    from_step: Annotated[Step, Wire("First step of the range.")]
+    to_step: Annotated[Step, Wire("Last step of the range.")]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -361,19 +609,62 @@ class Restore:
     """
 
     SCHEMA: ClassVar[str] = "restore/1.2"
-    job_id: str
-    generation: int
-    ts: int
-    seq: int
-    daemon_id: str
-    incident_id: str
-    reason: str
-    target: Manifest | None
-    mode: RestoreMode = "restart"
-    attempt: int = 1
-    at_step: int | None = None
-    skip: StepRange | None = None
-    auth: Signature | None = field(default=None, metadata=_OMIT_NONE)
+    WIRE: ClassVar[Wire] = Wire(
+        "Command: roll every rank back to a committed snapshot.",
+        allOf=[_when("mode", "in_process", "mode in_process needs at_step", _present("at_step"))],
+    )
+    job_id: JobId
+    generation: Annotated[
+        Generation, Wire("The new fencing generation the ranks run in after the restore.")
+    ]
+    ts: Timestamp
+    seq: Seq
+    daemon_id: DaemonId
+    incident_id: Annotated[
+        str,
+        Wire("Identifies the incident that caused the restore.", minLength=1, maxLength=255),
+    ]
+    reason: Reason
+    target: Annotated[
+        Manifest | None,
+        Wire("The manifest of the snapshot to load, or null to start from scratch."),
+    ]
+    mode: Annotated[
+        RestoreMode,
+        Wire(
+            "restart: supervisors restart the processes; in_process: agents reload at a step"
+            " boundary."
+        ),
+    ] = "restart"
+    attempt: Annotated[
+        int,
+        Wire(
+            "1 for the first try of this incident's restore, 2 for the first retry, ...",
+            minimum=1,
+            maximum=2**63 - 1,
+        ),
+    ] = 1
+    at_step: Annotated[
+        Step | None,
+        Wire(
+            "in_process (required then): the step boundary at which every rank stops, reloads"
+            " and acknowledges; null for restart."
+        ),
+    ] = None
+    skip: Annotated[
+        StepRange | None,
+        Wire(
+            "Steps whose batches the restored ranks skip (the data cursor jumps past them when"
+            " it reaches from_step), or null to replay the data exactly."
+        ),
+    ] = None
+    auth: Annotated[
+        Signature | None,
+        Wire(
+            "Since 1.2: the daemon's Ed25519 signature over the canonical bytes; absent or null"
+            " when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -381,13 +672,22 @@ class Resume:
     """Command: every rank acknowledged the restore of ``generation``; continue training."""
 
     SCHEMA: ClassVar[str] = "resume/1.1"
-    job_id: str
-    generation: int
-    ts: int
-    seq: int
-    daemon_id: str
-    step: int
-    auth: Signature | None = field(default=None, metadata=_OMIT_NONE)
+    WIRE: ClassVar[Wire] = Wire(
+        "Command: every rank acknowledged the restore of generation; continue training."
+    )
+    job_id: JobId
+    generation: Annotated[Generation, Wire("Generation the command establishes or acts in.")]
+    ts: Timestamp
+    seq: Seq
+    daemon_id: DaemonId
+    step: Annotated[Step, Wire("The step the ranks resume from.")]
+    auth: Annotated[
+        Signature | None,
+        Wire(
+            "Since 1.1: the daemon's Ed25519 signature over the canonical bytes; absent or null"
+            " when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -404,14 +704,30 @@ class Abort:
     """
 
     SCHEMA: ClassVar[str] = "abort/1.2"
-    job_id: str
-    generation: int
-    ts: int
-    seq: int
-    daemon_id: str
-    reason: str
-    outcome: AbortOutcome = "failed"
-    auth: Signature | None = field(default=None, metadata=_OMIT_NONE)
+    WIRE: ClassVar[Wire] = Wire(
+        "Command: end the job: failed, or stopped on request (then it may be continued)."
+    )
+    job_id: JobId
+    generation: Annotated[Generation, Wire("Generation the command establishes or acts in.")]
+    ts: Timestamp
+    seq: Seq
+    daemon_id: DaemonId
+    reason: Reason
+    outcome: Annotated[
+        AbortOutcome,
+        Wire(
+            "Since 1.2: failed (the daemon gave up on the job) or stopped (on request; a"
+            " continue request restarts it from its latest committed snapshot). A second abort"
+            " of the same generation with a higher seq answers a continue the daemon refused."
+        ),
+    ] = "failed"
+    auth: Annotated[
+        Signature | None,
+        Wire(
+            "Since 1.1: the daemon's Ed25519 signature over the canonical bytes; absent or null"
+            " when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -432,13 +748,34 @@ class ClockTick:
     """
 
     SCHEMA: ClassVar[str] = "tick/1.2"
-    job_id: str
-    generation: int
-    ts: int
-    seq: int
-    daemon_id: str
-    command_seq: int | None = None
-    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
+    WIRE: ClassVar[Wire] = Wire(
+        "The daemon's clock, written into a job's event stream so that replaying the stream"
+        " replays its timeouts. The time that counts is the bus record's append timestamp,"
+        " not ts."
+    )
+    job_id: JobId
+    generation: Annotated[
+        Generation,
+        Wire("The job's generation as the daemon knew it when it wrote the tick (informational)."),
+    ]
+    ts: Timestamp
+    seq: Seq
+    daemon_id: DaemonId
+    command_seq: Annotated[
+        Seq | None,
+        Wire(
+            "Since 1.2: seq of the job's latest command that was on the bus when the daemon"
+            " appended this tick (0: none yet); timeouts that start with a command count from"
+            " the first tick naming it. Absent or null in older ticks."
+        ),
+    ] = None
+    auth: Annotated[
+        Mac | None,
+        Wire(
+            "Since 1.1: HMAC-SHA256 of the sender under its job's event key over the canonical"
+            " bytes; absent or null when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -462,15 +799,42 @@ class JobRequest:
     """
 
     SCHEMA: ClassVar[str] = "job-request/1.0"
-    job_id: str
-    generation: int
-    ts: int
-    seq: int
-    host: str
-    pid: int
-    kind: RequestKind
-    reason: str = ""
-    auth: Mac | None = field(default=None, metadata=_OMIT_NONE)
+    WIRE: ClassVar[Wire] = Wire(
+        "An operator's request about a whole job (trainguard stop, a signalled supervisor,"
+        " trainguard run --continue), on the events topic. The daemon folds it and answers on"
+        " commands: an abort with outcome stopped for stop, a restore of the next generation"
+        " (or an abort refusing it) for continue."
+    )
+    job_id: JobId
+    generation: Annotated[
+        Generation,
+        Wire(
+            "The job's generation as the sender knew it from the job's latest command (0 when"
+            " there is none). A stop older than the job's latest continuation is stale; a"
+            " continue names the generation the job was stopped or failed in."
+        ),
+    ]
+    ts: Timestamp
+    seq: Seq
+    host: Host
+    pid: Pid
+    kind: Annotated[
+        RequestKind,
+        Wire(
+            "stop: end the job stopped; continue: restart a stopped or failed job from its"
+            " latest committed snapshot."
+        ),
+    ]
+    reason: Annotated[MessageText, Wire("Why, in words (the operator's text), possibly empty.")] = (
+        ""
+    )
+    auth: Annotated[
+        Mac | None,
+        Wire(
+            "HMAC-SHA256 of the sender under its job's event key over the canonical"
+            " bytes; absent or null when unauthenticated."
+        ),
+    ] = field(default=None, metadata=_OMIT_NONE)
 
     @property
     def rank(self) -> None:

@@ -192,8 +192,11 @@ def _field_codec(hint: Any) -> _FieldCodec:
     if origin in (types.UnionType, typing.Union) and type(None) in args:
         (inner,) = (a for a in args if a is not type(None))
         return _optional(_field_codec(inner))
-    if origin is typing.Annotated and args[0] is float and NonFiniteAsString in args[1:]:
-        return _FieldCodec(_nonfinite_to_wire, _float_from_wire)
+    if origin is typing.Annotated:
+        if args[0] is float and NonFiniteAsString in hint.__metadata__:
+            return _FieldCodec(_nonfinite_to_wire, _float_from_wire)
+        # Other metadata (Wire, Shared) describes the schema, which validates the value.
+        return _field_codec(args[0])
     if hint is int:
         return _FieldCodec(None, _int_from_wire)
     if hint is float:
