@@ -67,7 +67,7 @@ class Complex:
 
 @dataclasses.dataclass(frozen=True)
 class Unlisted:
-    x: Annotated[int, Shared("nowhere", "Not in COMMON.")]
+    x: Annotated[int, Shared("nowhere", "Not shared.")]
 
 
 def test_a_field_is_built_from_its_type_default_and_wire_metadata() -> None:
@@ -88,5 +88,5 @@ def test_a_field_is_built_from_its_type_default_and_wire_metadata() -> None:
 def test_a_type_without_a_json_form_or_an_unlisted_shared_type_is_refused() -> None:
     with pytest.raises(TypeError, match="no JSON Schema for <class 'complex'>"):
         _Builder("").object(Complex, "")
-    with pytest.raises(TypeError, match="'nowhere' is not listed in COMMON"):
+    with pytest.raises(TypeError, match="'nowhere' is not listed in SHARED_TYPES"):
         _Builder("").object(Unlisted, "")

@@ -164,6 +164,17 @@ def _when(
     return rule
 
 
+def _auth(kind: Literal["HMAC", "signature"], *, since: str | None) -> Wire:
+    """The description of an ``auth`` property: an event's HMAC or the daemon's signature,
+    added in minor version ``since`` of its message (``None``: in its first)."""
+    what = {
+        "HMAC": "HMAC-SHA256 of the sender under its job's event key",
+        "signature": "the daemon's Ed25519 signature",
+    }[kind]
+    prefix = f"Since {since}: " if since else ""
+    return Wire(f"{prefix}{what} over the canonical bytes; absent or null when unauthenticated.")
+
+
 WIRE_OMIT_NONE = "trainguard.wire_omit_none"
 """Field metadata key: the codec leaves the property out of the wire form when the value is
 ``None`` (``auth``: an unauthenticated message looks exactly as before authentication existed)."""
@@ -289,13 +300,9 @@ class Heartbeat:
             minimum=0,
         ),
     ] = None
-    auth: Annotated[
-        Mac | None,
-        Wire(
-            "Since 1.1: HMAC-SHA256 of the sender under its job's event key over the canonical"
-            " bytes; absent or null when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.1")] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -344,13 +351,9 @@ class Checkpoint:
             " (fine-tune lineage), or null."
         ),
     ] = None
-    auth: Annotated[
-        Mac | None,
-        Wire(
-            "Since 1.2: HMAC-SHA256 of the sender under its job's event key over the canonical"
-            " bytes; absent or null when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.2")] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
     @property
     def data_version(self) -> str:
@@ -373,13 +376,9 @@ class DataCursorEvent:
     pid: Pid
     step: Annotated[Step, Wire("Training step after which the cursor was taken.")]
     cursor: DataCursor
-    auth: Annotated[
-        Mac | None,
-        Wire(
-            "Since 1.1: HMAC-SHA256 of the sender under its job's event key over the canonical"
-            " bytes; absent or null when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.1")] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -487,13 +486,9 @@ class Lifecycle:
             " null."
         ),
     ] = None
-    auth: Annotated[
-        Mac | None,
-        Wire(
-            "Since 1.2: HMAC-SHA256 of the sender under its job's event key over the canonical"
-            " bytes; absent or null when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.2")] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -544,13 +539,9 @@ class Manifest:
         SnapshotId | None,
         Wire("snapshot_id this job started from (fine-tune lineage), or null."),
     ] = None
-    auth: Annotated[
-        Signature | None,
-        Wire(
-            "Since 1.1: the daemon's Ed25519 signature over the canonical bytes; absent or null"
-            " when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Signature | None, _auth("signature", since="1.1")] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
     @property
     def data_version(self) -> str:
@@ -658,13 +649,9 @@ class Restore:
             " it reaches from_step), or null to replay the data exactly."
         ),
     ] = None
-    auth: Annotated[
-        Signature | None,
-        Wire(
-            "Since 1.2: the daemon's Ed25519 signature over the canonical bytes; absent or null"
-            " when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Signature | None, _auth("signature", since="1.2")] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -681,13 +668,9 @@ class Resume:
     seq: Seq
     daemon_id: DaemonId
     step: Annotated[Step, Wire("The step the ranks resume from.")]
-    auth: Annotated[
-        Signature | None,
-        Wire(
-            "Since 1.1: the daemon's Ed25519 signature over the canonical bytes; absent or null"
-            " when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Signature | None, _auth("signature", since="1.1")] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -721,13 +704,9 @@ class Abort:
             " of the same generation with a higher seq answers a continue the daemon refused."
         ),
     ] = "failed"
-    auth: Annotated[
-        Signature | None,
-        Wire(
-            "Since 1.1: the daemon's Ed25519 signature over the canonical bytes; absent or null"
-            " when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Signature | None, _auth("signature", since="1.1")] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -769,13 +748,9 @@ class ClockTick:
             " the first tick naming it. Absent or null in older ticks."
         ),
     ] = None
-    auth: Annotated[
-        Mac | None,
-        Wire(
-            "Since 1.1: HMAC-SHA256 of the sender under its job's event key over the canonical"
-            " bytes; absent or null when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.1")] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -828,13 +803,9 @@ class JobRequest:
     reason: Annotated[MessageText, Wire("Why, in words (the operator's text), possibly empty.")] = (
         ""
     )
-    auth: Annotated[
-        Mac | None,
-        Wire(
-            "HMAC-SHA256 of the sender under its job's event key over the canonical"
-            " bytes; absent or null when unauthenticated."
-        ),
-    ] = field(default=None, metadata=_OMIT_NONE)
+    auth: Annotated[Mac | None, _auth("HMAC", since=None)] = field(
+        default=None, metadata=_OMIT_NONE
+    )
 
     @property
     def rank(self) -> None:
@@ -865,3 +836,36 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     JobRequest,
 )
 """Every top-level message class, one per schema file."""
+
+SHARED_TYPES: tuple[object, ...] = (
+    JobId,
+    Generation,
+    Timestamp,
+    Seq,
+    Step,
+    Count,
+    Seed,
+    Rank,
+    WorldSize,
+    Pid,
+    Host,
+    DaemonId,
+    Digest,
+    Uri,
+    Reason,
+    MessageText,
+    ShortText,
+    Loss,
+    SnapshotId,
+    JsonObject,
+    DataCursor,
+    CheckpointMeta,
+    Shard,
+    StepRange,
+    Kid,
+    Mac,
+    Signature,
+)
+"""The types every message may share, in the order of ``common.v1.json``'s ``$defs``: the
+:class:`~trainguard.schemas._wire_types.Shared` aliases and the dataclasses whose ``WIRE`` is
+one."""

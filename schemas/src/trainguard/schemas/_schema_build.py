@@ -8,7 +8,8 @@ module derives from them every file of ``json/`` (draft 2020-12):
   false), its ``schema`` property first, the fields without a default ``required``, each
   property's default the wire form of the field's;
 * the shared types (:class:`~trainguard.schemas._wire_types.Shared` aliases and the dataclasses
-  whose ``WIRE`` is a ``Shared``) give ``common.v1.json``'s ``$defs``, in :data:`COMMON` order;
+  whose ``WIRE`` is a ``Shared``) give ``common.v1.json``'s ``$defs``, in the order of
+  :data:`~trainguard.schemas._messages.SHARED_TYPES`;
   a property of a shared type refers to it (``$ref``), a property holding another message
   (a restore's manifest) to that message's file.
 
@@ -37,79 +38,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from trainguard.schemas._messages import (
-    MESSAGE_TYPES,
-    CheckpointMeta,
-    DataCursor,
-    Mac,
-    NonFiniteAsString,
-    Shard,
-    Signature,
-    StepRange,
-)
+from trainguard.schemas._messages import MESSAGE_TYPES, SHARED_TYPES, NonFiniteAsString
 from trainguard.schemas._schema_files import SCHEMA_BASE_URI
-from trainguard.schemas._wire_types import (
-    Count,
-    DaemonId,
-    Digest,
-    Generation,
-    Host,
-    JobId,
-    JsonObject,
-    JSONValue,
-    Kid,
-    Loss,
-    MessageText,
-    Pid,
-    Rank,
-    Reason,
-    Seed,
-    Seq,
-    Shared,
-    ShortText,
-    SnapshotId,
-    Step,
-    Timestamp,
-    Uri,
-    Wire,
-    WorldSize,
-)
+from trainguard.schemas._wire_types import JSONValue, Shared, Wire
 
-__all__ = ["COMMON", "build_documents", "document_bytes", "main"]
+__all__ = ["build_documents", "document_bytes", "main"]
 
 _DRAFT: Final = "https://json-schema.org/draft/2020-12/schema"
 _COMMON_FILE: Final = "common.v1"
 
-COMMON: Final[tuple[Any, ...]] = (
-    JobId,
-    Generation,
-    Timestamp,
-    Seq,
-    Step,
-    Count,
-    Seed,
-    Rank,
-    WorldSize,
-    Pid,
-    Host,
-    DaemonId,
-    Digest,
-    Uri,
-    Reason,
-    MessageText,
-    ShortText,
-    Loss,
-    SnapshotId,
-    JsonObject,
-    DataCursor,
-    CheckpointMeta,
-    Shard,
-    StepRange,
-    Kid,
-    Mac,
-    Signature,
-)
-"""The shared types of ``common.v1.json``, in the order of its ``$defs``."""
 
 _JSON_TYPES: Final[Mapping[type, str]] = {int: "integer", float: "number", str: "string"}
 
@@ -119,7 +56,7 @@ in that order, so uniqueness is computed only over items already validated."""
 
 
 def _shared_of(item: Any) -> Shared:
-    """The :class:`Shared` definition of an entry of :data:`COMMON`."""
+    """The :class:`Shared` definition of an entry of ``SHARED_TYPES``."""
     if isinstance(item, Shared):
         return item
     wire = getattr(item, "WIRE", None)
@@ -144,11 +81,11 @@ class _Builder:
 
     def __init__(self, common: str) -> None:
         self.common = common
-        self.shared_names = {_shared_of(item).name for item in COMMON}
+        self.shared_names = {_shared_of(item).name for item in SHARED_TYPES}
 
     def ref(self, shared: Shared) -> dict[str, JSONValue]:
         if shared.name not in self.shared_names:
-            raise TypeError(f"shared type {shared.name!r} is not listed in COMMON")
+            raise TypeError(f"shared type {shared.name!r} is not listed in SHARED_TYPES")
         return {"$ref": f"{self.common}#/$defs/{shared.name}"}
 
     def value(self, hint: Any, metadata: list[Any]) -> dict[str, JSONValue]:
@@ -270,7 +207,7 @@ def _plain(value: Any) -> Any:
 def _common_document() -> dict[str, JSONValue]:
     builder = _Builder("")
     defs: dict[str, JSONValue] = {}
-    for item in COMMON:
+    for item in SHARED_TYPES:
         shared = _shared_of(item)
         if isinstance(item, type) and dataclasses.is_dataclass(item):
             defs[shared.name] = builder.object(item, shared.doc)
@@ -314,7 +251,7 @@ def build_documents() -> dict[str, dict[str, JSONValue]]:
 
     Raises:
         TypeError: a field's type has no JSON Schema form, or names a shared type missing
-            from :data:`COMMON` (naming the field or type).
+            from ``SHARED_TYPES`` (naming the field or type).
     """
     documents = {_COMMON_FILE: _common_document()}
     for cls in MESSAGE_TYPES:

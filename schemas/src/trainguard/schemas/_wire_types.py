@@ -100,44 +100,28 @@ class Shared:
         return f"Shared({self.name!r})"
 
 
+def _int63(name: str, doc: str) -> Shared:
+    """A shared type of integers 0 .. 2**63 - 1 (a signed 64-bit count that cannot be negative:
+    what Kafka, torch and most JSON readers hold exactly)."""
+    return Shared(name, doc, minimum=0, maximum=_I63)
+
+
 JobId: TypeAlias = Annotated[
     str, Shared("job_id", "The job's name; also the bus key.", pattern=r"^[A-Za-z0-9._-]{1,128}$")
 ]
 Generation: TypeAlias = Annotated[
-    int,
-    Shared(
-        "generation",
-        "Fencing generation, bumped by the daemon on every restore.",
-        minimum=0,
-        maximum=_I63,
-    ),
+    int, _int63("generation", "Fencing generation, bumped by the daemon on every restore.")
 ]
 Timestamp: TypeAlias = Annotated[
-    int,
-    Shared("ts", "Sender wall clock, nanoseconds since the Unix epoch.", minimum=0, maximum=_I63),
+    int, _int63("ts", "Sender wall clock, nanoseconds since the Unix epoch.")
 ]
 Seq: TypeAlias = Annotated[
-    int,
-    Shared(
-        "seq",
-        "Per-sender counter, strictly increasing, for duplicate detection.",
-        minimum=0,
-        maximum=_I63,
-    ),
+    int, _int63("seq", "Per-sender counter, strictly increasing, for duplicate detection.")
 ]
 Step: TypeAlias = Annotated[
-    int,
-    Shared(
-        "step",
-        "Training step (count of completed optimizer steps).",
-        minimum=0,
-        maximum=_I63,
-    ),
+    int, _int63("step", "Training step (count of completed optimizer steps).")
 ]
-Count: TypeAlias = Annotated[
-    int,
-    Shared("count", "A non-negative count (samples, bytes, epochs).", minimum=0, maximum=_I63),
-]
+Count: TypeAlias = Annotated[int, _int63("count", "A non-negative count (samples, bytes, epochs).")]
 Seed: TypeAlias = Annotated[
     int,
     Shared(
