@@ -7,6 +7,7 @@ Times are nanoseconds; ``T0`` is an arbitrary epoch instant and ``S`` one second
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from trainguard.schemas import (
     Lifecycle,
     Manifest,
     Phase,
+    RequestKind,
     Restore,
 )
 
@@ -342,6 +344,33 @@ def killed_job(steps: int = 38) -> tuple[Sim, JobState, Restore]:
     [restore] = issued(decisions, Restore)
     state, _ = run([acted(state, at)], state)
     return sim, state, restore
+
+
+_SEQ = itertools.count(1)
+
+
+def request(
+    kind: RequestKind,
+    at: int,
+    generation: int,
+    *,
+    host: str = "ops",
+    pid: int = 7,
+    seq: int | None = None,
+    reason: str = "",
+) -> Observed:
+    """A ``job-request`` from ``host``/``pid`` (``trainguard stop`` or a supervisor)."""
+    event = JobRequest(
+        job_id=JOB,
+        generation=generation,
+        ts=0,
+        seq=next(_SEQ) if seq is None else seq,
+        host=host,
+        pid=pid,
+        kind=kind,
+        reason=reason,
+    )
+    return Observed(at, None, event)
 
 
 AWAY = (T0 + 40 * S, T0 + 100 * S)

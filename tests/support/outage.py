@@ -1,12 +1,15 @@
 """Helpers of the outage tests: a supervised worker with a real agent that checkpoints and
-finishes when told, and a reader of the job's events in bus order."""
+finishes when told, a reader of the job's events in bus order, and the embedded bus file held
+write-locked by another connection (:func:`write_locked`), as a stuck process would."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -127,3 +130,21 @@ def first_copies(events: list[Event]) -> list[Event]:
             seen.add(key)
             out.append(e)
     return out
+
+
+@contextmanager
+def write_locked(path: Path) -> Iterator[Callable[[], None]]:
+    """Hold the bus file's write lock from another connection, as a stuck process would;
+    yields a function that releases it early."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+
+    def release() -> None:
+        if conn.in_transaction:
+            conn.execute("COMMIT")
+
+    try:
+        yield release
+    finally:
+        release()
+        conn.close()

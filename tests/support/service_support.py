@@ -1,17 +1,39 @@
-"""Helpers for tests that run a real :class:`DaemonService` on a real bus."""
+"""Helpers for tests that run a real :class:`DaemonService` on a real bus: running it, waiting
+for a condition, reading a topic; the service tests' daemon configuration, their job ``JOB``'s
+events, the exactly-once check on ``commands`` and ``audit``, and a recorded forgery."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from trainguard.agent.bus import Bus
-from trainguard.daemon import DaemonService
-from trainguard.schemas import Checkpoint, DataCursor, Heartbeat, Lifecycle
+import orjson
+
+from tests.support.buses import BusFactory
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus
+from trainguard.agent.keys._keystore import KeyStore
+from trainguard.daemon import DaemonService, MachineConfig
+from trainguard.daemon.admin._keys import KeyAdmin
+from trainguard.daemon.core._state import JobState
+from trainguard.daemon.service._settings import DaemonConfig
+from trainguard.schemas import (
+    Checkpoint,
+    DataCursor,
+    Event,
+    Heartbeat,
+    Lifecycle,
+    add_mac,
+    decode,
+    encode,
+)
 
 CURSOR = DataCursor(data_version="v1", seed=7, epoch=0, offset=80, world_size=2)
 """The data cursor of every shard :class:`JobEvents` makes."""
@@ -118,3 +140,88 @@ class JobEvents:
         return Lifecycle(
             **self.head(0, None), rank=None, pid=900, kind="exited", ranks=(rank,), signal=9
         )
+
+
+JOB = "svc-job"
+"""The job of :data:`EVENTS` (and of :func:`started`, :func:`beat`, :func:`shard`,
+:func:`killed`)."""
+
+
+def daemon_config(factory: BusFactory, **machine: Any) -> DaemonConfig:
+    return DaemonConfig(
+        bus=factory.config(topics=DEFAULT_TOPICS),
+        machine=MachineConfig(daemon_id="test-daemon", **machine),
+        group_id=factory.group("daemon"),
+        poll_s=0.02,
+        pulse_s=0.2,  # the short test timeouts need a dense stream (2 * pulse_s + poll_s < bus_gap_s)
+    )
+
+
+async def publish(bus: Bus, *events: Event) -> None:
+    for event in events:
+        await bus.publish("events", event.job_id, encode(event))
+
+
+EVENTS = JobEvents(JOB)
+started, beat, shard, killed = EVENTS.started, EVENTS.beat, EVENTS.shard, EVENTS.killed
+
+
+async def commands(bus: Bus) -> list[Any]:
+    return [decode(v) for v in await read_all(bus, "commands")]
+
+
+def issued(audit: list[bytes]) -> Counter[tuple[str, int]]:
+    """Commands issued per ``(job, generation)`` in the ``decisions`` entries of ``audit``."""
+    counts: Counter[tuple[str, int]] = Counter()
+    for value in audit:
+        entry = orjson.loads(value)
+        if entry.get("entry") == "decisions":
+            for decision in entry["decisions"]:
+                if decision["decision"] == "issue":
+                    counts[(entry["job_id"], decision["command"]["generation"])] += 1
+    return counts
+
+
+async def assert_once_each(bus: Bus, jobs: tuple[str, ...]) -> None:
+    """Exactly one command per job, a generation-1 restore, on ``commands`` and in ``audit``."""
+    commands = Counter(
+        (c.job_id, c.generation) for c in map(decode, await read_all(bus, "commands"))
+    )
+    expected = Counter({(job, 1): 1 for job in jobs})
+    assert commands == expected
+    assert issued(await read_all(bus, "audit")) == expected
+
+
+FORGED_STEP = 10_000
+
+
+async def record_forgery(folder: Path) -> tuple[BusFactory, JobState]:
+    """A daemon with keys folds ``JOB``'s MACed events (both ranks at step 4) and refuses a
+    heartbeat of rank 0 at step :data:`FORGED_STEP` whose MAC is made with another key; return
+    the bus and the job's state as the daemon holds it."""
+    admin = KeyAdmin(folder / "keys")
+    admin.init([JOB])
+    keys = KeyStore(admin.path).load_daemon_keys()
+    event_key = keys.current_event_key(JOB)
+    assert event_key is not None
+    factory = BusFactory("sqlite", f"sqlite://{folder / 'bus.db'}", "f.")
+    config = dataclasses.replace(daemon_config(factory), snapshot_interval_s=0)
+    async with factory.open(topics=DEFAULT_TOPICS) as bus:
+        for event in (started(0), started(1), beat(0, 1, 4), beat(1, 1, 4)):
+            await bus.publish("events", JOB, encode(add_mac(event, *event_key)))
+        forged = add_mac(beat(0, 2, FORGED_STEP), event_key[0], os.urandom(32))
+        await bus.publish("events", JOB, encode(forged))
+        async with running(DaemonService(config, keys=keys)) as service:
+
+            async def refused() -> bool:
+                entries = [orjson.loads(v) for v in await read_all(bus, "audit")]
+                return any(e["entry"] == "refused" for e in entries)
+
+            await eventually(refused)
+            await eventually(lambda: _folded(service, 4))
+            held = service.jobs[JOB]
+    return factory, held
+
+
+async def _folded(service: DaemonService, n: int) -> bool:
+    return service.counters["folded"] >= n

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import sqlite3
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -17,6 +14,7 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.support.jobbus import JOB, lifecycles, of_type, read_events, wait_for_events
+from tests.support.outage import write_locked
 from trainguard.agent import Agent
 from trainguard.agent.bus import BusConfig, open_bus
 from trainguard.agent.supervisor._spool import read_spool
@@ -127,24 +125,6 @@ def create_bus(url: str) -> None:
             pass
 
     asyncio.run(_create())
-
-
-@contextmanager
-def write_locked(path: Path) -> Iterator[Callable[[], None]]:
-    """Hold the bus file's write lock from another connection, as a stuck process would;
-    yields a function that releases it early."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("BEGIN IMMEDIATE")
-
-    def release() -> None:
-        if conn.in_transaction:
-            conn.execute("COMMIT")
-
-    try:
-        yield release
-    finally:
-        release()
-        conn.close()
 
 
 STALL_S = 0.1

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.service.agent.test_agent_link import write_locked
 from tests.support.outage import (
     JOB,
     agent_started,
@@ -23,6 +22,7 @@ from tests.support.outage import (
     supervised,
     until,
     wait_for_events,
+    write_locked,
 )
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusConfig, Record, open_bus
 from trainguard.agent.supervisor._spool import Spool, read_journal, read_spool

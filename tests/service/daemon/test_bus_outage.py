@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 from collections import Counter
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,18 +24,16 @@ from typing import Any
 import pytest
 import structlog
 
-from tests.service.daemon.test_buswatch import Stalls
-from tests.service.daemon.test_metrics import sample, scrape, serving
-from tests.service.daemon.test_service import daemon_config, publish
 from tests.support.buses import BusFactory
-from tests.support.http_get import http_get
+from tests.support.health import health, sample, scrape, serving, until_health
+from tests.support.held_daemons import Stalls
 from tests.support.kafka_dev import (
     KAFKA_DEV_STOP_TIMEOUT_S,
     KAFKA_DEV_TIMEOUT_S,
     dev_broker,
     kafka_dev,
 )
-from tests.support.service_support import JobEvents, eventually, running
+from tests.support.service_support import JobEvents, daemon_config, eventually, publish, running
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService
 from trainguard.daemon.service._http import HealthServer
@@ -85,21 +83,6 @@ def outage_config(broker: Broker, prefix: str) -> DaemonConfig:
     return dataclasses.replace(
         config, pulse_s=0.5, probe_interval_s=0.5, probe_timeout_s=1.0, max_lag_records=10
     )
-
-
-async def health(server: HealthServer) -> str:
-    status, body = await asyncio.to_thread(http_get, f"{server.url}/healthz")
-    assert (status == 200) == (body == "ready\n"), (status, body)
-    return body
-
-
-async def until_health(server: HealthServer, check: Callable[[str], bool], timeout_s: float) -> str:
-    async def probe() -> str | None:
-        body = await health(server)
-        return body if check(body) else None
-
-    body: str = await eventually(probe, timeout_s)
-    return body
 
 
 async def gauge(server: HealthServer, name: str) -> float | None:

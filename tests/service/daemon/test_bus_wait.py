@@ -27,11 +27,10 @@ import orjson
 import pytest
 import structlog.testing
 
-from tests.service.daemon.test_metrics import serving
-from tests.service.daemon.test_service import daemon_config, publish
 from tests.support.buses import BusFactory
+from tests.support.health import serving
 from tests.support.http_get import http_get
-from tests.support.service_support import JobEvents, eventually, running
+from tests.support.service_support import JobEvents, daemon_config, eventually, publish, running
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService
 from trainguard.daemon.demo._harness import start_daemon, stop_process

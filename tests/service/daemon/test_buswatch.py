@@ -17,10 +17,10 @@ from typing import Any, cast
 import pytest
 import structlog
 
-from tests.service.daemon.test_service import daemon_config, publish
 from tests.support.buses import BusFactory
-from tests.support.service_support import JobEvents, eventually, running
-from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusUnavailable, Record, TopicPartition
+from tests.support.held_daemons import Stalls
+from tests.support.service_support import JobEvents, daemon_config, eventually, publish, running
+from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusUnavailable, TopicPartition
 from trainguard.daemon import DaemonService
 from trainguard.daemon.service._bus_watch import BusWatch
 from trainguard.daemon.service._metrics import DaemonMetrics
@@ -260,20 +260,6 @@ async def test_a_bus_file_held_locked_is_an_outage_and_busy_writers_are_not(
     [started] = events_of(logs, "bus outage started")
     assert "the bus file stayed locked by another process" in started["error"]
     assert events_of(logs, "bus outage ended")
-
-
-class Stalls(DaemonService):
-    """A daemon that stops folding once ``stall`` is set, until ``go`` is."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.stall = False
-        self.go = asyncio.Event()
-
-    async def _process(self, record: Record) -> None:
-        if self.stall:
-            await self.go.wait()
-        await super()._process(record)
 
 
 async def test_a_daemon_too_far_behind_is_not_ready_until_it_catches_up(

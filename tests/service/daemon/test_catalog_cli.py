@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.support.machine_scenarios import DAEMON, T0, S, Sim, config
 from tests.support.machine_scenarios import JOB as SIM_JOB
-from tests.unit.daemon.test_catalog import manifest
+from tests.support.manifests import manifest
 from trainguard.agent.bus import BusConfig, open_bus
 from trainguard.agent.keys._keystore import KeyStore, public_key_id
 from trainguard.daemon.admin._keys import KeyAdmin

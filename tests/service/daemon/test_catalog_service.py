@@ -8,9 +8,15 @@ import dataclasses
 
 import pytest
 
-from tests.service.daemon.test_service import daemon_config, publish, shard, started
 from tests.support.buses import BusFactory
-from tests.support.service_support import eventually, running
+from tests.support.service_support import (
+    daemon_config,
+    eventually,
+    publish,
+    running,
+    shard,
+    started,
+)
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.agent.checkpoint._manifests import read_manifests
 from trainguard.daemon import DaemonService

@@ -12,12 +12,18 @@ import pytest
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient
 
-from tests.service.daemon.test_bus_outage import until_health
-from tests.service.daemon.test_metrics import sample, scrape, serving
-from tests.service.daemon.test_service import daemon_config, publish
-from tests.service.daemon.test_service_instances import Pausable, assert_once_each
 from tests.support.buses import BusFactory
-from tests.support.service_support import JobEvents, eventually, read_all, running
+from tests.support.health import sample, scrape, serving, until_health
+from tests.support.held_daemons import Pausable
+from tests.support.service_support import (
+    JobEvents,
+    assert_once_each,
+    daemon_config,
+    eventually,
+    publish,
+    read_all,
+    running,
+)
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, TopicPartition, TransactionInDoubt
 from trainguard.agent.bus import _kafka as kafka_adapter
 from trainguard.agent.bus._partitioner import partition_for

@@ -7,29 +7,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.daemon.test_service import (
+from tests.support.buses import BusFactory
+from tests.support.health import sample, scrape, serving
+from tests.support.http_get import http_get
+from tests.support.service_support import (
+    CURSOR,
     JOB,
     beat,
     daemon_config,
+    eventually,
     killed,
     publish,
+    running,
     shard,
     started,
 )
-from tests.support.buses import BusFactory
-from tests.support.http_get import http_get
-from tests.support.service_support import CURSOR, eventually, running
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.daemon import DaemonService
-from trainguard.daemon.service._http import HealthServer
 from trainguard.schemas import Lifecycle, Restore, decode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -38,31 +37,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 @pytest.fixture
 def sqlite_bus(tmp_path: Path) -> BusFactory:
     return BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
-
-
-async def scrape(server: HealthServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of ``/metrics``: (name, sorted labels) -> value."""
-    status, text = await asyncio.to_thread(http_get, f"{server.url}/metrics")
-    assert status == 200
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def sample(samples: dict[Any, float], name: str, **labels: str) -> float | None:
-    return samples.get((name, tuple(sorted(labels.items()))))
-
-
-@asynccontextmanager
-async def serving(service: DaemonService) -> AsyncIterator[HealthServer]:
-    server = HealthServer(service.metrics, service.not_ready_reason, host="127.0.0.1", port=0)
-    server.start()
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.close)
 
 
 def acknowledge(restore: Restore) -> list[Lifecycle]:

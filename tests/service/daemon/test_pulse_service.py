@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.daemon.test_service import daemon_config, publish
 from tests.support.buses import BusFactory
-from tests.support.service_support import JobEvents, eventually, read_all, running
+from tests.support.service_support import (
+    JobEvents,
+    daemon_config,
+    eventually,
+    publish,
+    read_all,
+    running,
+)
 from trainguard.agent.bus import DEFAULT_TOPICS
 from trainguard.daemon import DaemonService
 from trainguard.daemon.service._settings import DaemonConfig

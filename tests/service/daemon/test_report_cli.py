@@ -1,7 +1,7 @@
 """``trainguard report`` as users run it (a separate process) on an embedded bus holding a
-job's record: the scripted job of ``test_report.py`` (one kill), its events published with
-their time gaps shrunk 100-fold and folded by a real daemon service, which writes the audit
-and commands the report reads.
+job's record: the scripted job of ``test_report.py`` (one kill, ``tests/support/report_script.py``),
+its events published with their time gaps shrunk 100-fold and folded by a real daemon service,
+which writes the audit and commands the report reads.
 
 The record must not depend on how fast the daemon's commands reach the bus (a command is
 appended with its partition's next transaction, up to ``commit_interval_s`` after its decision,
@@ -24,12 +24,19 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.service.daemon.test_service import JOB as FORGED_JOB
-from tests.service.daemon.test_service import beat, daemon_config, publish, started
-from tests.service.daemon.test_status import record_forgery
 from tests.support.buses import BusFactory
-from tests.support.service_support import eventually, read_all, running
-from tests.unit.daemon.test_report import JOB, killed_once
+from tests.support.report_script import JOB, killed_once
+from tests.support.service_support import JOB as FORGED_JOB
+from tests.support.service_support import (
+    beat,
+    daemon_config,
+    eventually,
+    publish,
+    read_all,
+    record_forgery,
+    running,
+    started,
+)
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, open_bus
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon.forensics._export_file import ExportHeader, dump

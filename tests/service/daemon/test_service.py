@@ -16,17 +16,28 @@ import pytest
 import structlog
 
 from tests.support.buses import BusFactory
-from tests.support.service_support import JobEvents, eventually, read_all, running
+from tests.support.service_support import (
+    EVENTS,
+    JOB,
+    beat,
+    commands,
+    daemon_config,
+    eventually,
+    killed,
+    publish,
+    read_all,
+    running,
+    shard,
+    started,
+)
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, Record, TopicPartition
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.daemon import DaemonService, MachineConfig
+from trainguard.daemon import DaemonService
 from trainguard.daemon.catalog._catalog import Catalog
 from trainguard.daemon.forensics._report_record import read_audit
-from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import (
     Abort,
     ClockTick,
-    Event,
     Lifecycle,
     Manifest,
     Restore,
@@ -36,31 +47,6 @@ from trainguard.schemas import (
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
-
-JOB = "svc-job"
-
-
-def daemon_config(factory: BusFactory, **machine: Any) -> DaemonConfig:
-    return DaemonConfig(
-        bus=factory.config(topics=DEFAULT_TOPICS),
-        machine=MachineConfig(daemon_id="test-daemon", **machine),
-        group_id=factory.group("daemon"),
-        poll_s=0.02,
-        pulse_s=0.2,  # the short test timeouts need a dense stream (2 * pulse_s + poll_s < bus_gap_s)
-    )
-
-
-async def publish(bus: Bus, *events: Event) -> None:
-    for event in events:
-        await bus.publish("events", event.job_id, encode(event))
-
-
-EVENTS = JobEvents(JOB)
-started, beat, shard, killed = EVENTS.started, EVENTS.beat, EVENTS.shard, EVENTS.killed
-
-
-async def commands(bus: Bus) -> list[Any]:
-    return [decode(v) for v in await read_all(bus, "commands")]
 
 
 async def test_an_exit_leads_to_one_restore_also_across_a_restart(bus_factory: BusFactory) -> None:

@@ -11,17 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 import structlog
 
 from tests.support.buses import BusFactory
-from tests.support.service_support import JobEvents, eventually, read_all
+from tests.support.held_daemons import Pausable
+from tests.support.service_support import JobEvents, assert_once_each, eventually, read_all
 from trainguard.agent.bus import (
     DEFAULT_TOPICS,
     Bus,
@@ -68,44 +67,6 @@ async def restores(bus: Bus) -> list[Restore]:
 
 async def restored(bus: Bus, job: str) -> bool:
     return any(r.job_id == job for r in await restores(bus))
-
-
-def issued(audit: list[bytes]) -> Counter[tuple[str, int]]:
-    """Commands issued per ``(job, generation)`` in the ``decisions`` entries of ``audit``."""
-    counts: Counter[tuple[str, int]] = Counter()
-    for value in audit:
-        entry = orjson.loads(value)
-        if entry.get("entry") == "decisions":
-            for decision in entry["decisions"]:
-                if decision["decision"] == "issue":
-                    counts[(entry["job_id"], decision["command"]["generation"])] += 1
-    return counts
-
-
-async def assert_once_each(bus: Bus, jobs: tuple[str, ...]) -> None:
-    """Exactly one command per job, a generation-1 restore, on ``commands`` and in ``audit``."""
-    commands = Counter(
-        (c.job_id, c.generation) for c in map(decode, await read_all(bus, "commands"))
-    )
-    expected = Counter({(job, 1): 1 for job in jobs})
-    assert commands == expected
-    assert issued(await read_all(bus, "audit")) == expected
-
-
-class Pausable(DaemonService):
-    """A daemon whose loop can be held (no poll, hence no lease renewal on the embedded bus)
-    right after it acted and before its transaction commits."""
-
-    hold: asyncio.Event | None = None  # set by the test: hold the loop until it is set
-    held: asyncio.Event  # set by the loop when it holds
-
-    async def _write_due_ticks(self, bus: Bus) -> None:
-        hold = self.hold
-        if hold is not None and self.counters["commands"]:
-            self.hold = None
-            self.held.set()
-            await hold.wait()
-        await super()._write_due_ticks(bus)
 
 
 @contextlib.asynccontextmanager

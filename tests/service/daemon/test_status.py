@@ -11,29 +11,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-import orjson
 import pytest
 import structlog
 
-from tests.service.daemon.test_service import (
+from tests.support.buses import BusFactory
+from tests.support.service_support import (
+    CURSOR,
     JOB,
     beat,
     daemon_config,
+    eventually,
     killed,
     publish,
+    record_forgery,
+    running,
     shard,
     started,
 )
-from tests.support.buses import BusFactory
-from tests.support.service_support import CURSOR, eventually, read_all, running
 from trainguard.agent.bus import DEFAULT_TOPICS
-from trainguard.agent.keys._keystore import KeyStore
 from trainguard.daemon import DaemonService
-from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.core._machine import unacted_command
-from trainguard.daemon.core._state import JobState
 from trainguard.daemon.forensics._status import read_status
-from trainguard.schemas import Event, add_mac, encode
+from trainguard.schemas import Event
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 OTHER = "other-job"
@@ -155,37 +154,6 @@ def test_the_status_command_shows_jobs_and_one_jobs_ranks(sqlite_bus: BusFactory
     unknown = status(sqlite_bus, "no-such-job")
     assert unknown.returncode == 2
     assert "no events of job 'no-such-job'" in unknown.stderr
-
-
-FORGED_STEP = 10_000
-
-
-async def record_forgery(folder: Path) -> tuple[BusFactory, JobState]:
-    """A daemon with keys folds ``JOB``'s MACed events (both ranks at step 4) and refuses a
-    heartbeat of rank 0 at step :data:`FORGED_STEP` whose MAC is made with another key; return
-    the bus and the job's state as the daemon holds it."""
-    admin = KeyAdmin(folder / "keys")
-    admin.init([JOB])
-    keys = KeyStore(admin.path).load_daemon_keys()
-    event_key = keys.current_event_key(JOB)
-    assert event_key is not None
-    factory = BusFactory("sqlite", f"sqlite://{folder / 'bus.db'}", "f.")
-    config = dataclasses.replace(daemon_config(factory), snapshot_interval_s=0)
-    async with factory.open(topics=DEFAULT_TOPICS) as bus:
-        for event in (started(0), started(1), beat(0, 1, 4), beat(1, 1, 4)):
-            await bus.publish("events", JOB, encode(add_mac(event, *event_key)))
-        forged = add_mac(beat(0, 2, FORGED_STEP), event_key[0], os.urandom(32))
-        await bus.publish("events", JOB, encode(forged))
-        async with running(DaemonService(config, keys=keys)) as service:
-
-            async def refused() -> bool:
-                entries = [orjson.loads(v) for v in await read_all(bus, "audit")]
-                return any(e["entry"] == "refused" for e in entries)
-
-            await eventually(refused)
-            await eventually(lambda: _folded(service, 4))
-            held = service.jobs[JOB]
-    return factory, held
 
 
 async def _folded(service: DaemonService, n: int) -> bool:

@@ -10,9 +10,16 @@ from typing import Any
 
 import pytest
 
-from tests.service.daemon.test_service import commands, daemon_config, publish
 from tests.support.buses import BusFactory
-from tests.support.service_support import JobEvents, eventually, read_all, running
+from tests.support.service_support import (
+    JobEvents,
+    commands,
+    daemon_config,
+    eventually,
+    publish,
+    read_all,
+    running,
+)
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.agent.keys._keystore import AgentKeys, EventKey, KeyStore
 from trainguard.agent.supervisor._requests import encode_request

@@ -3,8 +3,7 @@ rank alive. The command on a real bus is tested in ``tests/service/daemon/test_s
 
 from __future__ import annotations
 
-from tests.support.machine_scenarios import Sim, run, running_job
-from tests.unit.daemon.test_stop import request
+from tests.support.machine_scenarios import Sim, request, run, running_job
 from trainguard.daemon.forensics._status import JobStatus, job_summary
 
 

@@ -5,8 +5,6 @@ fenced and idempotent (docs/operations.md, "Stopping and continuing a job")."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -25,6 +23,7 @@ from tests.support.machine_scenarios import (
     of_type,
     play,
     pulses,
+    request,
     run,
     running_job,
 )
@@ -39,34 +38,9 @@ from trainguard.daemon.core._inputs import Input, Observed, Tick
 from trainguard.daemon.core._machine import next_deadline
 from trainguard.daemon.core._state import JobState, new_job
 from trainguard.daemon.core._state_codec import decode_state, encode_state
-from trainguard.schemas import Abort, JobRequest, RequestKind, Restore, Resume
+from trainguard.schemas import Abort, JobRequest, Restore, Resume
 
 CFG = config()
-_SEQ = itertools.count(1)
-
-
-def request(
-    kind: RequestKind,
-    at: int,
-    generation: int,
-    *,
-    host: str = "ops",
-    pid: int = 7,
-    seq: int | None = None,
-    reason: str = "",
-) -> Observed:
-    """A ``job-request`` from ``host``/``pid`` (``trainguard stop`` or a supervisor)."""
-    event = JobRequest(
-        job_id=JOB,
-        generation=generation,
-        ts=0,
-        seq=next(_SEQ) if seq is None else seq,
-        host=host,
-        pid=pid,
-        kind=kind,
-        reason=reason,
-    )
-    return Observed(at, None, event)
 
 
 def stopped_job(steps: int = 35) -> tuple[Sim, JobState]:
