@@ -218,10 +218,11 @@ async def record_forgery(folder: Path) -> tuple[BusFactory, JobState]:
                 return any(e["entry"] == "refused" for e in entries)
 
             await eventually(refused)
-            await eventually(lambda: _folded(service, 4))
+            await eventually(lambda: folded(service, 4))
             held = service.jobs[JOB]
     return factory, held
 
 
-async def _folded(service: DaemonService, n: int) -> bool:
+async def folded(service: DaemonService, n: int) -> bool:
+    """Whether ``service`` has folded ``n`` inputs or more (a condition for :func:`eventually`)."""
     return service.counters["folded"] >= n

@@ -21,6 +21,7 @@ from tests.support.service_support import (
     beat,
     daemon_config,
     eventually,
+    folded,
     killed,
     publish,
     record_forgery,
@@ -156,10 +157,6 @@ def test_the_status_command_shows_jobs_and_one_jobs_ranks(sqlite_bus: BusFactory
     assert "no events of job 'no-such-job'" in unknown.stderr
 
 
-async def _folded(service: DaemonService, n: int) -> bool:
-    return service.counters["folded"] >= n
-
-
 @pytest.mark.anyio
 async def test_status_leaves_out_what_the_daemon_refused(tmp_path: Path) -> None:
     factory, held = await record_forgery(tmp_path)
@@ -196,7 +193,7 @@ async def test_a_job_that_cannot_commit_says_so_in_status_metrics_and_logs(
     service = DaemonService(config)
     with structlog.testing.capture_logs() as logs:
         async with running(service):
-            await eventually(lambda: _folded(service, 12))
+            await eventually(lambda: folded(service, 12))
     assert service.jobs[JOB].phase == "failed"
     errors = {(e["event"], e["job_id"]) for e in logs if e["log_level"] == "error"}
     assert {("job failed", JOB), ("step not committed", OTHER)} <= errors
