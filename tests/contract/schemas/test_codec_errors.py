@@ -28,6 +28,7 @@ from trainguard.schemas import (
     Restore,
     SchemaError,
     SchemaViolation,
+    StepRange,
     UnexpectedMessage,
     UnknownSchema,
     decode,
@@ -196,6 +197,18 @@ def test_duplicate_keys_are_not_detected_and_the_last_wins() -> None:
     data = raw(example("heartbeat")).replace(b'"step":12000', b'"step":1,"step":12000')
     assert b'"step":1,' in data
     assert decode(data, expect=Heartbeat).step == 12000
+
+
+def test_a_reversed_skip_range_is_refused_naming_the_field() -> None:
+    """from_step <= to_step is the one rule the schema cannot state; the class checks it."""
+    wire = example("restore") | {"skip": {"from_step": 5, "to_step": 2}}
+    with pytest.raises(SchemaViolation) as info:
+        decode(orjson.dumps(wire))
+    assert info.value.field == "skip"
+    assert "from_step 5 is after to_step 2" in info.value.reason
+    with pytest.raises(ValueError, match="from_step 5 is after to_step 2"):
+        StepRange(from_step=5, to_step=2)
+    assert StepRange(from_step=5, to_step=5).to_step == 5
 
 
 # -- encode --------------------------------------------------------------------------------------

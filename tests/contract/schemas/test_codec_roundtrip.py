@@ -85,6 +85,14 @@ def test_integral_floats_become_ints_and_ints_in_float_fields_become_floats() ->
     assert all(type(r) is int for r in lc.ranks)
 
 
+def test_integral_floats_in_int_fields_are_written_as_ints() -> None:
+    """Equal messages give equal bytes: step=3.0 equals step=3, so both encode as 3."""
+    as_float = heartbeat(step=3.0)  # what an untyped caller may pass
+    assert as_float == heartbeat(step=3)
+    assert encode(as_float) == encode(heartbeat(step=3))
+    assert b'"step":3,' in encode(as_float)
+
+
 def test_int_valued_float_fields_are_written_as_floats() -> None:
     assert b'"step_time_s":2.0' in encode(heartbeat(step_time_s=2))
 

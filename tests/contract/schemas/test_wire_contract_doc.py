@@ -77,13 +77,66 @@ def _schema_of(cls: type[Any]) -> dict[str, Any]:
     return build_documents()[f"{kind}.v{version.partition('.')[0]}"]
 
 
+_NUMBER = r"(\d+(?:\^\d+(?:-1)?)?)"
+_RANGE = re.compile(_NUMBER + r" \.\. " + _NUMBER)
+_AT_LEAST = re.compile(r">= " + _NUMBER)
+_AT_MOST = re.compile(r"at most " + _NUMBER)
+_BOUND_KEYWORDS = {
+    "integer": ("minimum", "maximum"),
+    "number": ("minimum", "maximum"),
+    "string": ("minLength", "maxLength"),
+    "array": ("minItems", "maxItems"),
+}
+
+
+def _number(text: str) -> int:
+    """A bound as the doc writes it: ``255``, ``2^63-1``, ``2^64``."""
+    base, _, rest = text.partition("^")
+    if not rest:
+        return int(base)
+    return int(base) ** int(rest.removesuffix("-1")) - rest.endswith("-1")
+
+
+def _documented_bounds(cell: str) -> tuple[int | None, int | None]:
+    """(least, greatest) a table cell states: ``a .. b``, ``>= a``, ``at most b``."""
+    if match := _RANGE.search(cell):
+        return _number(match[1]), _number(match[2])
+    least = _AT_LEAST.search(cell)
+    most = _AT_MOST.search(cell)
+    return (_number(least[1]) if least else None), (_number(most[1]) if most else None)
+
+
+def _value_schema(prop: dict[str, Any]) -> dict[str, Any]:
+    """The schema of a property's non-null values, ``$ref`` into common.v1 followed."""
+    branches = [b for b in prop.get("anyOf", []) if b.get("type") != "null"]
+    node = branches[0] if branches else prop
+    if "$ref" in node:
+        return build_documents()["common.v1"]["$defs"][node["$ref"].rpartition("/")[2]]
+    return node
+
+
+def _check_bounds(where: str, cell: str, prop: dict[str, Any]) -> None:
+    """The bounds ``cell`` states are the schema's (strings and arrays have 0 as least)."""
+    least, most = _documented_bounds(cell)
+    if least is None and most is None:
+        return
+    value = _value_schema(prop)
+    kind = value["type"] if isinstance(value["type"], str) else value["type"][0]
+    low, high = _BOUND_KEYWORDS[kind]
+    floor = 0 if kind in ("string", "array") else None
+    if least is not None:
+        assert value.get(low, floor) == least, f"{where}: doc says >= {least}, schema {value}"
+    if most is not None:
+        assert value.get(high) == most, f"{where}: doc says <= {most}, schema {value}"
+
+
 @pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.__name__)
 def test_each_message_section_documents_its_fields_as_the_schema_defines_them(
     cls: type[Any],
 ) -> None:
     """Every row of a message's field table names a property of its schema, says "required"
-    exactly for the required ones and otherwise their default, and "null" exactly for the
-    nullable ones; every property is in the table or the shared conventions (a section
+    exactly for the required ones and otherwise their default, "null" exactly for the nullable
+    ones, and the schema's bounds where it states any; every property is in the table or the shared conventions (a section
     without a table: in its example, all of them required)."""
     section = _sections()[cls.__name__]
     schema = _schema_of(cls)
@@ -105,6 +158,7 @@ def test_each_message_section_documents_its_fields_as_the_schema_defines_them(
             assert ("null" in kind) == _nullable(prop), (
                 f"{cls.__name__}.{name}: type {kind!r}, schema nullable: {_nullable(prop)}"
             )
+            _check_bounds(f"{cls.__name__}.{name}", kind, prop)
     if not documented:  # no table: "all fields required", shown by the section's example
         optional = set(properties) - required - _shared_names()
         assert not optional, f"{cls.__name__}: {sorted(optional)} are optional: add a table"
@@ -135,5 +189,24 @@ def test_the_nested_object_tables_list_exactly_their_fields(
     definition = build_documents()["common.v1"]["$defs"][name]["properties"]
     assert [r[0].strip("`") for r in rows] == list(definition)
     for row in rows:
+        prop = definition[row[0].strip("`")]
+        _check_bounds(f"{name}.{row[0]}", row[1], prop)
         if header.endswith("| default |"):
-            assert orjson.loads(row[2].strip("`")) == definition[row[0].strip("`")]["default"]
+            assert orjson.loads(row[2].strip("`")) == prop["default"]
+
+
+def test_the_shared_conventions_state_the_bounds_of_every_message_using_them() -> None:
+    """A row of "Shared conventions" holds for the property in every message that has it,
+    unless the message's own table describes it (a job request's ``reason`` may be empty)."""
+    text = _DOC.read_text(encoding="utf-8")
+    section = text[text.index("## Shared conventions") : text.index("## Nested objects")]
+    checked = 0
+    for row in _table(section, "| property |"):
+        for name in _NAMES.findall(row[0]):
+            for cls in MESSAGE_TYPES:
+                prop = _schema_of(cls)["properties"].get(name)
+                own = _table(_sections()[cls.__name__], "| field | type | required / default |")
+                if prop is not None and name not in {n for r in own for n in _NAMES.findall(r[0])}:
+                    _check_bounds(f"{cls.__name__}.{name}", f"{row[1]} {row[2]}", prop)
+                    checked += 1
+    assert checked > 40  # job_id, generation, ts, seq in every message, ...

@@ -551,7 +551,10 @@ class Manifest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepRange:
-    """Training steps ``from_step`` to ``to_step``, both included (``from_step <= to_step``).
+    """Training steps ``from_step`` to ``to_step``, both included.
+
+    Raises:
+        ValueError: ``from_step > to_step`` (also from ``decode``, as a ``SchemaViolation``).
 
     In a :class:`Restore` it names the steps whose batches are skipped: after loading the
     target (step T, cursor at global sample offset O), a rank trains steps T+1, T+2, ... as
@@ -571,6 +574,12 @@ class StepRange:
     )
     from_step: Annotated[Step, Wire("First step of the range.")]
     to_step: Annotated[Step, Wire("Last step of the range.")]
+
+    def __post_init__(self) -> None:
+        # The one rule across fields the schema cannot state: a reversed range would make a
+        # restored rank train the batches between the two steps again.
+        if self.from_step > self.to_step:
+            raise ValueError(f"from_step {self.from_step} is after to_step {self.to_step}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

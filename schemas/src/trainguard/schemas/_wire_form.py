@@ -306,13 +306,19 @@ class Plan:
         for name in self.omit_none:
             if wire[name] is None:
                 del wire[name]
+        for name in self.int_names:
+            # 3.0 is a JSON Schema integer; written as 3 so that equal messages encode equally.
+            if type(wire[name]) is float and wire[name].is_integer():
+                wire[name] = int(wire[name])
         return wire
 
     def from_wire(self, wire: dict[str, Any]) -> Any:
         """The dataclass instance of validated wire object ``wire`` (consumed in place).
 
         Raises:
-            NestingTooDeep: a free-form field nests too deep (the one check left to decoding).
+            NestingTooDeep: a free-form field nests too deep (a check left to decoding).
+            SchemaViolation: the class refuses the values (a rule across fields the schema
+                cannot state, such as a reversed ``StepRange``), naming the nested field.
         """
         if self.tag is not None:
             del wire["schema"]  # required by every tagged schema, so validation ensured it
@@ -325,12 +331,15 @@ class Plan:
                 value = wire.get(name)
                 if value is not None:
                     wire[name] = decode_field(value)
-        except NestingTooDeep as exc:
+        except (NestingTooDeep, SchemaViolation) as exc:
             # Each level of nesting prefixes its field name, building the full path.
             inner = exc.field or ""
             field = f"{name}.{inner}" if inner and not inner.startswith("[") else name + inner
-            raise NestingTooDeep(field, exc.reason) from None
-        return self.cls(**wire)
+            raise type(exc)(field, exc.reason) from None
+        try:
+            return self.cls(**wire)
+        except ValueError as exc:  # a rule across fields, checked by the class (StepRange)
+            raise SchemaViolation(None, str(exc)) from None
 
     def prune(self, wire: dict[str, Any]) -> None:
         """Tolerant reader: drop properties this build does not know, here and in nested

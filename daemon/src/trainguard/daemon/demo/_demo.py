@@ -212,7 +212,12 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
             log_path=workdir / "supervisor.log",
             env=charlm_env(out, repo, faults=faults),
         )
-        sent = asyncio.run(_watch(bus_url, prefix, options.steps, sup, console))
+        try:
+            sent = asyncio.run(_watch(bus_url, prefix, options.steps, sup, daemon, console))
+        except DaemonDied as died:
+            stop_process(sup)
+            console.print(f"[bold red]✖ {died}: the demo stops[/] (log: {workdir}/daemon.log)")
+            return False
         code = sup.wait()
     finally:
         stop_process(daemon)
@@ -249,12 +254,30 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
     return ok
 
 
+class DaemonDied(RuntimeError):
+    """The demo's daemon exited while the job ran: nothing would detect or restore it."""
+
+    def __init__(self, code: int) -> None:
+        how = f"signal {-code}" if code < 0 else f"exit status {code}"
+        super().__init__(f"the demo's daemon exited ({how}) while the job ran")
+
+
 async def _watch(
-    bus_url: str, prefix: str, steps: int, sup: subprocess.Popen[bytes], console: Console
+    bus_url: str,
+    prefix: str,
+    steps: int,
+    sup: subprocess.Popen[bytes],
+    daemon: subprocess.Popen[bytes],
+    console: Console,
 ) -> dict[int, int]:
     """Print the job's story from the bus while the supervisor runs; return the append time
     (ms) of each restore command seen, by generation (the compacted ``commands`` topic may
-    have dropped them by the end)."""
+    have dropped them by the end).
+
+    Raises:
+        DaemonDied: the daemon exited before the supervisor (checked whenever the bus has no
+            news, at least every poll of :func:`follow_job`).
+    """
     progress = Progress(
         TextColumn("[bold]step {task.completed:>4}/{task.total}"),
         BarColumn(),
@@ -276,6 +299,8 @@ async def _watch(
                         sent.setdefault(item.message.generation, item.at_ms)
                 if not batch and sup.poll() is not None:
                     return sent
+                if not batch and daemon.poll() is not None:
+                    raise DaemonDied(daemon.returncode)
     return sent
 
 
