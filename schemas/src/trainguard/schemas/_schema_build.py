@@ -40,6 +40,7 @@ from typing import Any, Final, Literal
 
 from trainguard.schemas._messages import MESSAGE_TYPES, SHARED_TYPES, NonFiniteAsString
 from trainguard.schemas._schema_files import SCHEMA_BASE_URI
+from trainguard.schemas._wire_form import plan_of
 from trainguard.schemas._wire_types import JSONValue, Shared, Wire
 
 __all__ = ["build_documents", "document_bytes", "main"]
@@ -97,8 +98,7 @@ class _Builder:
         if isinstance(wire, Shared):
             return self.ref(wire)
         if isinstance(getattr(hint, "SCHEMA", None), str):
-            kind, _, version = hint.SCHEMA.partition("/")
-            return {"$ref": f"{kind}.v{version.partition('.')[0]}.json"}
+            return {"$ref": f"{plan_of(hint).schema_name}.json"}
         origin, args = typing.get_origin(hint), typing.get_args(hint)
         if origin is Literal:
             return {"enum": list(args)}
@@ -158,10 +158,9 @@ class _Builder:
         hints = typing.get_type_hints(cls, include_extras=True)
         properties: dict[str, JSONValue] = {}
         required: list[JSONValue] = []
-        schema_tag = getattr(cls, "SCHEMA", None)
-        if isinstance(schema_tag, str):
-            kind, _, version = schema_tag.partition("/")
-            major = version.partition(".")[0]
+        if isinstance(getattr(cls, "SCHEMA", None), str):
+            plan = plan_of(cls)
+            kind, major = plan.type_name, plan.major
             properties["schema"] = {
                 "description": f"Message type and version: {kind}/{major}.<minor>.",
                 "type": "string",
@@ -233,8 +232,7 @@ def _common_document() -> dict[str, JSONValue]:
 
 def _message_document(cls: type[Any]) -> tuple[str, dict[str, JSONValue]]:
     wire = cls.WIRE
-    kind, _, version = cls.SCHEMA.partition("/")
-    name = f"{kind}.v{version.partition('.')[0]}"
+    name = plan_of(cls).schema_name
     body = _Builder(f"{_COMMON_FILE}.json").object(cls, wire.doc)
     document: dict[str, JSONValue] = {
         "$schema": _DRAFT,
