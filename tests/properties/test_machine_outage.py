@@ -708,6 +708,28 @@ def test_a_shard_of_an_earlier_step_shows_no_progress() -> None:
     length_s=11.0,
     trip_s=0.0,
 )
+# Both ranks heard in a 9 s init, the bus away for the 7 s in which they began training: rank
+# 0's newest heartbeat (step 110) landed before rank 1's held one of step 1, 6.4 s late, with
+# no step time known yet to bound the steps made meanwhile (it opened a step_lag incident).
+@example(
+    job=Job(
+        world_size=2,
+        steps=120,
+        pace=Pace(kind="uniform", base_s=0.05641613950377735),
+        heartbeat_s=0.5,
+        jitter_s=0.0,
+        delay_s=0.0,
+        init_s=9.0,
+        first_step_s=0.1128322790075547,
+        checkpoint_every=0,
+        checksum_every=0,
+        loss_noise=0.0,
+        tail_s=2.0,
+    ),
+    where=0.5,
+    length_s=7.0,
+    trip_s=0.0,
+)
 def test_an_outage_delivered_as_the_agents_send_it_never_creates_an_incident(
     job: Job, where: float, length_s: float, trip_s: float
 ) -> None:

@@ -330,8 +330,9 @@ def judge_lag(
     ranks at equal times, up to this heartbeat's delivery: ``late_ns``, how much longer than
     the rank's quickest it took to reach the bus (its step may be older by that much). The
     steps the job makes in that time (``late_ns`` over the job's median step time, else over
-    the heartbeat's own ``step_time_s``, seconds) are allowed on top of ``max_step_lag``. O(1):
-    a rank is judged at its own heartbeats only.
+    the heartbeat's own ``step_time_s``, seconds) are allowed on top of ``max_step_lag``; a
+    late heartbeat with neither is not judged (the rank's next one is). O(1): a rank is judged
+    at its own heartbeats only.
 
     Returns:
         A ``step_lag`` failure naming ``rec``, or ``None``.
@@ -342,7 +343,11 @@ def judge_lag(
         return None
     pace = state.trend.step_time_median_s or step_time_s
     allowance = 0
-    if late_ns > 0 and pace is not None and pace > 0:
+    if late_ns > 0:
+        if pace is None or pace <= 0:
+            # Late before any step time is known: the steps made meanwhile have no bound, so
+            # the heartbeat cannot be compared at equal times; the rank's next one is judged.
+            return None
         allowance = math.ceil(late_ns / _NS_PER_S / pace)
     if lag <= limit + allowance:
         return None
