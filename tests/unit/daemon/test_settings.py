@@ -151,6 +151,14 @@ BAD_VALUES = [
     ('[[bus.topics]]\nnme = "events"', "[bus] topics[0]: unknown key(s) ['nme']"),
     ('[[bus.topics]]\nname = "events"\npartitions = 0', "[bus] topic 'events': partitions"),
     ("[bus.security]\nprotocol = 3", "[bus.security] protocol: expected a string"),
+    (
+        '[security]\nkeys_dir = "~no-such-user-tg/keys"',
+        "[security] keys_dir: cannot expand '~no-such-user-tg/keys': no home directory",
+    ),
+    (
+        '[bus.security]\nsasl_password_file = "~no-such-user-tg/pw"',
+        "[bus.security] sasl_password_file: cannot expand '~no-such-user-tg/pw'",
+    ),
     ("[machine]\nheartbeat_timeout_s = ", "not valid TOML: Invalid value (at line 2, column 23)"),
 ]
 

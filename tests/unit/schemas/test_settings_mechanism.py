@@ -15,7 +15,8 @@ import pytest
 
 from trainguard.agent import AgentConfig, ConfigError
 from trainguard.agent.bus import load_kafka_security
-from trainguard.schemas.settings import build, from_environment, parse_text
+from trainguard.agent.keys import KeyStoreError, keys_dir
+from trainguard.schemas.settings import build, expand_user, from_environment, parse_text
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,3 +104,23 @@ def test_the_agent_environment_and_the_daemon_file_word_a_mistake_alike(tmp_path
 def test_the_kafka_security_table_is_checked_by_the_same_mechanism() -> None:
     with pytest.raises(ValueError, match=r"^\[bus.security\] protocol: expected a string, got 5"):
         load_kafka_security({"protocol": 5}, env={})
+
+
+def test_a_home_that_names_no_user_is_a_configuration_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``~user`` of no user (pathlib raises RuntimeError) is a ValueError naming the path,
+    wherever a path is expanded; ``~`` and other paths expand as pathlib does."""
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert expand_user("~/keys") == Path("/home/someone/keys")
+    assert expand_user("data/~x") == Path("data/~x")
+    with pytest.raises(ValueError, match=r"^cannot expand '~no-such-user-tg/k': no home directory"):
+        expand_user("~no-such-user-tg/k")
+    unknown = "the path starts with a ~ or ~user whose home directory is unknown"
+    with pytest.raises(KeyStoreError, match=f"^the key directory: {unknown}$"):
+        keys_dir("~no-such-user-tg")
+    # A variable that may hold a key is named, its value never quoted.
+    with pytest.raises(ConfigError, match=f"^TRAINGUARD_EVENT_KEY: {unknown}$"):
+        AgentConfig.resolve(
+            env={"TRAINGUARD_JOB": "j", "TRAINGUARD_EVENT_KEY": "~no-such-user-tg/e"}
+        )

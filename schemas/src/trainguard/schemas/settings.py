@@ -15,7 +15,8 @@ values come, with the same checks and the same error messages:
   path, one of a ``Literal``'s strings) and then checked the same way.
 
 Errors name the table and key, or the variable, including the range errors the dataclass's
-``__post_init__`` raises. Pure: no I/O (the caller passes the environment).
+``__post_init__`` raises. Pure: no I/O (the caller passes the environment), except
+:func:`expand_user`, which reads the home directory of the user a path names.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import reprlib
 import types
 import typing
@@ -30,7 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-__all__ = ["build", "check", "from_environment", "parse_text"]
+__all__ = ["build", "check", "expand_user", "from_environment", "parse_text"]
 
 _T = TypeVar("_T")
 
@@ -90,6 +92,24 @@ def build(where: str, cls: type[_T], values: Mapping[str, Any], **built: Any) ->
         return cls(**checked, **built)
     except ValueError as exc:
         raise ValueError(f"{where} {exc}") from None
+
+
+def expand_user(path: str | os.PathLike[str]) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` replaced by that home directory
+    (:meth:`pathlib.Path.expanduser`); any other path unchanged.
+
+    Raises:
+        ValueError: ``~user`` names no user of this machine, or ``~`` stands first and no home
+            directory is known (``HOME`` unset and no password entry): ``"cannot expand
+            '<path>': no home directory for '<~part>'"``.
+    """
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # pathlib's "Could not determine home directory."
+        head = Path(path).parts[0]
+        raise ValueError(
+            f"cannot expand {os.fspath(path)!r}: no home directory for {head!r}"
+        ) from None
 
 
 def check(where: str, hint: Any, value: Any, name: str = "") -> Any:

@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlsplit
 
 from trainguard.agent.bus._errors import BusURLError
 from trainguard.agent.bus._port import TopicSpec
-from trainguard.schemas.settings import check
+from trainguard.schemas.settings import check, expand_user
 
 __all__ = [
     "DEFAULT_BUS_URL",
@@ -240,7 +240,11 @@ def load_kafka_security(
     values.update(from_env)
     password_file = values.pop("sasl_password_file", None)
     if password_file is not None:
-        values["sasl_password"] = _read_password(Path(password_file).expanduser())
+        try:
+            path = expand_user(password_file)
+        except ValueError as exc:
+            raise ValueError(f"[bus.security] sasl_password_file: {exc}") from None
+        values["sasl_password"] = _read_password(path)
     for key in ("protocol", "sasl_mechanism"):
         if key in values:
             values[key] = values[key].strip().upper()

@@ -51,6 +51,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from trainguard.agent._errors import ConfigError
+from trainguard.schemas.settings import expand_user
 
 __all__ = [
     "DEFAULT_KEYS_DIR",
@@ -172,9 +173,28 @@ class EventKey:
 
 def keys_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The key directory: ``explicit`` (``--keys``), else ``TRAINGUARD_KEYS``, else
-    :data:`DEFAULT_KEYS_DIR`; ``~`` expanded."""
+    :data:`DEFAULT_KEYS_DIR`; ``~`` expanded.
+
+    Raises:
+        KeyStoreError: a ``~user`` that names no user (:func:`_expanded`).
+    """
     chosen = explicit or os.environ.get("TRAINGUARD_KEYS") or DEFAULT_KEYS_DIR
-    return Path(chosen).expanduser()
+    return _expanded(chosen, "the key directory")
+
+
+def _expanded(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` with ``~`` expanded (:func:`trainguard.schemas.settings.expand_user`).
+
+    Raises:
+        KeyStoreError: ``~user`` names no user; the message names ``what`` but not the path,
+            which may come from a variable that could hold a key.
+    """
+    try:
+        return expand_user(path)
+    except ValueError:
+        raise KeyStoreError(
+            f"{what}: the path starts with a ~ or ~user whose home directory is unknown"
+        ) from None
 
 
 class KeyStore:
@@ -448,7 +468,7 @@ def load_public_keys(spec: str) -> dict[str, Ed25519PublicKey]:
     if "-----BEGIN" in spec:
         text, where = spec.encode(), "TRAINGUARD_DAEMON_PUBLIC_KEYS"
     else:
-        path = Path(spec).expanduser()
+        path = _expanded(spec, "TRAINGUARD_DAEMON_PUBLIC_KEYS")
         try:
             text, where = path.read_bytes(), str(path)
         except OSError as exc:
@@ -480,7 +500,7 @@ def load_event_key(spec: str) -> EventKey:
     """
     if _inline_event_key(spec):
         return _parse_event_key(spec.encode(), "TRAINGUARD_EVENT_KEY")
-    path = Path(spec).expanduser()
+    path = _expanded(spec, "TRAINGUARD_EVENT_KEY")
     return _parse_event_key(_read_secret(path), str(path))
 
 

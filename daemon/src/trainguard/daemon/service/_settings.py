@@ -24,7 +24,7 @@ from typing import Any
 
 from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, load_kafka_security, parse_bus_url
 from trainguard.daemon.core import MachineConfig
-from trainguard.schemas.settings import build, check
+from trainguard.schemas.settings import build, check, expand_user
 
 __all__ = ["MAX_COMMIT_INTERVAL_S", "DaemonConfig", "SecurityConfig", "load_daemon_config"]
 
@@ -263,7 +263,11 @@ def load_daemon_config(
         raise ValueError(f"{source}[bus] url: {exc}") from None
     security_config = build(f"{source}[security]", SecurityConfig, security_table)
     if security_config.keys_dir is not None:
-        security_config = replace(security_config, keys_dir=security_config.keys_dir.expanduser())
+        try:
+            expanded = expand_user(security_config.keys_dir)
+        except ValueError as exc:
+            raise ValueError(f"{source}[security] keys_dir: {exc}") from None
+        security_config = replace(security_config, keys_dir=expanded)
     return build(
         f"{source}[service]",
         DaemonConfig,
