@@ -94,7 +94,8 @@ def _number(text: str) -> int:
     base, _, rest = text.partition("^")
     if not rest:
         return int(base)
-    return int(base) ** int(rest.removesuffix("-1")) - rest.endswith("-1")
+    power: int = int(base) ** int(rest.removesuffix("-1"))
+    return power - rest.endswith("-1")
 
 
 def _documented_bounds(cell: str) -> tuple[int | None, int | None]:
@@ -106,12 +107,19 @@ def _documented_bounds(cell: str) -> tuple[int | None, int | None]:
     return (_number(least[1]) if least else None), (_number(most[1]) if most else None)
 
 
+def _shared_definition(name: str) -> dict[str, Any]:
+    """The ``$defs`` entry ``name`` of the generated common.v1 schema."""
+    common: dict[str, Any] = build_documents()["common.v1"]
+    definition: dict[str, Any] = common["$defs"][name]
+    return definition
+
+
 def _value_schema(prop: dict[str, Any]) -> dict[str, Any]:
     """The schema of a property's non-null values, ``$ref`` into common.v1 followed."""
     branches = [b for b in prop.get("anyOf", []) if b.get("type") != "null"]
     node = branches[0] if branches else prop
     if "$ref" in node:
-        return build_documents()["common.v1"]["$defs"][node["$ref"].rpartition("/")[2]]
+        return _shared_definition(node["$ref"].rpartition("/")[2])
     return node
 
 
@@ -170,7 +178,8 @@ def test_each_message_section_documents_its_fields_as_the_schema_defines_them(
 def _common_object(prop: dict[str, Any]) -> dict[str, Any]:
     """The properties of the shared object a property refers to (``$ref`` into common.v1)."""
     name = prop["$ref"].rpartition("/")[2]
-    return build_documents()["common.v1"]["$defs"][name]["properties"]
+    properties: dict[str, Any] = _shared_definition(name)["properties"]
+    return properties
 
 
 @pytest.mark.parametrize(
@@ -186,7 +195,7 @@ def test_the_nested_object_tables_list_exactly_their_fields(
     text = _DOC.read_text(encoding="utf-8")
     section = text[text.index(title) :]
     rows = _table(section, header)
-    definition = build_documents()["common.v1"]["$defs"][name]["properties"]
+    definition: dict[str, Any] = _shared_definition(name)["properties"]
     assert [r[0].strip("`") for r in rows] == list(definition)
     for row in rows:
         prop = definition[row[0].strip("`")]
