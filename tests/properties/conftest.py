@@ -1,7 +1,8 @@
-"""Property tests of the pure core over simulated traces: as pure as tests/unit (no
-subprocess, bus, network or training), but each one folds hundreds of generated jobs through
-the state machine, so the folder takes a minute or two. Every test here is marked
-``property``, so ``pytest -m property`` selects them too."""
+"""Property tests of the pure core: as pure as tests/unit (no subprocess, bus, network or
+training), but each one checks a rule over hundreds of generated inputs (jobs folded through
+the state machine, states round-tripped through the state codec, the cursor arithmetic over
+dataset sizes, seeds and world sizes), so the folder takes a minute or two. Every test here is
+marked ``property``, so ``pytest -m property`` selects them too."""
 
 from __future__ import annotations
 

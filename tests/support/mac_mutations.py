@@ -11,11 +11,23 @@ it is (a key holder MACing bytes that are not canonical), one under another key,
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
 
 import orjson
 from hypothesis import strategies as st
+
+
+@dataclasses.dataclass(frozen=True)
+class RawBytes:
+    """A bus record as intake reads it (``RawRecord``): ``value`` the record's bytes."""
+
+    value: bytes
+    key: str | None = "auth-job"
+    offset: int = 0
+    timestamp_ms: int = 0
+
 
 B64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 

@@ -26,7 +26,13 @@ async def test_a_wait_for_the_bus_logs_the_outage_when_it_begins_while_it_lasts_
         return "connected"
 
     with capture_logs() as logs:
-        got = await patiently("connecting to the bus", flaky, asyncio.Event(), warn_every_s=0.0)
+        got = await patiently(
+            "connecting to the bus",
+            flaky,
+            asyncio.Event(),
+            warn_every_s=0.0,
+            backoff_s=(0.001, 0.004),
+        )
     assert (got, calls) == ("connected", 5)
     said = [(e["log_level"], e["event"]) for e in logs]
     assert said == [

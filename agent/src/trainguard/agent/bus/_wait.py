@@ -98,6 +98,7 @@ async def patiently(
     *,
     warn_every_s: float,
     failed: BusError | None = None,
+    backoff_s: tuple[float, float] = _BACKOFF_S,
     **context: Any,
 ) -> T:
     """``call()`` until it succeeds, waiting out the bus's outages (module docstring).
@@ -110,6 +111,8 @@ async def patiently(
         failed: a retriable failure that began the outage before this wait (the bus failing
             under work that ``call`` starts again): logged as the outage's start, and the
             first attempt comes after the first pause.
+        backoff_s: ``(first, longest)`` pause between two attempts, seconds; the pause doubles
+            from ``first`` after each failure up to ``longest``.
         context: further fields of the log lines (``job_id``, the bus URL).
 
     Raises:
@@ -155,7 +158,7 @@ async def patiently(
                 error=said,
                 **context,
             )
-        low, high = _BACKOFF_S
+        low, high = backoff_s
         await or_stop(asyncio.sleep(min(high, low * 2 ** (failures - 1))), stop)
 
 
