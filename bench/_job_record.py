@@ -48,7 +48,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, TypedDict
 
 import orjson
@@ -61,6 +61,7 @@ from trainguard.daemon.core._intake import Taken, take
 from trainguard.daemon.core._machine import decide, next_deadline
 from trainguard.daemon.core._machine_config import MachineConfig
 from trainguard.daemon.core._state import TERMINAL_PHASES, JobState, new_job
+from trainguard.daemon.service import DaemonConfig
 from trainguard.schemas import (
     Abort,
     Checkpoint,
@@ -87,6 +88,10 @@ PARTITIONS = 6
 
 _NS_PER_MS = 1_000_000
 
+# The recording daemon runs its loop as a default daemon does. Read from the fields: a slotted
+# dataclass keeps no defaults on the class.
+_DAEMON_DEFAULTS = {f.name: f.default for f in fields(DaemonConfig)}
+
 Fault = Literal["kill", "host_lost", "rack_lost"]
 
 INCIDENTS: tuple[tuple[float, Fault], ...] = (
@@ -101,7 +106,8 @@ at the end of the first step after the record holds that fraction of ``Plan.even
 
 @dataclass(frozen=True)
 class Plan:
-    """The job to generate.
+    """The job to generate; the recording daemon's loop settings (``tick_interval_s``,
+    ``poll_s``, ``pulse_s``) default to ``DaemonConfig``'s.
 
     Attributes:
         events: records on ``events`` to aim for (ticks included); the record ends with the
@@ -135,9 +141,9 @@ class Plan:
     samples_per_rank: int = 8
     dataset_samples: int = 2_000_000
     daemon_id: str = "daemon-bench"
-    tick_interval_s: float = 0.25
-    poll_s: float = 0.05
-    pulse_s: float = 1.0
+    tick_interval_s: float = _DAEMON_DEFAULTS["tick_interval_s"]
+    poll_s: float = _DAEMON_DEFAULTS["poll_s"]
+    pulse_s: float = _DAEMON_DEFAULTS["pulse_s"]
 
     @property
     def machine(self) -> MachineConfig:

@@ -175,11 +175,10 @@ def _auth(kind: Literal["HMAC", "signature"], *, since: str | None) -> Wire:
     return Wire(f"{prefix}{what} over the canonical bytes; absent or null when unauthenticated.")
 
 
-WIRE_OMIT_NONE = "trainguard.wire_omit_none"
-"""Field metadata key: the codec leaves the property out of the wire form when the value is
-``None`` (``auth``: an unauthenticated message looks exactly as before authentication existed)."""
-
-_OMIT_NONE = {WIRE_OMIT_NONE: True}
+class OmittedWhenNone:
+    """``Annotated`` marker for a field the codec leaves out of the wire form when its value is
+    ``None`` (``auth``: an unauthenticated message looks exactly as before authentication
+    existed)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,7 +236,22 @@ class CheckpointMeta:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Heartbeat:
+class _RankEvent:
+    """The fields every event a rank sends starts with: job, generation, time, sequence number
+    and sender (the module docstring's conventions). A base of such messages, not one itself:
+    its fields come first in theirs, in this order."""
+
+    job_id: JobId
+    generation: Annotated[Generation, Wire("Generation the sender runs in.")]
+    ts: Timestamp
+    seq: Seq
+    rank: Rank
+    host: Host
+    pid: Pid
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat(_RankEvent):
     """Periodic liveness and progress report of one rank (``heartbeat/1``).
 
     Attributes:
@@ -257,13 +271,6 @@ class Heartbeat:
 
     SCHEMA: ClassVar[str] = "heartbeat/1.2"
     WIRE: ClassVar[Wire] = Wire("Periodic liveness and progress report of one rank.")
-    job_id: JobId
-    generation: Annotated[Generation, Wire("Generation the sender runs in.")]
-    ts: Timestamp
-    seq: Seq
-    rank: Rank
-    host: Host
-    pid: Pid
     world_size: Annotated[WorldSize, Wire("World size the rank runs in.")]
     step: Annotated[Step, Wire("Last completed training step.")]
     phase: Annotated[
@@ -300,13 +307,11 @@ class Heartbeat:
             minimum=0,
         ),
     ] = None
-    auth: Annotated[Mac | None, _auth("HMAC", since="1.1")] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.1"), OmittedWhenNone] = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Checkpoint:
+class Checkpoint(_RankEvent):
     """One rank's shard of a checkpoint, durably written (``checkpoint/1``).
 
     Sent only after the shard is fsynced and atomically renamed into place.
@@ -328,13 +333,6 @@ class Checkpoint:
         "One rank's shard of a checkpoint, sent after the shard is fsynced and atomically"
         " renamed into place."
     )
-    job_id: JobId
-    generation: Annotated[Generation, Wire("Generation the sender runs in.")]
-    ts: Timestamp
-    seq: Seq
-    rank: Rank
-    host: Host
-    pid: Pid
     world_size: Annotated[WorldSize, Wire("World size the rank runs in.")]
     step: Annotated[Step, Wire("Training step the shard captures.")]
     shard_uri: Annotated[Uri, Wire("Where the shard lives.")]
@@ -351,9 +349,7 @@ class Checkpoint:
             " (fine-tune lineage), or null."
         ),
     ] = None
-    auth: Annotated[Mac | None, _auth("HMAC", since="1.2")] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.2"), OmittedWhenNone] = None
 
     @property
     def data_version(self) -> str:
@@ -362,23 +358,14 @@ class Checkpoint:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DataCursorEvent:
+class DataCursorEvent(_RankEvent):
     """A rank's data cursor after ``step`` (``data-cursor/1``)."""
 
     SCHEMA: ClassVar[str] = "data-cursor/1.1"
     WIRE: ClassVar[Wire] = Wire("A rank's data cursor after step.")
-    job_id: JobId
-    generation: Annotated[Generation, Wire("Generation the sender runs in.")]
-    ts: Timestamp
-    seq: Seq
-    rank: Rank
-    host: Host
-    pid: Pid
     step: Annotated[Step, Wire("Training step after which the cursor was taken.")]
     cursor: DataCursor
-    auth: Annotated[Mac | None, _auth("HMAC", since="1.1")] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.1"), OmittedWhenNone] = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -486,9 +473,7 @@ class Lifecycle:
             " null."
         ),
     ] = None
-    auth: Annotated[Mac | None, _auth("HMAC", since="1.2")] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.2"), OmittedWhenNone] = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -539,9 +524,7 @@ class Manifest:
         SnapshotId | None,
         Wire("snapshot_id this job started from (fine-tune lineage), or null."),
     ] = None
-    auth: Annotated[Signature | None, _auth("signature", since="1.1")] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Signature | None, _auth("signature", since="1.1"), OmittedWhenNone] = None
 
     @property
     def data_version(self) -> str:
@@ -658,9 +641,7 @@ class Restore:
             " it reaches from_step), or null to replay the data exactly."
         ),
     ] = None
-    auth: Annotated[Signature | None, _auth("signature", since="1.2")] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Signature | None, _auth("signature", since="1.2"), OmittedWhenNone] = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -677,9 +658,7 @@ class Resume:
     seq: Seq
     daemon_id: DaemonId
     step: Annotated[Step, Wire("The step the ranks resume from.")]
-    auth: Annotated[Signature | None, _auth("signature", since="1.1")] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Signature | None, _auth("signature", since="1.1"), OmittedWhenNone] = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -713,9 +692,7 @@ class Abort:
             " of the same generation with a higher seq answers a continue the daemon refused."
         ),
     ] = "failed"
-    auth: Annotated[Signature | None, _auth("signature", since="1.1")] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Signature | None, _auth("signature", since="1.1"), OmittedWhenNone] = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -757,9 +734,7 @@ class ClockTick:
             " the first tick naming it. Absent or null in older ticks."
         ),
     ] = None
-    auth: Annotated[Mac | None, _auth("HMAC", since="1.1")] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Mac | None, _auth("HMAC", since="1.1"), OmittedWhenNone] = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -812,9 +787,7 @@ class JobRequest:
     reason: Annotated[MessageText, Wire("Why, in words (the operator's text), possibly empty.")] = (
         ""
     )
-    auth: Annotated[Mac | None, _auth("HMAC", since=None)] = field(
-        default=None, metadata=_OMIT_NONE
-    )
+    auth: Annotated[Mac | None, _auth("HMAC", since=None), OmittedWhenNone] = None
 
     @property
     def rank(self) -> None:

@@ -14,8 +14,8 @@ A :class:`Plan` holds, for one dataclass, a converter per field in each directio
 * a dataclass: a nested JSON object (with its own ``schema`` property if the class has a
   ``SCHEMA``, like a manifest inside a restore).
 
-A field marked with :data:`~trainguard.schemas._messages.WIRE_OMIT_NONE` metadata (``auth``) is
-left out of the wire object when it is ``None``; reading, a missing property takes the field's
+A field marked :class:`~trainguard.schemas._messages.OmittedWhenNone` (``auth``) is left out
+of the wire object when it is ``None``; reading, a missing property takes the field's
 default as for every optional field.
 
 Plans also know the property names of each object, for the tolerant reader (``prune``).
@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal
 
 from trainguard.schemas._errors import NestingTooDeep, SchemaViolation
-from trainguard.schemas._messages import MESSAGE_TYPES, WIRE_OMIT_NONE, NonFiniteAsString
+from trainguard.schemas._messages import MESSAGE_TYPES, NonFiniteAsString, OmittedWhenNone
 
 __all__ = [
     "MAX_FREEFORM_DEPTH",
@@ -278,7 +278,7 @@ class Plan:
         self.known = frozenset(codecs) | ({"schema"} if self.tag else set())
         self.encoders = tuple((name, c.to_wire) for name, c in codecs.items())
         self.omit_none = tuple(
-            f.name for f in dataclasses.fields(cls) if f.metadata.get(WIRE_OMIT_NONE)
+            name for name in codecs if OmittedWhenNone in getattr(hints[name], "__metadata__", ())
         )
         # Ints are the bulk of most messages: test them inline instead of calling a decoder.
         self.int_names = tuple(n for n, c in codecs.items() if c.from_wire is _int_from_wire)

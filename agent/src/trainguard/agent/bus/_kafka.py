@@ -67,16 +67,8 @@ from aiokafka.errors import (
 )
 from aiokafka.helpers import create_ssl_context
 
+from trainguard.agent.bus import _errors as errors
 from trainguard.agent.bus._config import KAFKA_FRAMING_BYTES, BusConfig
-from trainguard.agent.bus._errors import (
-    BusClosed,
-    BusError,
-    BusUnavailable,
-    DeliveryFailed,
-    Fenced,
-    TransactionExpired,
-    TransactionInDoubt,
-)
 from trainguard.agent.bus._kafka_logs import quiet_kafka_logs, quiet_kafka_orphans
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._port import (
@@ -164,14 +156,14 @@ class KafkaBus(Bus):
         try:
             return await asyncio.wait_for(aw, timeout_s)
         except TimeoutError as exc:
-            raise BusUnavailable(
+            raise errors.BusUnavailable(
                 f"Kafka at {self._servers}: {what} took longer than {timeout_s:g} s"
             ) from exc
         except KafkaError as exc:
-            err = BusUnavailable(f"Kafka at {self._servers}: {what} failed: {exc!r}")
+            err = errors.BusUnavailable(f"Kafka at {self._servers}: {what} failed: {exc!r}")
             if isinstance(exc, _REFUSED_SETTINGS):
                 # A setting to fix, not an outage to wait out: retried, it fails the same way.
-                err = BusUnavailable(
+                err = errors.BusUnavailable(
                     f"Kafka at {self._servers}: {what} failed: the broker refuses a setting "
                     f"or permission: {exc!r}"
                 )
@@ -187,7 +179,7 @@ class KafkaBus(Bus):
         ``connect_timeout_s`` seconds.
         """
         if self._closed:
-            raise BusClosed("bus is closed")
+            raise errors.BusClosed("bus is closed")
         quiet_kafka_logs()
         quiet_kafka_orphans(asyncio.get_running_loop())
         timeout = self._config.connect_timeout_s
@@ -195,14 +187,14 @@ class KafkaBus(Bus):
         try:
             try:
                 await self._bounded("connecting (admin)", admin.start(), timeout)
-            except BusUnavailable as exc:
+            except errors.BusUnavailable as exc:
                 if not isinstance(exc.__cause__, KafkaConnectionError):
                     raise
                 failure = await self._connect_failure(timeout)
                 if failure is None:
                     raise
                 reason, refused = failure
-                err = BusUnavailable(f"Kafka at {self._servers}: {reason}")
+                err = errors.BusUnavailable(f"Kafka at {self._servers}: {reason}")
                 # Credentials the broker refuses are a setting to fix, not an outage to wait
                 # out (the supervisor exits 2 on them, as on a bad URL).
                 err.retriable = not refused
@@ -277,7 +269,7 @@ class KafkaBus(Bus):
         for topic_result in response.topic_errors:
             name, code = topic_result[0], topic_result[1]
             if code not in (0, _TOPIC_ALREADY_EXISTS):
-                raise BusError(f"Kafka refused to create topic {name!r}: {topic_result!r}")
+                raise errors.BusError(f"Kafka refused to create topic {name!r}: {topic_result!r}")
 
     def _new_topic(self, spec: TopicSpec, replication: int) -> NewTopic:
         configs = {
@@ -308,9 +300,9 @@ class KafkaBus(Bus):
 
     def _started_producer(self) -> AIOKafkaProducer:
         if self._closed:
-            raise BusClosed("bus is closed")
+            raise errors.BusClosed("bus is closed")
         if self._producer is None:
-            raise BusError("bus not started: call start() first")
+            raise errors.BusError("bus not started: call start() first")
         return self._producer
 
     def _started_meta(self) -> AIOKafkaConsumer:
@@ -349,7 +341,7 @@ class KafkaBus(Bus):
         delivery: asyncio.Future[Delivery] = asyncio.get_running_loop().create_future()
         if value is not None and len(value) > self._config.max_message_bytes:
             delivery.set_exception(
-                DeliveryFailed(
+                errors.DeliveryFailed(
                     f"record of {len(value)} bytes exceeds max_message_bytes="
                     f"{self._config.max_message_bytes}"
                 )
@@ -361,7 +353,7 @@ class KafkaBus(Bus):
                 self._full(topic), value, key=key.encode(), partition=partition
             )
         except KafkaError as exc:
-            delivery.set_exception(DeliveryFailed(f"send to {topic!r} failed: {exc!r}"))
+            delivery.set_exception(errors.DeliveryFailed(f"send to {topic!r} failed: {exc!r}"))
             return delivery
 
         def _done(fut: asyncio.Future[Any]) -> None:
@@ -373,7 +365,7 @@ class KafkaBus(Bus):
                 # The idempotent producer gave the batch up after its own retries: an
                 # attempt may have been appended all the same.
                 delivery.set_exception(
-                    DeliveryFailed(f"send to {topic!r} failed: {exc!r}", in_doubt=True)
+                    errors.DeliveryFailed(f"send to {topic!r} failed: {exc!r}", in_doubt=True)
                 )
             else:
                 meta = fut.result()
@@ -400,7 +392,7 @@ class KafkaBus(Bus):
                 asyncio.shield(delivery), self._config.send_timeout_s + 5.0
             )
         except TimeoutError as exc:
-            raise DeliveryFailed(
+            raise errors.DeliveryFailed(
                 f"no acknowledgement from Kafka within {self._config.send_timeout_s + 5.0:g} s; "
                 "the producer still holds the record and may append it later",
                 in_doubt=True,
@@ -521,7 +513,7 @@ class KafkaBus(Bus):
                 admin.list_consumer_group_offsets(group_id, partitions=tps),
                 self._timeout,
             )
-        except BusUnavailable as exc:
+        except errors.BusUnavailable as exc:
             # No coordinator for the group: no group of the cluster has committed yet (the
             # offsets topic does not exist), or it is moving; either way nothing is known to
             # have been read.
@@ -603,7 +595,7 @@ class _KafkaConsumer(Consumer):
     async def getmany(self, timeout_s: float = 1.0, max_records: int = 1000) -> list[Record]:
         """Records fetched since the last call, by partition, offsets ascending."""
         if self._closed:
-            raise BusClosed("consumer is closed")
+            raise errors.BusClosed("consumer is closed")
         batches = await self._inner.getmany(
             timeout_ms=max(0, int(timeout_s * 1000)), max_records=max_records
         )
@@ -627,9 +619,11 @@ class _KafkaConsumer(Consumer):
     async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
         """Commit positions to the group coordinator (synchronously, one round trip)."""
         if self._closed:
-            raise BusClosed("consumer is closed")
+            raise errors.BusClosed("consumer is closed")
         if self._group_id is None:
-            raise BusError("commit() needs a consumer group: this consumer was made by assign()")
+            raise errors.BusError(
+                "commit() needs a consumer group: this consumer was made by assign()"
+            )
         kafka_offsets = (
             None
             if offsets is None
@@ -638,37 +632,41 @@ class _KafkaConsumer(Consumer):
         try:
             await asyncio.wait_for(self._inner.commit(kafka_offsets), self._bus._timeout)
         except (KafkaError, TimeoutError) as exc:
-            raise BusError(f"commit for group {self._group_id!r} failed: {exc!r}") from exc
+            raise errors.BusError(f"commit for group {self._group_id!r} failed: {exc!r}") from exc
 
     async def committed(self, tp: TopicPartition) -> int | None:
         """The group's committed position of ``tp`` (one round trip to the coordinator)."""
         if self._closed:
-            raise BusClosed("consumer is closed")
+            raise errors.BusClosed("consumer is closed")
         if self._group_id is None:
-            raise BusError("committed() needs a consumer group: this consumer was made by assign()")
+            raise errors.BusError(
+                "committed() needs a consumer group: this consumer was made by assign()"
+            )
         ktp = KafkaTP(self._bus._full(tp.topic), tp.partition)
         try:
             position = await asyncio.wait_for(self._inner.committed(ktp), self._bus._timeout)
         except (KafkaError, TimeoutError) as exc:
-            raise BusError(f"committed() for group {self._group_id!r} failed: {exc!r}") from exc
+            raise errors.BusError(
+                f"committed() for group {self._group_id!r} failed: {exc!r}"
+            ) from exc
         return None if position is None else int(position)
 
     async def seek(self, tp: TopicPartition, offset: int) -> None:
         """Next :meth:`getmany` for ``tp`` starts at ``offset``."""
         if self._closed:
-            raise BusClosed("consumer is closed")
+            raise errors.BusClosed("consumer is closed")
         self._inner.seek(KafkaTP(self._bus._full(tp.topic), tp.partition), offset)
 
     async def position(self, tp: TopicPartition) -> int:
         """See :meth:`Consumer.position` (aiokafka's fetch position, which skips control
         records)."""
         if self._closed:
-            raise BusClosed("consumer is closed")
+            raise errors.BusClosed("consumer is closed")
         ktp = KafkaTP(self._bus._full(tp.topic), tp.partition)
         try:
             return int(await asyncio.wait_for(self._inner.position(ktp), self._bus._timeout))
         except (KafkaError, TimeoutError, AssertionError) as exc:
-            raise BusError(f"position of {tp} unknown: {exc!r}") from exc
+            raise errors.BusError(f"position of {tp} unknown: {exc!r}") from exc
 
     async def reached(self, ends: Mapping[TopicPartition, int]) -> bool:
         """Whether this consumer's position is at or past ``ends`` for every partition."""
@@ -744,7 +742,7 @@ class _KafkaPartitionWriter(PartitionWriter):
         self._ending: asyncio.Task[None] | None = None
         self._committing = False  # whether _ending is a commit (else an abort)
         self._opened_at: float | None = None  # time.monotonic() of the open transaction's begin
-        self._dead: Fenced | None = None  # why the writer became unusable
+        self._dead: errors.Fenced | None = None  # why the writer became unusable
 
     @property
     def writer_id(self) -> str:
@@ -768,9 +766,9 @@ class _KafkaPartitionWriter(PartitionWriter):
             assert dead is not None  # set with the state
             raise type(dead)(str(dead))
         if self._state == "closed":
-            raise BusClosed(f"writer of {self._where()} is closed")
+            raise errors.BusClosed(f"writer of {self._where()} is closed")
 
-    def _lost(self, what: str, exc: BaseException | None) -> Fenced:
+    def _lost(self, what: str, exc: BaseException | None) -> errors.Fenced:
         """Mark the writer dead after a fatal ``exc`` and return the error that says why."""
         self._state = "fenced"
         self._retrieve_end()
@@ -779,27 +777,27 @@ class _KafkaPartitionWriter(PartitionWriter):
         fence = (ProducerFenced, InvalidProducerEpoch)
         timeout_s = _TRANSACTION_TIMEOUT_MS / 1000
         age = None if self._opened_at is None else time.monotonic() - self._opened_at
-        dead: Fenced
+        dead: errors.Fenced
         if isinstance(exc, fence) or isinstance(getattr(exc, "__cause__", None), fence):
             if age is not None and age >= timeout_s:
-                dead = TransactionExpired(
+                dead = errors.TransactionExpired(
                     f"{self._where()}: {what} refused: the transaction was open for {age:.1f} s, "
                     f"longer than transaction.timeout.ms ({timeout_s:g} s), so the coordinator "
                     "aborted it and bumped the producer epoch; nothing of it is visible"
                 )
             else:
-                dead = Fenced(
+                dead = errors.Fenced(
                     f"{self._where()}: {what} refused (ProducerFenced): a newer owner "
                     "initialised the transactional id; nothing since the last commit is visible"
                 )
         else:
             # Unusable for another reason (say, authorisation): as good as fenced for the
             # caller, who must not open a writer again before a new assignment.
-            dead = Fenced(f"{self._where()}: {what} failed fatally: {exc!r}")
+            dead = errors.Fenced(f"{self._where()}: {what} failed fatally: {exc!r}")
         self._dead = dead
         return dead
 
-    def _failed(self, what: str, exc: BaseException) -> BusError:
+    def _failed(self, what: str, exc: BaseException) -> errors.BusError:
         """The error for a failed call; marks the writer fenced or abortable."""
         txn = self._producer._txn_manager
         if txn is not None and txn.is_fatal_error() and isinstance(exc, IllegalOperation):
@@ -814,7 +812,7 @@ class _KafkaPartitionWriter(PartitionWriter):
         ):
             return self._lost(what, exc)
         self._state = "abortable"
-        err = BusError(f"{self._where()}: {what} failed: {exc!r}")
+        err = errors.BusError(f"{self._where()}: {what} failed: {exc!r}")
         err.retriable = True
         return err
 
@@ -834,7 +832,7 @@ class _KafkaPartitionWriter(PartitionWriter):
             await asyncio.wait_for(asyncio.shield(self._ending), self._bus._timeout)
         except TimeoutError as exc:
             what = "commit" if self._committing else "abort"
-            raise TransactionInDoubt(
+            raise errors.TransactionInDoubt(
                 f"{self._where()}: {what} not confirmed within {self._bus._timeout:g} s: the "
                 "transaction may yet commit or abort (in doubt)"
             ) from exc
@@ -856,7 +854,7 @@ class _KafkaPartitionWriter(PartitionWriter):
             self._state = "open"
             self._opened_at = time.monotonic()
         elif self._state == "abortable":
-            err = BusError(f"{self._where()}: the transaction failed: abort() first")
+            err = errors.BusError(f"{self._where()}: the transaction failed: abort() first")
             err.retriable = True
             raise err
 
@@ -864,7 +862,7 @@ class _KafkaPartitionWriter(PartitionWriter):
         """See :meth:`PartitionWriter.send`."""
         self._check()
         if value is not None and len(value) > self._bus._config.max_message_bytes:
-            raise DeliveryFailed(
+            raise errors.DeliveryFailed(
                 f"{topic}: record of {len(value)} bytes exceeds max_message_bytes="
                 f"{self._bus._config.max_message_bytes}"
             )
@@ -905,7 +903,7 @@ class _KafkaPartitionWriter(PartitionWriter):
         if self._state in ("fenced", "closed", "ready"):
             return
         if self._state == "ending" and self._committing:
-            raise TransactionInDoubt(
+            raise errors.TransactionInDoubt(
                 f"{self._where()}: a commit is in doubt and cannot be aborted: close the writer "
                 "and open a new one"
             )
@@ -921,7 +919,7 @@ class _KafkaPartitionWriter(PartitionWriter):
     def _check_quiet(self) -> None:
         try:
             self._check()
-        except BusError:
+        except errors.BusError:
             return
 
     async def close(self) -> None:

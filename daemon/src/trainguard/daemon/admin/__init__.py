@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from trainguard.daemon.admin._keys import (
     KeyAdmin,
+    KeyInfo,
 )
 
 __all__ = [
     "KeyAdmin",
+    "KeyInfo",
 ]

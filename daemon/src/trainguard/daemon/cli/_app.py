@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 
 from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
-from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix, other_prefixes
+from trainguard.daemon.cli._options import (
+    DEFAULT_PREFIX,
+    BusOption,
+    ConfigFile,
+    ConfiguredBus,
+    ConfiguredPrefix,
+    PrefixOption,
+    other_prefixes,
+)
 
 if TYPE_CHECKING:
     from trainguard.agent.bus import BusConfig
@@ -41,15 +49,6 @@ app = typer.Typer(
 bus_app = typer.Typer(help="Inspect the message bus.", no_args_is_help=True)
 app.add_typer(bus_app, name="bus")
 
-BusURL = Annotated[
-    str,
-    typer.Option(
-        "--bus",
-        envvar="TRAINGUARD_BUS",
-        help="sqlite:///path/bus.db (embedded, one machine) or kafka://host:port[,host:port].",
-    ),
-]
-
 
 @app.command()
 def version() -> None:
@@ -60,12 +59,7 @@ def version() -> None:
 @bus_app.command("check")
 def bus_check(
     bus: ConfiguredBus = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            help="The daemon's TOML file, for its \\[bus] table (Kafka security, prefix)."
-        ),
-    ] = None,
+    config: ConfigFile = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the bus.")] = 15.0,
     topic_prefix: ConfiguredPrefix = None,
 ) -> None:
@@ -228,17 +222,17 @@ def daemon(
     config: Annotated[
         Path | None,
         typer.Option(
-            help="TOML file with \\[bus], \\[machine] and \\[service] tables; every key: "
-            "deploy/daemon.example.toml."
+            help="TOML file with \\[bus], \\[machine], \\[service] and \\[security] tables; "
+            "every key: deploy/daemon.example.toml."
         ),
     ] = None,
+    topic_prefix: ConfiguredPrefix = None,
     heartbeat_timeout: Annotated[
         float | None, typer.Option(help="Seconds of silence after which a rank is dead.")
     ] = None,
     restore_timeout: Annotated[
         float | None, typer.Option(help="Seconds for all ranks to acknowledge a restore.")
     ] = None,
-    topic_prefix: ConfiguredPrefix = None,
     metrics_port: Annotated[
         int | None,
         typer.Option(
@@ -370,7 +364,7 @@ def _unservable(host: str, port: int, exc: OSError) -> str:
 def run(
     command: Annotated[list[str], typer.Argument(help="The worker command, after --.")],
     job: Annotated[str, typer.Option(envvar="TRAINGUARD_JOB", help="The job's name.")],
-    bus: BusURL = DEFAULT_BUS_URL,
+    bus: BusOption = DEFAULT_BUS_URL,
     nproc_per_node: Annotated[
         int | None,
         typer.Option(
@@ -389,9 +383,7 @@ def run(
         str, typer.Option(help="Plain mode: the ranks COMMAND hosts, e.g. 0-7 (for exit reports).")
     ] = "",
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
-    topic_prefix: Annotated[
-        str, typer.Option(envvar="TRAINGUARD_TOPIC_PREFIX", help="Bus topic prefix.")
-    ] = "trainguard.",
+    topic_prefix: PrefixOption = DEFAULT_PREFIX,
     init_from: Annotated[
         str | None,
         typer.Option(

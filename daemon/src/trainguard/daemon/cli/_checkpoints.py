@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import orjson
 import typer
 
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, BusError
+from trainguard.agent.bus import BusConfig, BusError
+from trainguard.daemon.cli._options import ConfigFile, ConfiguredBus, ConfiguredPrefix
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -62,26 +63,6 @@ def register(app: typer.Typer) -> None:
     app.add_typer(checkpoints_app, name="checkpoints")
 
 
-Bus = Annotated[
-    str | None,
-    typer.Option(
-        "--bus",
-        envvar="TRAINGUARD_BUS",
-        help=f"Bus URL; default: the config file's, else {DEFAULT_BUS_URL}.",
-    ),
-]
-Config = Annotated[
-    Path | None,
-    typer.Option(help="The daemon's TOML file, for its \\[bus] table (Kafka security, prefix)."),
-]
-Prefix = Annotated[
-    str | None,
-    typer.Option(
-        envvar="TRAINGUARD_TOPIC_PREFIX",
-        help="Bus topic prefix, dot included (topics are named e.g. 'trainguard.events'); "
-        "default: the config file's, else 'trainguard.'",
-    ),
-]
 Keys = Annotated[
     Path | None,
     typer.Option(
@@ -109,9 +90,9 @@ def list_(
     code_version: Annotated[
         str | None, typer.Option(help="Only snapshots of this code version (or a prefix of it).")
     ] = None,
-    bus: Bus = None,
-    config: Config = None,
-    topic_prefix: Prefix = None,
+    bus: ConfiguredBus = None,
+    config: ConfigFile = None,
+    topic_prefix: ConfiguredPrefix = None,
     keys: Keys = None,
     output: Format = OutputFormat.text,
 ) -> None:
@@ -168,9 +149,9 @@ def list_(
 @checkpoints_app.command()
 def show(
     snapshot: Snapshot,
-    bus: Bus = None,
-    config: Config = None,
-    topic_prefix: Prefix = None,
+    bus: ConfiguredBus = None,
+    config: ConfigFile = None,
+    topic_prefix: ConfiguredPrefix = None,
     keys: Keys = None,
     output: Format = OutputFormat.text,
 ) -> None:
@@ -228,9 +209,9 @@ def show(
 @checkpoints_app.command()
 def lineage(
     snapshot: Snapshot,
-    bus: Bus = None,
-    config: Config = None,
-    topic_prefix: Prefix = None,
+    bus: ConfiguredBus = None,
+    config: ConfigFile = None,
+    topic_prefix: ConfiguredPrefix = None,
     keys: Keys = None,
     output: Format = OutputFormat.text,
 ) -> None:
@@ -283,9 +264,9 @@ def compat(
     verify: Annotated[
         bool, typer.Option(help="Also hash every shard file against its digest (reads them).")
     ] = False,
-    bus: Bus = None,
-    config: Config = None,
-    topic_prefix: Prefix = None,
+    bus: ConfiguredBus = None,
+    config: ConfigFile = None,
+    topic_prefix: ConfiguredPrefix = None,
     keys: Keys = None,
     output: Format = OutputFormat.text,
 ) -> None:

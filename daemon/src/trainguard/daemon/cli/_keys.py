@@ -10,18 +10,21 @@ existing directory to ``init``, a current key to ``retire``). Nothing prints a s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 
 import orjson
 import typer
 
 if TYPE_CHECKING:
-    from trainguard.daemon.admin import KeyAdmin
+    from trainguard.agent.keys import KeyKind
+    from trainguard.daemon.admin import KeyAdmin, KeyInfo
 
 __all__ = ["register"]
+
+_T = TypeVar("_T")
 
 keys_app = typer.Typer(
     help="Create, rotate, list and retire the daemon's signing, data and event keys.",
@@ -75,6 +78,19 @@ def _refusals() -> Iterator[None]:
         _fail(str(exc))
 
 
+def _attempt(keys: Path | None, action: Callable[[KeyAdmin], _T]) -> _T:
+    """``action`` applied to the admin of key directory ``keys`` inside :func:`_refusals`: its
+    result, or the end of the command with the refusal's message and exit status 2."""
+    with _refusals():
+        return action(_admin(keys))
+
+
+def _created(info: KeyInfo, note: str = "") -> None:
+    """Print ``created <kind> key <kid>``, `` for job <job>`` for an event key, then ``note``."""
+    job_text = f" for job {info.job_id}" if info.job_id else ""
+    typer.echo(f"created {info.kind} key {info.kid}{job_text}{note}")
+
+
 @keys_app.command("init")
 def init(
     keys: KeysDir = None,
@@ -87,8 +103,7 @@ def init(
     with _refusals():
         made = admin.init(job or ())
     for info in made:
-        job_text = f" for job {info.job_id}" if info.job_id else ""
-        typer.echo(f"created {info.kind} key {info.kid}{job_text}")
+        _created(info)
     typer.echo(f"key directory: {admin.path}")
 
 
@@ -98,9 +113,7 @@ def job_key(
     keys: KeysDir = None,
 ) -> None:
     """Create a job's event key (HMAC-SHA256), before the job starts."""
-    with _refusals():
-        info = _admin(keys).add_job(job)
-    typer.echo(f"created event key {info.kid} for job {job}")
+    _created(_attempt(keys, lambda admin: admin.add_job(job)))
 
 
 @keys_app.command("rotate")
@@ -111,17 +124,11 @@ def rotate(
     job: Annotated[str | None, typer.Option(help="A new event key for this job.")] = None,
 ) -> None:
     """Add a new current key of one kind; the previous ones stay valid until retired."""
-    chosen = [kind for kind, on in (("signing", signing), ("data", data), ("event", job)) if on]
+    chosen = [name for name, on in (("signing", signing), ("data", data), ("event", job)) if on]
     if len(chosen) != 1:
         _fail("give exactly one of --signing, --data, --job JOB")
-    admin = _admin(keys)
-    with _refusals():
-        if job is not None:
-            info = admin.rotate("event", job)
-        else:
-            info = admin.rotate("signing" if signing else "data")
-    job_text = f" for job {info.job_id}" if info.job_id else ""
-    typer.echo(f"created {info.kind} key {info.kid}{job_text} (now current)")
+    kind: KeyKind = "event" if job is not None else "signing" if signing else "data"
+    _created(_attempt(keys, lambda admin: admin.rotate(kind, job)), " (now current)")
 
 
 @keys_app.command("retire")
@@ -130,8 +137,7 @@ def retire(
     keys: KeysDir = None,
 ) -> None:
     """Move a key to retired/: it no longer verifies new input."""
-    with _refusals():
-        info = _admin(keys).retire(kid)
+    info = _attempt(keys, lambda admin: admin.retire(kid))
     typer.echo(f"retired {info.kind} key {kid}")
 
 

@@ -1,16 +1,32 @@
 """Command-line options shared by the ``trainguard`` commands that read a bus, and the hint
-they print when a topic prefix holds nothing."""
+they print when a topic prefix holds nothing.
+
+Two families: the ``Configured*`` options of commands that read the daemon's config file
+(``None``: the file's value), and :data:`BusOption` and :data:`PrefixOption` of commands that
+take the bus from the command line alone (their defaults, :data:`DEFAULT_BUS_URL` and
+:data:`DEFAULT_PREFIX`, stand in the signatures).
+"""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, BusError, open_bus, topic_prefixes
 
-__all__ = ["ConfiguredBus", "ConfiguredPrefix", "other_prefixes"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "BusOption",
+    "ConfigFile",
+    "ConfiguredBus",
+    "ConfiguredPrefix",
+    "ExportFile",
+    "PrefixOption",
+    "other_prefixes",
+]
 
 ConfiguredBus = Annotated[
     str | None,
@@ -34,6 +50,45 @@ ConfiguredPrefix = Annotated[
 ]
 """``--topic-prefix P`` or ``--prefix P`` (``TRAINGUARD_TOPIC_PREFIX``, as every command reading
 the bus takes it); ``None``: the ``--config`` file's."""
+
+DEFAULT_PREFIX = "trainguard."
+"""The topic prefix of a command without a config file (as ``BusConfig``'s)."""
+
+BusOption = Annotated[
+    str,
+    typer.Option(
+        "--bus",
+        envvar="TRAINGUARD_BUS",
+        help="sqlite:///path/bus.db (embedded, one machine) or kafka://host:port[,host:port].",
+    ),
+]
+"""``--bus URL`` (``TRAINGUARD_BUS``) of a command without a config file."""
+
+PrefixOption = Annotated[
+    str,
+    typer.Option(
+        "--topic-prefix", "--prefix", envvar="TRAINGUARD_TOPIC_PREFIX", help="Bus topic prefix."
+    ),
+]
+"""``--topic-prefix P`` or ``--prefix P`` (``TRAINGUARD_TOPIC_PREFIX``) of a command without a
+config file."""
+
+ConfigFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="The daemon's TOML file, for its \\[bus] table (URL, topic prefix, Kafka "
+        "security; TRAINGUARD_KAFKA_* variables override it).",
+    ),
+]
+"""``--config FILE`` of a command that reads only the file's bus settings (and, where it takes
+keys, its ``[security]`` key directory)."""
+
+ExportFile = Annotated[
+    Path | None,
+    typer.Option("--file", help="Read the job from an export file (trainguard export) instead."),
+]
+"""``--file FILE``: a job record written by ``trainguard export``, read instead of the bus."""
 
 
 async def other_prefixes(config: BusConfig) -> str:

@@ -28,6 +28,7 @@ from trainguard.agent.bus import (
     Record,
     load_kafka_security,
 )
+from trainguard.daemon.cli._options import DEFAULT_PREFIX, BusOption, ExportFile, PrefixOption
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -52,23 +53,6 @@ def register(app: typer.Typer) -> None:
     app.command(name="import")(import_record)
 
 
-BusOption = Annotated[
-    str,
-    typer.Option(
-        "--bus",
-        envvar="TRAINGUARD_BUS",
-        help="sqlite:///path/bus.db (embedded) or kafka://host:port[,host:port].",
-    ),
-]
-PrefixOption = Annotated[
-    str,
-    typer.Option(
-        "--topic-prefix", "--prefix", envvar="TRAINGUARD_TOPIC_PREFIX", help="Bus topic prefix."
-    ),
-]
-_DEFAULT_PREFIX = "trainguard."
-
-
 def _fail(message: str, code: int = 2) -> NoReturn:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
@@ -87,13 +71,8 @@ def _security() -> KafkaSecurity:
 def replay(
     job: Annotated[str, typer.Argument(help="The job id.")],
     bus: BusOption = DEFAULT_BUS_URL,
-    topic_prefix: PrefixOption = _DEFAULT_PREFIX,
-    file: Annotated[
-        Path | None,
-        typer.Option(
-            "--file", help="Read the job from an export file (trainguard export) instead."
-        ),
-    ] = None,
+    topic_prefix: PrefixOption = DEFAULT_PREFIX,
+    file: ExportFile = None,
     since: Annotated[
         str | None,
         typer.Option(
@@ -420,7 +399,7 @@ def export(
         ),
     ],
     bus: BusOption = DEFAULT_BUS_URL,
-    topic_prefix: PrefixOption = _DEFAULT_PREFIX,
+    topic_prefix: PrefixOption = DEFAULT_PREFIX,
 ) -> None:
     """Write a job's full record (events and ticks, commands, manifests, audit trail) to one
     gzip-compressed JSON Lines file, for a bug report or a replay elsewhere."""
@@ -477,7 +456,7 @@ def _dump_to_stdout(header: ExportHeader, records: Mapping[str, Sequence[Record]
 def import_record(
     file: Annotated[Path, typer.Argument(help="A job record written by trainguard export.")],
     bus: BusOption = DEFAULT_BUS_URL,
-    topic_prefix: PrefixOption = _DEFAULT_PREFIX,
+    topic_prefix: PrefixOption = DEFAULT_PREFIX,
 ) -> None:
     """Write an exported job record onto an embedded bus, keeping every record's bus time, so
     that trainguard replay (and report, status, checkpoints) read it as if it ran there.

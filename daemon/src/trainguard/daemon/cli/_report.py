@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from trainguard.agent.bus import BusError
-from trainguard.daemon.cli._options import ConfiguredBus
+from trainguard.daemon.cli._options import ConfigFile, ConfiguredBus, ConfiguredPrefix, ExportFile
 
 if TYPE_CHECKING:
     from trainguard.daemon.forensics import JobLog, JobReport
@@ -44,29 +44,9 @@ def report(
         typer.Argument(metavar="JOB", help="The job's id (default with --file: the file's job)."),
     ] = None,
     bus: ConfiguredBus = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            help="The daemon's TOML file, for its \\[bus] table (URL, topic prefix, Kafka "
-            "security; TRAINGUARD_KAFKA_* variables override it)."
-        ),
-    ] = None,
-    topic_prefix: Annotated[
-        str | None,
-        typer.Option(
-            "--topic-prefix",
-            "--prefix",
-            envvar="TRAINGUARD_TOPIC_PREFIX",
-            help="Bus topic prefix, dot included (topics are named e.g. 'trainguard.events'); "
-            "default: the config file's, else 'trainguard.'",
-        ),
-    ] = None,
-    file: Annotated[
-        Path | None,
-        typer.Option(
-            "--file", help="Read the job from this export file (trainguard export) instead."
-        ),
-    ] = None,
+    config: ConfigFile = None,
+    topic_prefix: ConfiguredPrefix = None,
+    file: ExportFile = None,
     output: Annotated[
         OutputFormat, typer.Option("--format", help="text (rich tables) or json (for tools).")
     ] = OutputFormat.text,

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 import orjson
 import typer
 
-from trainguard.agent.bus import DEFAULT_BUS_URL, BusError
+from trainguard.agent.bus import BusError
+from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -49,27 +50,11 @@ class OutputFormat(StrEnum):
     json = "json"
 
 
-BusOption = Annotated[
-    str | None,
-    typer.Option(
-        "--bus",
-        envvar="TRAINGUARD_BUS",
-        help=f"Bus URL; default: the config file's, else {DEFAULT_BUS_URL}.",
-    ),
-]
 ConfigOption = Annotated[
     Path | None,
     typer.Option(
         help="The daemon's TOML file: its \\[bus] table, and for verify its \\[machine] table "
         "(snapshots folded under other settings are reported)."
-    ),
-]
-PrefixOption = Annotated[
-    str | None,
-    typer.Option(
-        envvar="TRAINGUARD_TOPIC_PREFIX",
-        help="Bus topic prefix, dot included (topics are named e.g. 'trainguard.events'); "
-        "default: the config file's, else 'trainguard.'",
     ),
 ]
 KeysOption = Annotated[
@@ -126,9 +111,9 @@ def _time(ns: int) -> str:
 
 @snapshots_app.command("list")
 def list_snapshots(
-    bus: BusOption = None,
+    bus: ConfiguredBus = None,
     config: ConfigOption = None,
-    topic_prefix: PrefixOption = None,
+    topic_prefix: ConfiguredPrefix = None,
     output_format: FormatOption = OutputFormat.text,
 ) -> None:
     """Each job's latest snapshot: partition, covered offset (the next record of events it has
@@ -178,9 +163,9 @@ def list_snapshots(
 @snapshots_app.command("show")
 def show(
     job: Annotated[str, typer.Argument(help="The job whose latest snapshot to open.")],
-    bus: BusOption = None,
+    bus: ConfiguredBus = None,
     config: ConfigOption = None,
-    topic_prefix: PrefixOption = None,
+    topic_prefix: ConfiguredPrefix = None,
     keys: KeysOption = None,
     output_format: FormatOption = OutputFormat.text,
 ) -> None:
@@ -285,9 +270,9 @@ def _state_summary(state: JobState) -> dict[str, object]:
 
 @snapshots_app.command("verify")
 def verify(
-    bus: BusOption = None,
+    bus: ConfiguredBus = None,
     config: ConfigOption = None,
-    topic_prefix: PrefixOption = None,
+    topic_prefix: ConfiguredPrefix = None,
     keys: KeysOption = None,
 ) -> None:
     """Open every snapshot with the daemon's live keys and check each partition's latest round

@@ -106,7 +106,15 @@ class _Decision:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Transition(_Decision):
-    """The job's phase changed from ``old`` to ``new``; ``generation`` is the one after it."""
+    """The job's phase changed.
+
+    Attributes:
+        old: the phase before the change.
+        new: the phase after it.
+        generation: the job's generation after the change (a new one when the job goes to
+            ``restoring``).
+        reason: the evidence.
+    """
 
     KIND: ClassVar[str] = "transition"
     old: JobPhase
@@ -117,7 +125,13 @@ class Transition(_Decision):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Committed(_Decision):
-    """Every rank's shard of a step arrived and agrees: ``manifest`` is a restore target now."""
+    """Every rank's shard of a step arrived and agrees: the step is a restore target now.
+
+    Attributes:
+        manifest: the committed snapshot, as published on ``manifests`` (unsigned: the shell
+            signs it when keys are in use).
+        reason: the evidence.
+    """
 
     KIND: ClassVar[str] = "committed"
     manifest: Manifest
@@ -155,9 +169,17 @@ class IncidentOpened(_Decision):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IncidentClosed(_Decision):
-    """The incident ended: ``resumed`` (all ranks acknowledged a restore), ``failed`` (restore
-    attempts exhausted, job aborted), ``finished`` (the ranks finished meanwhile) or
-    ``stopped`` (the job was stopped on request meanwhile)."""
+    """The incident ended.
+
+    Attributes:
+        incident_id: the incident's ``<job_id>/i<n>`` (as its :class:`IncidentOpened`).
+        outcome: ``resumed`` (all ranks acknowledged a restore), ``failed`` (restore attempts
+            exhausted, job aborted), ``finished`` (the ranks finished meanwhile) or
+            ``stopped`` (the job was stopped on request meanwhile).
+        attempts: restore attempts made for it, 1 for the first; 0 when its restore never
+            started (held while the bus settled).
+        reason: the evidence.
+    """
 
     KIND: ClassVar[str] = "incident_closed"
     incident_id: str
@@ -168,7 +190,13 @@ class IncidentClosed(_Decision):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Issue(_Decision):
-    """Publish ``command`` (already numbered and stamped) on the commands topic."""
+    """Publish a command on the ``commands`` topic.
+
+    Attributes:
+        command: the command, already numbered (``seq``) and stamped (``ts``: the state
+            machine's clock, ns); unsigned: the shell signs it when keys are in use.
+        reason: the evidence.
+    """
 
     KIND: ClassVar[str] = "issue"
     command: Command
@@ -177,7 +205,12 @@ class Issue(_Decision):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rejected(_Decision):
-    """The input was not applied (the state is unchanged); for the dead-letter topic."""
+    """The input was not applied (the state is unchanged); for the dead-letter topic.
+
+    Attributes:
+        code: why, as a :data:`RejectCode`.
+        reason: the evidence.
+    """
 
     KIND: ClassVar[str] = "rejected"
     code: RejectCode
@@ -187,7 +220,16 @@ class Rejected(_Decision):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Anomaly(_Decision):
     """Reported evidence that is recorded but not by itself acted on (a straggler, a loss blip,
-    a suspect host, ...): ``ranks`` and ``hosts`` it names, ``measures`` its numbers."""
+    a suspect host, ...).
+
+    Attributes:
+        kind: what was seen, as an :data:`AnomalyKind`.
+        reason: the evidence.
+        ranks: the ranks it names (may be empty).
+        hosts: the hosts it names (may be empty).
+        measures: the numbers behind it (observed values, thresholds, window sizes), named
+            with their units.
+    """
 
     KIND: ClassVar[str] = "anomaly"
     kind: AnomalyKind
@@ -199,7 +241,11 @@ class Anomaly(_Decision):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobFailed(_Decision):
-    """The job is ``failed`` for good; the shell reports this loudly."""
+    """The job is ``failed`` for good; the shell reports this loudly.
+
+    Attributes:
+        reason: why the daemon gave up on the job.
+    """
 
     KIND: ClassVar[str] = "job_failed"
     reason: str
