@@ -100,3 +100,19 @@ def test_an_insecure_key_file_fails_the_cli_with_the_fix(tmp_path: Path) -> None
     code, _, err = keys_cli("show", "--keys", str(keys), "--export-agent", "nojob")
     assert code == 2
     assert "no event key" in err
+
+
+def test_a_key_directory_under_an_unknown_user_is_an_error_not_a_traceback() -> None:
+    """Every keys command, and the catalog commands that read daemon public keys, end with
+    exit status 2 and one line naming the option when ``--keys`` starts with a ``~user`` of
+    no user."""
+    for args in (["init"], ["show"], ["job", "j"], ["rotate", "--signing"], ["retire", "k"]):
+        code, _, err = keys_cli(*args, "--keys", "~no-such-user-tg/keys")
+        assert code == 2, (args, err)
+        assert "the key directory (--keys, TRAINGUARD_KEYS): cannot expand" in err, args
+    result = CliRunner().invoke(
+        app,
+        ["checkpoints", "list", "--bus", "sqlite:///nowhere/bus.db", "--keys", "~no-such-user-tg"],
+    )
+    assert result.exit_code == 2, result.output
+    assert "cannot expand '~no-such-user-tg'" in result.stderr

@@ -243,7 +243,12 @@ def load_kafka_security(
         try:
             path = expand_user(password_file)
         except ValueError as exc:
-            raise ValueError(f"[bus.security] sasl_password_file: {exc}") from None
+            where = (
+                SECURITY_ENVIRONMENT["sasl_password_file"]
+                if "sasl_password_file" in from_env
+                else "[bus.security] sasl_password_file"
+            )
+            raise ValueError(f"{where}: {exc}") from None
         values["sasl_password"] = _read_password(path)
     for key in ("protocol", "sasl_mechanism"):
         if key in values:

@@ -176,10 +176,13 @@ def keys_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     :data:`DEFAULT_KEYS_DIR`; ``~`` expanded.
 
     Raises:
-        KeyStoreError: a ``~user`` that names no user (:func:`_expanded`).
+        KeyStoreError: a ``~user`` that names no user.
     """
     chosen = explicit or os.environ.get("TRAINGUARD_KEYS") or DEFAULT_KEYS_DIR
-    return _expanded(chosen, "the key directory")
+    try:
+        return expand_user(chosen)
+    except ValueError as exc:  # a directory's path is no secret: quoted
+        raise KeyStoreError(f"the key directory (--keys, TRAINGUARD_KEYS): {exc}") from None
 
 
 def _expanded(path: str | os.PathLike[str], what: str) -> Path:

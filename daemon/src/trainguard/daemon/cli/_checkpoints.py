@@ -502,8 +502,8 @@ def _public_keys(
     from trainguard.agent.keys import KeyStore, KeyStoreError, keys_dir, load_public_keys
 
     explicit = keys or settings.security.keys_dir
-    store = KeyStore(keys_dir(explicit))
     try:
+        store = KeyStore(keys_dir(explicit))
         if explicit is not None or store.current("signing") is not None:
             found = {**store.public_keys(retired=True), **store.public_keys()}
             if not found:

@@ -58,7 +58,8 @@ def _admin(keys: Path | None) -> KeyAdmin:
     from trainguard.agent.keys import keys_dir
     from trainguard.daemon.admin import KeyAdmin
 
-    return KeyAdmin(keys_dir(keys))
+    with _refusals():  # a ~user that names no user
+        return KeyAdmin(keys_dir(keys))
 
 
 def _fail(message: str) -> NoReturn:

@@ -184,8 +184,8 @@ def show(
     except SnapshotRefused as exc:
         typer.secho(f"refused: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
-    store = KeyStore(keys_dir(keys or settings.security.keys_dir))
     try:
+        store = KeyStore(keys_dir(keys or settings.security.keys_dir))
         verify = _one_public_key(store, header.signing_kid)
         data = _one_data_key(store, header.data_kid)
     except KeyStoreError as exc:

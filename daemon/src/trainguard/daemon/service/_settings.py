@@ -266,7 +266,9 @@ def load_daemon_config(
         try:
             expanded = expand_user(security_config.keys_dir)
         except ValueError as exc:
-            raise ValueError(f"{source}[security] keys_dir: {exc}") from None
+            overridden = (security_overrides or {}).get("keys_dir") is not None
+            where = "--keys or TRAINGUARD_KEYS" if overridden else f"{source}[security] keys_dir"
+            raise ValueError(f"{where}: {exc}") from None
         security_config = replace(security_config, keys_dir=expanded)
     return build(
         f"{source}[service]",
