@@ -4,11 +4,18 @@
 verified before loading), :mod:`._checksum` digests parameters for the cross-rank checksum
 detector, :mod:`._step_file` records a worker's last finished step for its supervisor, and
 :mod:`._manifests` reads the signed manifests of committed snapshots from the ``manifests``
-topic.
+topic, and :mod:`._layout` lists and removes the shards' step folders (retention).
 """
 
 from __future__ import annotations
 
+from trainguard.agent.checkpoint._layout import (
+    StepFolder,
+    job_folder,
+    remove_files,
+    remove_step_folder,
+    step_folders,
+)
 from trainguard.agent.checkpoint._manifests import (
     ManifestLog,
     fetch_manifest,
@@ -20,7 +27,12 @@ from trainguard.agent.checkpoint._shards import (
 
 __all__ = [
     "ManifestLog",
+    "StepFolder",
     "fetch_manifest",
+    "job_folder",
     "read_manifests",
+    "remove_files",
+    "remove_step_folder",
+    "step_folders",
     "uri_to_path",
 ]

@@ -1,5 +1,6 @@
-"""The checkpoint catalog: every committed snapshot of every job, its lineage, and whether it
-can seed another job (``trainguard checkpoints``, ``docs/catalog.md``).
+"""The checkpoint catalog: every committed snapshot of every job, its lineage, whether it
+can seed another job, and which snapshots retention may delete (``trainguard checkpoints``,
+``docs/catalog.md``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ from trainguard.daemon.catalog._catalog import (
     abandoned,
     compat,
 )
+from trainguard.daemon.catalog._retention import (
+    RetentionPlan,
+    RetentionPolicy,
+    StoredStep,
+    Verdict,
+    plan_retention,
+)
 
 __all__ = [
     "Abandoned",
@@ -21,7 +29,12 @@ __all__ = [
     "Compat",
     "DescendantJob",
     "Lineage",
+    "RetentionPlan",
+    "RetentionPolicy",
     "SeedRequest",
+    "StoredStep",
+    "Verdict",
     "abandoned",
     "compat",
+    "plan_retention",
 ]

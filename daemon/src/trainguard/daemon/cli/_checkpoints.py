@@ -1,5 +1,5 @@
-"""``trainguard checkpoints list|show|lineage|compat``: the checkpoint catalog, read from the
-bus's ``manifests`` topic (``docs/catalog.md``).
+"""``trainguard checkpoints list|show|lineage|compat|prune``: the checkpoint catalog, read
+from the bus's ``manifests`` topic, and its retention (``docs/catalog.md``).
 
 Every command also reads the ``audit`` topic, for the restores that abandoned snapshots
 (:func:`trainguard.daemon.catalog._catalog.abandoned`), and checks each manifest's Ed25519 signature
@@ -8,8 +8,8 @@ whose signature does not verify is left out of the catalog (as the agent's ``ini
 refuses it) and named on stderr; without keys, the output says the signatures were not
 checked.
 
-Exit status: 0 done (``compat``: the snapshot can seed the job), 1 ``compat`` refuses, 2 a
-usage error, an unknown snapshot, unreadable keys, a malformed audit trail or an unreachable
+Exit status: 0 done (``compat``: the snapshot can seed the job), 1 ``compat`` refuses or
+``prune`` could not delete everything it meant to, 2 a usage error, an unknown snapshot, unreadable keys, a malformed audit trail or an unreachable
 bus.
 """
 
@@ -37,7 +37,17 @@ if TYPE_CHECKING:
 
     from trainguard.agent.bus import Record
     from trainguard.agent.checkpoint import ManifestLog
-    from trainguard.daemon.catalog import Abandoned, Catalog, Compat, DescendantJob, Lineage
+    from trainguard.daemon.catalog import (
+        Abandoned,
+        Catalog,
+        Compat,
+        DescendantJob,
+        Lineage,
+        RetentionPlan,
+        StoredStep,
+        Verdict,
+    )
+    from trainguard.daemon.forensics import AuditDigest
     from trainguard.daemon.service import DaemonConfig
     from trainguard.schemas import JSONValue, Manifest
 
@@ -396,6 +406,160 @@ def _abandoned_by(bus: BusConfig, manifest: Manifest, timeout_s: float) -> Aband
     return abandoned([manifest], {manifest.job_id: read_audit(entries)}).get(manifest.snapshot_id)
 
 
+@checkpoints_app.command()
+def prune(
+    job: Annotated[str | None, typer.Option(help="Only this job's snapshots.")] = None,
+    keep_last: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Snapshots kept per job, the newest of its timeline; default: the daemon's "
+            "\\[machine] keep_snapshots.",
+        ),
+    ] = None,
+    keep_every: Annotated[
+        int | None,
+        typer.Option(min=1, help="Also keep, forever, every snapshot whose step is a multiple."),
+    ] = None,
+    delete_parents: Annotated[
+        bool,
+        typer.Option(
+            help="Also delete snapshots other jobs started from, once those jobs have ended."
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what would be deleted; delete nothing.")
+    ] = False,
+    bus: ConfiguredBus = None,
+    config: ConfigFile = None,
+    topic_prefix: ConfiguredPrefix = None,
+    keys: Keys = None,
+    output: Format = OutputFormat.text,
+) -> None:
+    """Delete the shard files of committed snapshots that are no longer needed, and the step
+    folders of checkpoints that never committed and never will. Never deleted: a job's newest
+    KEEP_LAST snapshots, a running job's possible restore targets, a restore's target while it
+    is in progress, and the snapshots other jobs started from (docs/catalog.md, "Retention")."""
+    from trainguard.daemon.catalog import RetentionPolicy, plan_retention
+
+    read = _read(bus, config, topic_prefix, keys)
+    policy = RetentionPolicy(
+        keep_last=keep_last or read.keep_snapshots,
+        keep_every_steps=keep_every,
+        restore_targets=read.keep_snapshots,
+        delete_parents=delete_parents,
+    )
+    stored, listed = _stored_steps(read.catalog, job)
+    plan = plan_retention(
+        read.catalog,
+        read.audits,
+        policy,
+        stored,
+        job=job,
+        unverified=read.refused,
+        complete=read.skipped == 0,
+        listed=listed,
+    )
+    failures = [] if dry_run else _apply(plan)
+    if output is OutputFormat.json:
+        _echo_json(
+            {
+                "dry_run": dry_run,
+                "verdicts": [
+                    {
+                        "name": v.name,
+                        "job_id": v.job_id,
+                        "generation": v.generation,
+                        "step": v.step,
+                        "action": _action(v, dry_run),
+                        "reasons": list(v.reasons),
+                    }
+                    for v in plan.verdicts
+                ],
+                "failures": failures,
+            }
+        )
+    else:
+        _print_plan(plan, dry_run, failures)
+    if failures:
+        raise typer.Exit(1)
+
+
+def _stored_steps(catalog: Catalog, job: str | None) -> tuple[list[StoredStep], set[str]]:
+    """The step folders under the job folders of the catalog's snapshots (of ``job`` only,
+    if given), and the jobs whose folders were listed; exits 2 when a folder cannot be
+    listed."""
+    from trainguard.agent.checkpoint import job_folder, step_folders
+    from trainguard.daemon.catalog import StoredStep
+
+    folders: dict[Path, str] = {}
+    for manifest in catalog.snapshots.values():
+        if job is not None and manifest.job_id != job:
+            continue
+        for shard in manifest.shards:
+            folder = job_folder(shard.uri, manifest.job_id)
+            if folder is not None:
+                folders.setdefault(folder, manifest.job_id)
+    stored: list[StoredStep] = []
+    for folder, job_id in folders.items():
+        try:
+            found = step_folders(folder)
+        except OSError as exc:
+            _fail(f"cannot list the checkpoints of job {job_id!r} in {folder}: {exc}")
+        stored += [StoredStep(job_id, f.generation, f.step, str(f.path)) for f in found]
+    return stored, set(folders.values())
+
+
+def _action(verdict: Verdict, dry_run: bool) -> str:
+    """``keep``, ``would delete``/``deleted``, or ``gone`` (its files were already deleted);
+    ``keep (files missing)`` for a kept snapshot whose folder is not there."""
+    if not verdict.present:
+        return "keep (files missing)" if verdict.keep else "gone"
+    if verdict.keep:
+        return "keep"
+    return "would delete" if dry_run else "deleted"
+
+
+def _apply(plan: RetentionPlan) -> list[str]:
+    """Delete what ``plan`` deletes; return one line per deletion that failed."""
+    from trainguard.agent import ShardError
+    from trainguard.agent.checkpoint import remove_files, remove_step_folder
+
+    failures: list[str] = []
+    for verdict in plan.deleted:
+        try:
+            if verdict.manifest is not None:
+                remove_files(shard.uri for shard in verdict.manifest.shards)
+            elif verdict.location is not None:
+                remove_step_folder(Path(verdict.location))
+        except (OSError, ShardError, ValueError) as exc:
+            failures.append(f"{verdict.name}: {exc}")
+    return failures
+
+
+def _print_plan(plan: RetentionPlan, dry_run: bool, failures: Sequence[str]) -> None:
+    console = _console()
+    if not plan.verdicts:
+        console.print("nothing to prune: no committed snapshot or step folder found")
+        return
+    from rich.table import Table
+
+    table = Table(title="retention" + (" (dry run: nothing deleted)" if dry_run else ""))
+    for name in ("snapshot", "gen", "step", "action", "why"):
+        table.add_column(name, no_wrap=name != "why")
+    for v in plan.verdicts:
+        table.add_row(
+            v.name, str(v.generation), str(v.step), _action(v, dry_run), "; ".join(v.reasons),
+            style=None if v.keep else "dim",
+        )  # fmt: skip
+    console.print(table)
+    count = len(plan.deleted) - (0 if dry_run else len(failures))
+    verb = "would delete" if dry_run else "deleted"
+    console.print(f"{verb} {count} of {len(plan.verdicts)} (snapshots and leftover folders)")
+    for line in failures:
+        typer.secho(f"error: could not delete {line}", fg=typer.colors.RED, err=True)
+
+
 # -- reading ---------------------------------------------------------------------------------
 
 
@@ -409,6 +573,9 @@ class _Read:
         keys: the daemon public keys the signatures were checked with, ``None``: unchecked.
         signatures: one line on how the signatures were checked (or why not).
         refused: snapshot id -> why its manifest's signature does not verify (with keys).
+        audits: job id -> its audit trail digested (the jobs with snapshots).
+        skipped: records of the manifests topic that were undecodable or inconsistent.
+        keep_snapshots: the daemon's ``[machine] keep_snapshots`` (restore targets per job).
     """
 
     catalog: Catalog
@@ -416,6 +583,9 @@ class _Read:
     keys: Mapping[str, Ed25519PublicKey] | None
     signatures: str
     refused: Mapping[str, str]
+    audits: Mapping[str, AuditDigest]
+    skipped: int
+    keep_snapshots: int
 
     @property
     def signature_state(self) -> str:
@@ -431,7 +601,7 @@ def _read(bus: str | None, config: Path | None, prefix: str | None, keys: Path |
     from trainguard.agent.checkpoint import read_manifests
     from trainguard.daemon.catalog import Catalog
     from trainguard.daemon.core import MalformedAudit, entries_by_job
-    from trainguard.daemon.forensics import AuditDigest, read_audit, read_topic
+    from trainguard.daemon.forensics import read_audit, read_topic
     from trainguard.daemon.service import load_daemon_config
 
     try:
@@ -483,6 +653,9 @@ def _read(bus: str | None, config: Path | None, prefix: str | None, keys: Path |
         keys=public,
         signatures=signatures,
         refused=log.unauthenticated,
+        audits=audits,
+        skipped=skipped,
+        keep_snapshots=settings.machine.keep_snapshots,
     )
 
 
