@@ -22,7 +22,7 @@ from trainguard.daemon.catalog import (
 from trainguard.daemon.core._decisions import Committed, Decision
 from trainguard.daemon.core._inputs import Input
 from trainguard.daemon.core._machine import decide
-from trainguard.daemon.core._state import TERMINAL_PHASES, JobState, new_job
+from trainguard.daemon.core._state import JobState, new_job
 from trainguard.daemon.forensics import AuditDigest, read_audit
 from trainguard.schemas import Manifest
 
@@ -86,8 +86,10 @@ def test_pruning_keeps_every_possible_restore_target_and_exactly_what_it_promise
 
     by_id = {v.manifest.snapshot_id: v for v in plan.verdicts if v.manifest is not None}
     assert list(by_id) == list(catalog.snapshots), "one verdict per committed snapshot"
-    # Safety: what the daemon may restore stays, whatever the policy.
-    if state.phase not in TERMINAL_PHASES:
+    # Safety: what the daemon may restore stays, whatever the policy (a stopped or failed job
+    # may be continued: only a finished one restores nothing more).
+    finished = state.phase == "finished"
+    if not finished:
         for manifest in state.committed:
             assert by_id[manifest.snapshot_id].keep, manifest.snapshot_id
         if state.incident is not None and state.incident.target is not None:
@@ -96,7 +98,7 @@ def test_pruning_keeps_every_possible_restore_target_and_exactly_what_it_promise
     # of keep_every_steps, possible restore targets of a running job).
     timeline = [sid for sid in catalog.snapshots if sid not in catalog.abandoned]
     promised = set(timeline[-policy.keep_last :])
-    if state.phase not in TERMINAL_PHASES:
+    if not finished:
         promised |= set(timeline[-policy.restore_targets :])
         if state.incident is not None and state.incident.target is not None:
             promised.add(state.incident.target.snapshot_id)
@@ -110,7 +112,7 @@ def test_pruning_keeps_every_possible_restore_target_and_exactly_what_it_promise
     committed = {(m.generation, m.step) for m in catalog.snapshots.values()}
     assert {(v.generation, v.step) for v in leftovers} == set(partial) - committed
     for verdict in leftovers:
-        assert verdict.keep == (audit.ended is None and verdict.generation >= resumed(audit))
+        assert verdict.keep == (not finished and verdict.generation >= resumed(audit))
 
 
 def resumed(audit: AuditDigest) -> int:

@@ -1,6 +1,7 @@
 """The shards' folder layout as retention reads and deletes it, on a real file system: job and
-step folders are found only in the agent's layout, deletions stay inside a step folder, and
-empty folders above go with it."""
+step folders are found only in the agent's layout, a committed snapshot is deleted only as its
+own step folder (never a path its manifest names elsewhere, never through a link), and a
+folder another prune already deleted is no error."""
 
 from __future__ import annotations
 
@@ -10,31 +11,65 @@ import pytest
 
 from trainguard.agent.checkpoint import (
     job_folder,
-    remove_files,
     remove_step_folder,
+    snapshot_folder,
     step_folders,
 )
 from trainguard.agent.checkpoint._shards import shard_path
 
 
-def test_the_layout_is_found_and_deleted_step_by_step(tmp_path: Path) -> None:
-    shards = [shard_path(tmp_path, "job", g, s, r) for g, s in ((0, 10), (1, 20)) for r in (0, 1)]
+def written(root: Path, generation: int, step: int) -> list[Path]:
+    shards = [shard_path(root, "job", generation, step, rank) for rank in (0, 1)]
     for path in shards:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x" * 10)
-    (shards[2].parent / ".rank00000.pt.123.tmp").write_bytes(b"partial")
+    return shards
+
+
+def test_the_layout_is_found_and_deleted_step_by_step(tmp_path: Path) -> None:
+    first, second = written(tmp_path, 0, 10), written(tmp_path, 1, 20)
+    (second[0].parent / ".rank00000.pt.123.tmp").write_bytes(b"partial")
     (tmp_path / "job" / ".faults-fired").mkdir()
-    assert job_folder(shards[0].as_uri(), "job") == tmp_path / "job"
-    assert job_folder(shards[0].as_uri(), "other") is None
+    assert job_folder(first[0].as_uri(), "job") == tmp_path / "job"
+    assert job_folder(first[0].as_uri(), "other") is None
     assert job_folder((tmp_path / "job" / "rank0.pt").as_uri(), "job") is None
     assert job_folder("s3://bucket/job/g000000/s0000000010/rank00000.pt", "job") is None
     found = step_folders(tmp_path / "job")
     assert [(f.generation, f.step) for f in found] == [(0, 10), (1, 20)]
-    assert remove_files(p.as_uri() for p in shards[:2]) == 20
-    assert not (tmp_path / "job" / "g000000").exists()  # empty step and generation folders go
-    assert remove_files([shards[0].as_uri()]) == 0  # already gone: nothing to do
+    folder = snapshot_folder((p.as_uri() for p in first), "job", 0, 10)
+    assert folder == first[0].parent
+    assert remove_step_folder(folder) == 20
+    assert not (tmp_path / "job" / "g000000").exists()  # the empty generation folder goes too
+    assert remove_step_folder(folder) == 0  # another prune got there first
     with pytest.raises(ValueError, match="is not a step folder"):
         remove_step_folder(tmp_path / "job")
     assert remove_step_folder(found[1].path) == 27
     assert sorted(p.name for p in (tmp_path / "job").iterdir()) == [".faults-fired"]
     assert step_folders(tmp_path / "missing") == []
+
+
+def test_a_manifest_naming_files_elsewhere_or_through_a_link_deletes_nothing(
+    tmp_path: Path,
+) -> None:
+    shards = written(tmp_path, 0, 10)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    elsewhere = [victim.as_uri()]
+    with pytest.raises(ValueError, match="is not its step folder"):
+        snapshot_folder(elsewhere, "job", 0, 10)
+    with pytest.raises(ValueError, match="is not its step folder"):
+        snapshot_folder([shards[0].as_uri()], "job", 0, 11)
+    with pytest.raises(ValueError, match="not in one step folder"):
+        snapshot_folder([shards[0].as_uri(), victim.as_uri()], "job", 0, 10)
+    outside = tmp_path / "outside" / "s0000000030"
+    outside.mkdir(parents=True)
+    (outside / "data").write_text("keep me too")
+    (tmp_path / "job" / "g000003").symlink_to(outside.parent)
+    linked = tmp_path / "job" / "g000003" / "s0000000030"
+    assert [(f.generation, f.step) for f in step_folders(tmp_path / "job")] == [(0, 10)]
+    with pytest.raises(ValueError, match="symbolic link"):
+        remove_step_folder(linked)
+    with pytest.raises(ValueError, match="symbolic link"):
+        snapshot_folder([(linked / "rank00000.pt").as_uri()], "job", 3, 30)
+    assert victim.read_text() == "keep me"
+    assert (outside / "data").read_text() == "keep me too"

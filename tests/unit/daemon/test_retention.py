@@ -61,3 +61,21 @@ def test_a_deleted_snapshot_says_why_and_leftovers_of_a_running_job_stay() -> No
 def test_a_count_below_one_is_refused(field: str) -> None:
     with pytest.raises(ValueError, match=f"{field} must be >= 1"):
         RetentionPolicy(**{"keep_last": 1, field: 0})  # type: ignore[arg-type]
+
+
+def test_a_stopped_job_keeps_its_restore_targets_and_a_lost_snapshot_counts_for_nothing() -> None:
+    """A stopped job may be continued from its newest snapshot not known bad: it keeps what a
+    running job keeps. A kept snapshot whose files are lost is shown so, and the newest K are
+    counted among whole snapshots."""
+    catalog = Catalog.of(PRE)
+    stopped = {"pre": AuditDigest(ended=("stopped", 0))}
+    assert len(kept(catalog, stopped, keep_last=1, restore_targets=3)) == 3
+    stored = [StoredStep("pre", 0, s, f"/c/pre/g000000/s{s:010d}") for s in (10, 20, 30, 40)]
+    plan = plan_retention(
+        catalog, {"pre": ENDED}, RetentionPolicy(keep_last=1), stored, listed=["pre"],
+        incomplete=["pre/g0/s40"],
+    )  # fmt: skip
+    verdicts = {v.name: v for v in plan.verdicts}
+    assert (verdicts["pre/g0/s40"].keep, verdicts["pre/g0/s40"].complete) == (True, False)
+    assert verdicts["pre/g0/s30"].keep, "the newest whole snapshot, besides the damaged one"
+    assert [v.name for v in plan.deleted] == ["pre/g0/s10", "pre/g0/s20"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 from trainguard.agent.checkpoint._layout import (
     StepFolder,
     job_folder,
-    remove_files,
     remove_step_folder,
+    snapshot_folder,
     step_folders,
 )
 from trainguard.agent.checkpoint._manifests import (
@@ -31,8 +31,8 @@ __all__ = [
     "fetch_manifest",
     "job_folder",
     "read_manifests",
-    "remove_files",
     "remove_step_folder",
+    "snapshot_folder",
     "step_folders",
     "uri_to_path",
 ]

@@ -20,7 +20,13 @@ from pathlib import Path
 from trainguard.agent._errors import ShardError
 from trainguard.agent.checkpoint._shards import uri_to_path
 
-__all__ = ["StepFolder", "job_folder", "remove_files", "remove_step_folder", "step_folders"]
+__all__ = [
+    "StepFolder",
+    "job_folder",
+    "remove_step_folder",
+    "snapshot_folder",
+    "step_folders",
+]
 
 _GENERATION = re.compile(r"g(\d{6,})")
 _STEP = re.compile(r"s(\d{10,})")
@@ -56,7 +62,8 @@ def job_folder(shard_uri: str, job_id: str) -> Path | None:
 
 def step_folders(job: Path) -> list[StepFolder]:
     """Every ``g<generation>/s<step>`` folder under the job folder ``job``, in (generation,
-    step) order; other entries are ignored. A missing job folder has none.
+    step) order; other entries, and symbolic links, are ignored. A missing job folder has
+    none.
 
     Raises:
         OSError: the folder cannot be listed.
@@ -66,52 +73,60 @@ def step_folders(job: Path) -> list[StepFolder]:
         return found
     for generation in job.iterdir():
         g = _GENERATION.fullmatch(generation.name)
-        if g is None or not generation.is_dir():
+        # The agent writes real folders: a link leads elsewhere and is not retention's.
+        if g is None or generation.is_symlink() or not generation.is_dir():
             continue
         for step in generation.iterdir():
             s = _STEP.fullmatch(step.name)
-            if s is not None and step.is_dir():
+            if s is not None and not step.is_symlink() and step.is_dir():
                 found.append(StepFolder(int(g[1]), int(s[1]), step))
     return sorted(found, key=lambda f: (f.generation, f.step))
 
 
-def remove_files(uris: Iterable[str]) -> int:
-    """Delete the ``file://`` files of ``uris`` (a committed snapshot's shards), then their
-    folders and the generation folders above them where left empty; return the bytes freed.
-    A file already gone is skipped.
+def snapshot_folder(uris: Iterable[str], job_id: str, generation: int, step: int) -> Path:
+    """The step folder holding every shard of a committed snapshot, checked to be the one the
+    agent's layout gives it: ``<root>/<job_id>/g<generation:06>/s<step:010>``, neither it nor
+    its generation folder a symbolic link. Retention deletes that folder, never a path a
+    manifest names elsewhere.
 
     Raises:
+        ValueError: a shard lies elsewhere (another folder, another layout, a link), or there
+            is none.
         ShardError: a URI that is not ``file://``.
-        OSError: a file cannot be deleted.
     """
-    freed = 0
-    folders: set[Path] = set()
-    for uri in uris:
-        path = uri_to_path(uri)
-        try:
-            freed += path.stat().st_size
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        folders.add(path.parent)
-    for folder in sorted(folders):
-        _remove_if_empty(folder)
-        _remove_if_empty(folder.parent)
-    return freed
+    folders = {uri_to_path(uri).parent for uri in uris}
+    if len(folders) != 1:
+        raise ValueError(f"its shards are not in one step folder: {sorted(map(str, folders))}")
+    (folder,) = folders
+    generation_folder = folder.parent
+    expected = (f"s{step:010d}", f"g{generation:06d}", job_id)
+    actual = (folder.name, generation_folder.name, generation_folder.parent.name)
+    if actual != expected:
+        raise ValueError(f"{folder} is not its step folder {'/'.join(reversed(expected))}")
+    if folder.is_symlink() or generation_folder.is_symlink():
+        raise ValueError(f"{folder} is reached through a symbolic link: not deleted")
+    return folder
 
 
 def remove_step_folder(folder: Path) -> int:
-    """Delete an uncommitted step folder with everything in it (partial shards, temporary
-    files), then its generation folder if left empty; return the bytes freed.
+    """Delete a step folder with everything in it (shards, partial shards, temporary files),
+    then its generation folder if left empty; return the bytes freed. A folder already gone
+    (another prune got there first) frees 0 bytes.
 
     Raises:
-        ValueError: ``folder`` is not a ``g<generation>/s<step>`` folder.
+        ValueError: ``folder`` is not a ``g<generation>/s<step>`` folder, or it or its
+            generation folder is a symbolic link.
         OSError: it cannot be deleted.
     """
     if not (_STEP.fullmatch(folder.name) and _GENERATION.fullmatch(folder.parent.name)):
         raise ValueError(f"{folder} is not a step folder (g<generation>/s<step>)")
-    freed = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    shutil.rmtree(folder)
+    if folder.is_symlink() or folder.parent.is_symlink():
+        raise ValueError(f"{folder} is reached through a symbolic link: not deleted")
+    try:
+        freed = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        shutil.rmtree(folder)
+    except FileNotFoundError:
+        return 0
     _remove_if_empty(folder.parent)
     return freed
 

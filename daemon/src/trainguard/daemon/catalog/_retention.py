@@ -10,29 +10,31 @@ deletions and prints the verdicts.
 
 * the newest ``keep_last`` snapshots of each job's timeline (the snapshots no restore
   abandoned), and every snapshot whose step is a multiple of ``keep_every_steps``;
-* a *possible restore target*: while a job has not ended, the newest ``restore_targets``
+* a *possible restore target*: while a job has not finished (a stopped or failed job may be
+  continued from its newest snapshot not known bad), the newest ``restore_targets``
   snapshots of its timeline. That is the set the daemon restores from (its
   ``keep_snapshots``: :meth:`trainguard.daemon.core.JobState.committing` keeps the newest ones
   of the current timeline, a restore drops those after its target), so whatever fault comes
   next, its target is still on storage;
 * the target of a restore in progress (issued, not yet resumed, its incident open);
 * a snapshot another job started from (a lineage ``parent``); with ``delete_parents`` only
-  when that job has ended, since a job that runs may still restore its initial state, which
+  when that job has finished, since a job that runs may still restore its initial state, which
   is its parent.
 
-A job without an audit trail on the bus (expired, or another bus) counts as running.
+A job without an audit trail on the bus (expired, or another bus) counts as running, and so
+does a stopped or failed one.
 
 **Uncommitted leftovers** are step folders in storage that hold no committed snapshot: the
 shards of a step some rank never finished, or that the daemon never committed. Such a folder
 is deleted only when nothing can commit it any more: its generation is below one that resumed
 (fencing: the daemon refuses the shards of an older generation once a process joined a newer
-one, ``docs/recovery.md``), or its job has ended. Any other one may be a checkpoint in flight
+one, ``docs/recovery.md``), or its job has finished. Any other one may be a checkpoint in flight
 and is kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from trainguard.daemon.catalog._catalog import Catalog
@@ -52,7 +54,7 @@ class RetentionPolicy:
             (``None``: none); >= 1.
         restore_targets: how many of a running job's newest snapshots the daemon may restore
             from (the daemon's ``[machine] keep_snapshots``); >= 1.
-        delete_parents: delete a snapshot another job started from, once that job has ended.
+        delete_parents: delete a snapshot another job started from, once that job finished.
 
     Raises:
         ValueError: a count below 1.
@@ -100,8 +102,10 @@ class Verdict:
         manifest: the committed snapshot's manifest (its files are its shards); ``None`` for a
             leftover.
         location: the leftover's step folder; ``None`` for a committed snapshot.
-        present: its step folder was found in storage; ``False`` for a committed snapshot of a
-            job whose storage was listed without it (deleted before, or lost).
+        present: its step folder was found in storage; ``False`` for a committed snapshot of
+            a job whose storage was listed without it (deleted before, or lost).
+        complete: every shard file of a committed snapshot is there (``False`` when absent,
+            or when its folder lacks a shard file).
     """
 
     job_id: str
@@ -112,6 +116,7 @@ class Verdict:
     manifest: Manifest | None = None
     location: str | None = None
     present: bool = True
+    complete: bool = True
 
     @property
     def name(self) -> str:
@@ -142,6 +147,7 @@ def plan_retention(
     unverified: Iterable[str] = (),
     complete: bool = True,
     listed: Iterable[str] = (),
+    incomplete: Iterable[str] = (),
 ) -> RetentionPlan:
     """The verdict of every committed snapshot of ``job`` (every job: ``None``) and of every
     step folder of ``stored`` that holds no committed snapshot (module docstring).
@@ -159,6 +165,8 @@ def plan_retention(
             every leftover, since an unreadable manifest may name it.
         listed: the jobs whose storage ``stored`` lists whole: their committed snapshots
             without a step folder there are marked absent (``present=False``).
+        incomplete: ids of snapshots whose step folder is there but lacks a shard file. The
+            newest ``keep_last`` whole snapshots are kept as well as the newest ``keep_last``.
     """
     parents = _parents(catalog, audits, policy)
     verdicts: list[Verdict] = []
@@ -171,11 +179,19 @@ def plan_retention(
     stored = list(stored)
     found = {(s.job_id, s.generation, s.step) for s in stored}
     whole = set(listed)
+    absent = {
+        m.snapshot_id
+        for m in catalog.snapshots.values()
+        if m.job_id in whole and (m.job_id, m.generation, m.step) not in found
+    }
+    damaged = absent | set(incomplete)
     for job_id, manifests in by_job.items():
-        for verdict in _job_verdicts(catalog, audits.get(job_id), policy, manifests, parents):
-            key = (verdict.job_id, verdict.generation, verdict.step)
-            absent = verdict.job_id in whole and key not in found
-            verdicts.append(replace(verdict, present=False) if absent else verdict)
+        made = _job_verdicts(catalog, audits.get(job_id), policy, manifests, parents, damaged)
+        for verdict in made:
+            sid = verdict.name
+            if sid in damaged:
+                verdict = replace(verdict, present=sid not in absent, complete=False)
+            verdicts.append(verdict)
     order = {m.snapshot_id: i for i, m in enumerate(catalog.snapshots.values())}
     verdicts.sort(key=lambda v: order[v.manifest.snapshot_id] if v.manifest else 0)
     leftovers = sorted(
@@ -208,8 +224,7 @@ def _parents(
         if parent is None or parent.partition("/")[0] == manifest.job_id:
             continue
         audit = audits.get(manifest.job_id)
-        running = audit is None or audit.ended is None
-        if running:
+        if not _finished(audit):
             why = f"the initial state of running job {manifest.job_id}"
         elif policy.delete_parents:
             continue
@@ -220,10 +235,16 @@ def _parents(
     return out
 
 
+def _finished(audit: AuditDigest | None) -> bool:
+    """The job finished. A stopped or failed job is not: ``trainguard run --continue`` resumes
+    it from its newest snapshot not known bad, so it keeps its restore targets."""
+    return audit is not None and audit.ended is not None and audit.ended[0] == "finished"
+
+
 def _restoring_target(audit: AuditDigest | None) -> str | None:
     """The target snapshot of the job's restore in progress, if any: its newest restore, not
-    resumed, its incident still open, the job not ended."""
-    if audit is None or audit.ended is not None or not audit.restores:
+    resumed, its incident still open, the job not finished."""
+    if audit is None or _finished(audit) or not audit.restores:
         return None
     generation = max(audit.restores)
     restore = audit.restores[generation]
@@ -238,11 +259,15 @@ def _job_verdicts(
     policy: RetentionPolicy,
     manifests: list[Manifest],
     parents: Mapping[str, list[str]],
+    damaged: Collection[str],
 ) -> list[Verdict]:
     """The verdicts of one job's committed snapshots (``manifests``, in commit order)."""
     timeline = [m.snapshot_id for m in manifests if m.snapshot_id not in catalog.abandoned]
-    newest = set(timeline[-policy.keep_last :])
-    running = audit is None or audit.ended is None
+    # A damaged snapshot is no restore point: the newest K whole ones are kept too (and the
+    # damaged one stays, for whoever looks into it).
+    whole = [sid for sid in timeline if sid not in damaged]
+    newest = set(timeline[-policy.keep_last :]) | set(whole[-policy.keep_last :])
+    running = not _finished(audit)
     targets = set(timeline[-policy.restore_targets :]) if running else set()
     restoring = _restoring_target(audit)
     out: list[Verdict] = []
@@ -283,8 +308,8 @@ def _leftover_verdict(leftover: StoredStep, audit: AuditDigest | None, complete:
     resumed = max(audit.resumes, default=-1) if audit is not None else -1
     if not complete:
         keep, why = True, "uncommitted as far as known: the manifests topic held unreadable records"
-    elif audit is not None and audit.ended is not None:
-        keep, why = False, f"uncommitted, and the job {audit.ended[0]}"
+    elif _finished(audit):
+        keep, why = False, "uncommitted, and the job finished"
     elif leftover.generation < resumed:
         keep, why = False, f"uncommitted, and generation {resumed} resumed since (fenced)"
     else:

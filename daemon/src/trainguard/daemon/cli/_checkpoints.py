@@ -419,7 +419,11 @@ def prune(
     ] = None,
     keep_every: Annotated[
         int | None,
-        typer.Option(min=1, help="Also keep, forever, every snapshot whose step is a multiple."),
+        typer.Option(
+            min=1,
+            help="Also keep every snapshot whose step is a multiple (give it to every prune: "
+            "a prune without it may delete them).",
+        ),
     ] = None,
     delete_parents: Annotated[
         bool,
@@ -436,7 +440,7 @@ def prune(
     keys: Keys = None,
     output: Format = OutputFormat.text,
 ) -> None:
-    """Delete the shard files of committed snapshots that are no longer needed, and the step
+    """Delete the step folders of committed snapshots that are no longer needed, and the step
     folders of checkpoints that never committed and never will. Never deleted: a job's newest
     KEEP_LAST snapshots, a running job's possible restore targets, a restore's target while it
     is in progress, and the snapshots other jobs started from (docs/catalog.md, "Retention")."""
@@ -449,6 +453,8 @@ def prune(
         restore_targets=read.keep_snapshots,
         delete_parents=delete_parents,
     )
+    if job is not None and not read.catalog.select(job=job):
+        _fail(f"no committed snapshot of job {job!r} on {read.where}")
     stored, listed = _stored_steps(read.catalog, job)
     plan = plan_retention(
         read.catalog,
@@ -459,8 +465,9 @@ def prune(
         unverified=read.refused,
         complete=read.skipped == 0,
         listed=listed,
+        incomplete=_incomplete(read.catalog, stored, job),
     )
-    failures = [] if dry_run else _apply(plan)
+    failures = {} if dry_run else _apply(plan)
     if output is OutputFormat.json:
         _echo_json(
             {
@@ -471,12 +478,12 @@ def prune(
                         "job_id": v.job_id,
                         "generation": v.generation,
                         "step": v.step,
-                        "action": _action(v, dry_run),
+                        "action": _action(v, dry_run, failures),
                         "reasons": list(v.reasons),
                     }
                     for v in plan.verdicts
                 ],
-                "failures": failures,
+                "failures": [f"{name}: {why}" for name, why in failures.items()],
             }
         )
     else:
@@ -510,34 +517,58 @@ def _stored_steps(catalog: Catalog, job: str | None) -> tuple[list[StoredStep], 
     return stored, set(folders.values())
 
 
-def _action(verdict: Verdict, dry_run: bool) -> str:
-    """``keep``, ``would delete``/``deleted``, or ``gone`` (its files were already deleted);
-    ``keep (files missing)`` for a kept snapshot whose folder is not there."""
-    if not verdict.present:
-        return "keep (files missing)" if verdict.keep else "gone"
-    if verdict.keep:
-        return "keep"
-    return "would delete" if dry_run else "deleted"
-
-
-def _apply(plan: RetentionPlan) -> list[str]:
-    """Delete what ``plan`` deletes; return one line per deletion that failed."""
+def _incomplete(catalog: Catalog, stored: Sequence[StoredStep], job: str | None) -> list[str]:
+    """The committed snapshots whose step folder is there but lacks one of their shard
+    files (lost: no restore point)."""
     from trainguard.agent import ShardError
-    from trainguard.agent.checkpoint import remove_files, remove_step_folder
+    from trainguard.agent.checkpoint import uri_to_path
 
-    failures: list[str] = []
-    for verdict in plan.deleted:
+    there = {(s.job_id, s.generation, s.step) for s in stored}
+    out: list[str] = []
+    for m in catalog.snapshots.values():
+        if (job is None or m.job_id == job) and (m.job_id, m.generation, m.step) in there:
+            try:
+                if not all(uri_to_path(shard.uri).is_file() for shard in m.shards):
+                    out.append(m.snapshot_id)
+            except ShardError:
+                continue  # not file://: this command does not see it
+    return out
+
+
+def _action(verdict: Verdict, dry_run: bool, failed: Mapping[str, str]) -> str:
+    """``keep``, ``would delete``/``deleted``, ``failed`` (the deletion failed: stderr says
+    why), or ``gone`` (its folder was already deleted); ``keep (files missing)`` for a kept
+    snapshot whose folder or a shard file of it is not there."""
+    if verdict.keep:
+        return "keep" if verdict.complete else "keep (files missing)"
+    if not verdict.present:
+        return "gone"
+    if dry_run:
+        return "would delete"
+    return "failed" if verdict.name in failed else "deleted"
+
+
+def _apply(plan: RetentionPlan) -> dict[str, str]:
+    """Delete the step folder of each verdict ``plan`` deletes (a committed snapshot's only
+    where its shards lie in its own folder of the agent's layout: never a path a manifest
+    names elsewhere); return why, for each deletion that failed."""
+    from trainguard.agent import ShardError
+    from trainguard.agent.checkpoint import remove_step_folder, snapshot_folder
+
+    failures: dict[str, str] = {}
+    for v in plan.deleted:
         try:
-            if verdict.manifest is not None:
-                remove_files(shard.uri for shard in verdict.manifest.shards)
-            elif verdict.location is not None:
-                remove_step_folder(Path(verdict.location))
+            if v.manifest is not None:
+                uris = (shard.uri for shard in v.manifest.shards)
+                remove_step_folder(snapshot_folder(uris, v.job_id, v.generation, v.step))
+            elif v.location is not None:
+                remove_step_folder(Path(v.location))
         except (OSError, ShardError, ValueError) as exc:
-            failures.append(f"{verdict.name}: {exc}")
+            failures[v.name] = str(exc)
     return failures
 
 
-def _print_plan(plan: RetentionPlan, dry_run: bool, failures: Sequence[str]) -> None:
+def _print_plan(plan: RetentionPlan, dry_run: bool, failures: Mapping[str, str]) -> None:
     console = _console()
     if not plan.verdicts:
         console.print("nothing to prune: no committed snapshot or step folder found")
@@ -549,15 +580,16 @@ def _print_plan(plan: RetentionPlan, dry_run: bool, failures: Sequence[str]) -> 
         table.add_column(name, no_wrap=name != "why")
     for v in plan.verdicts:
         table.add_row(
-            v.name, str(v.generation), str(v.step), _action(v, dry_run), "; ".join(v.reasons),
+            v.name, str(v.generation), str(v.step), _action(v, dry_run, failures),
+            "; ".join(v.reasons),
             style=None if v.keep else "dim",
         )  # fmt: skip
     console.print(table)
     count = len(plan.deleted) - (0 if dry_run else len(failures))
     verb = "would delete" if dry_run else "deleted"
     console.print(f"{verb} {count} of {len(plan.verdicts)} (snapshots and leftover folders)")
-    for line in failures:
-        typer.secho(f"error: could not delete {line}", fg=typer.colors.RED, err=True)
+    for name, why in failures.items():
+        typer.secho(f"error: could not delete {name}: {why}", fg=typer.colors.RED, err=True)
 
 
 # -- reading ---------------------------------------------------------------------------------
