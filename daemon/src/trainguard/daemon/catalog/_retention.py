@@ -38,6 +38,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from trainguard.daemon.catalog._catalog import Catalog
+from trainguard.daemon.core import snapshot_id
 from trainguard.daemon.forensics import AuditDigest
 from trainguard.schemas import Manifest
 
@@ -170,10 +171,11 @@ def plan_retention(
     """
     parents = _parents(catalog, audits, policy)
     verdicts: list[Verdict] = []
-    committed = {_identity(sid) for sid in unverified}
+    # Folders that hold a snapshot, by the id the daemon gives its step (``unverified`` ones
+    # too: their manifests are on the topic even if the catalog left them out).
+    committed = {*catalog.snapshots, *unverified}
     by_job: dict[str, list[Manifest]] = {}
     for manifest in catalog.snapshots.values():
-        committed.add((manifest.job_id, manifest.generation, manifest.step))
         if job is None or manifest.job_id == job:
             by_job.setdefault(manifest.job_id, []).append(manifest)
     stored = list(stored)
@@ -195,23 +197,13 @@ def plan_retention(
     order = {m.snapshot_id: i for i, m in enumerate(catalog.snapshots.values())}
     verdicts.sort(key=lambda v: order[v.manifest.snapshot_id] if v.manifest else 0)
     leftovers = sorted(
-        (s for s in stored if (s.job_id, s.generation, s.step) not in committed),
+        (s for s in stored if snapshot_id(s.job_id, s.generation, s.step) not in committed),
         key=lambda s: (s.job_id, s.generation, s.step, s.location),
     )
     for leftover in leftovers:
         if job is None or leftover.job_id == job:
             verdicts.append(_leftover_verdict(leftover, audits.get(leftover.job_id), complete))
     return RetentionPlan(tuple(verdicts))
-
-
-def _identity(snapshot_id: str) -> tuple[str, int, int]:
-    """``(job, generation, step)`` of a snapshot id ``<job>/g<generation>/s<step>``; an id not
-    of that form names no folder (``-1`` for both numbers)."""
-    job, _, rest = snapshot_id.rpartition("/g")
-    generation, _, step = rest.partition("/s")
-    if generation.isdigit() and step.isdigit():
-        return job, int(generation), int(step)
-    return snapshot_id, -1, -1
 
 
 def _parents(
