@@ -78,7 +78,7 @@ def test_a_nested_manifest_follows_its_own_minor() -> None:
     original = decode(raw(example("restore")), expect=Restore)
 
     newer_target = example("restore")
-    newer_target["target"] = with_additions(newer_target["target"]) | {"schema": "manifest/1.2"}
+    newer_target["target"] = with_additions(newer_target["target"]) | {"schema": "manifest/1.3"}
     assert decode(raw(newer_target), expect=Restore) == original
 
     # A newer restore does not make its current-minor manifest tolerant.

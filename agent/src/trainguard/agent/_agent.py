@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -10,7 +11,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 import structlog
 
@@ -27,6 +28,12 @@ from trainguard.agent._errors import (
 )
 from trainguard.agent._link import Commands, Link
 from trainguard.agent.bus import BusConfig
+from trainguard.agent.checkpoint._dcp import (
+    DcpWrite,
+    load_dcp,
+    step_folder_uri,
+    storage_writer,
+)
 from trainguard.agent.checkpoint._manifests import fetch_manifest
 from trainguard.agent.checkpoint._shards import (
     HostStager,
@@ -52,10 +59,13 @@ from trainguard.schemas import (
     Resume,
     StepRange,
     encode,
+    files_digest,
 )
 
 if TYPE_CHECKING:
     from torch import nn
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.staging import AsyncStager
 
 __all__ = ["RESERVED_KEY", "Agent", "AgentStats"]
 
@@ -216,6 +226,9 @@ class Agent:
         self._written = 0
         self._write_failures = 0
         self._stager = HostStager()
+        # DCP only, made at the first DCP checkpoint or load (see _dcp_group).
+        self._dcp_stager: AsyncStager | None = None
+        self._dcp_pg: tuple[ProcessGroup | None] | None = None
         self._restore: Restore | None = None
         self._initial: Manifest | None = None  # init_from's manifest, once read
         self._skip: StepRange | None = None
@@ -313,6 +326,8 @@ class Agent:
             return
         self._state = "closed"
         self._writer.shutdown(wait=True)
+        if self._dcp_stager is not None:
+            self._dcp_stager.close()
         self._link.close(self.config.close_timeout_s if timeout_s is None else timeout_s)
         self._step_cell = None
         if self._steps is not None:
@@ -404,22 +419,34 @@ class Agent:
         """
         return self._skip
 
-    def load(self, target: Manifest) -> dict[str, Any]:
-        """Verify and load this rank's shard of ``target``; put back the RNG states it holds.
+    def load(self, target: Manifest, state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Verify and load this rank's part of ``target``; put back the RNG states it holds.
 
         Call it last before the training loop: anything drawing random numbers after it changes
-        the streams that resumed training sees. Loading reads the shard into memory once,
-        checks its SHA-256 against the manifest, and only then deserializes it with
-        ``torch.load(weights_only=True)``, on the CPU.
+        the streams that resumed training sees.
+
+        A ``torch.save`` snapshot: the rank's shard is read into memory once, its SHA-256
+        checked against the manifest, and only then deserialized with
+        ``torch.load(weights_only=True)``, on the CPU; ``state`` is not used. It loads only
+        onto the world size it was written with.
+
+        A DCP snapshot (``checkpoint_format="dcp"``): every rank calls ``load`` together, with
+        ``state`` the state dict to fill in place, shaped for the current mesh (e.g.
+        ``get_state_dict(model, optimizer)``; then ``set_state_dict``). ``dcp.load`` reshards
+        onto any world size; each file is read whole and checked against its digest before
+        DCP deserializes a byte of it. The RNG states are put back when the snapshot has this
+        rank's (it was written by more than ``rank`` ranks).
 
         Returns:
-            The ``state`` given to :meth:`checkpoint` (tensors on the CPU).
+            A ``torch.save`` snapshot: the ``state`` given to :meth:`checkpoint` (tensors on
+            the CPU). DCP: ``state``, filled.
 
         Raises:
             ShardCorrupt: the shard's digest does not match; nothing was deserialized.
             ShardMissing: the shard file is gone, or ``target`` has no shard for this rank.
             ShardError: the shard cannot be read or deserialized.
-            AgentError: called outside the ``with`` block (nothing is reported then).
+            AgentError: called outside the ``with`` block, or a DCP snapshot without
+                ``state`` (nothing is reported then).
 
             Before raising, a lifecycle ``error`` is sent (and given up to 30 s to reach the
             bus). For a snapshot of this job it names ``target.snapshot_id``, so that the
@@ -430,13 +457,25 @@ class Agent:
         """
         self._require_open()
         rank = self.config.rank
+        into = state
+        if any(s.files is not None for s in target.shards) and into is None:
+            raise AgentError(
+                f"snapshot {target.snapshot_id} is a DCP checkpoint: it loads in place into a "
+                "state dict, so pass state= (e.g. get_state_dict(model, optimizer)'s)"
+            )
         try:
+            if into is not None and target.shards[0].files is not None:
+                own = load_dcp(target.shards, into, rank, process_group=self._dcp_group())
+                if own is not None:
+                    restore_rng(own["rng"])
+                return into
             shard = next((s for s in target.shards if s.rank == rank), None)
             if shard is None:
                 raise ShardMissing(
                     f"snapshot {target.snapshot_id} has no shard for rank {rank}: it was taken "
                     f"at world size {target.world_size}, this job runs {self.config.world_size} "
-                    "ranks (each rank loads its own shard; trainguard does not reshard)"
+                    "ranks; a torch.save snapshot loads only onto its own world size (DCP "
+                    "snapshots reshard: checkpoint_format='dcp')"
                 )
             state = load_shard(shard.uri, shard.digest)
             own = state.pop(RESERVED_KEY, None)
@@ -811,6 +850,8 @@ class Agent:
             self._phase = previous
         # Freshly made objects: only the caller's state needs a copy for a background write.
         own = {"rng": capture_rng(), "cursor": dataclasses.asdict(cursor), "step": step}
+        if self.config.checkpoint_format == "dcp":
+            return self._checkpoint_dcp(template, state, own, blocking=blocking)
         if not blocking:
             staged = {**self._stager.stage(state), RESERVED_KEY: own}
             self._pending = self._writer.submit(self._write_and_announce, template, staged)
@@ -840,21 +881,144 @@ class Agent:
             self._faults.before_write(template.step)
             written = write_shard(path, state)
         except Exception as exc:
-            self._write_failures += 1
-            self._log.warning("checkpoint_failed", step=template.step, error=_describe(exc))
-            # Tell the daemon too: otherwise a full or read-only disk only shows as restores
-            # that silently reach back further than expected.
-            self._lifecycle(
-                "error",
-                step=template.step,
-                message=f"checkpoint write failed at step {template.step}: {_describe(exc)}"[:4096],
-            )
+            self._write_failed(template.step, exc)
             raise
-        self._written += 1
         shard = dataclasses.replace(
             template, shard_uri=written.uri, size_bytes=written.size_bytes, digest=written.digest
         )
+        return self._announce(shard)
+
+    def _announce(self, shard: Checkpoint) -> Checkpoint:
+        """Count a durable shard and queue its event."""
+        self._written += 1
         return self._link.submit(lambda seq: dataclasses.replace(shard, seq=seq, ts=time.time_ns()))
+
+    def _write_failed(self, step: int, exc: BaseException) -> None:
+        """Count, log and report a checkpoint write that failed."""
+        self._write_failures += 1
+        self._log.warning("checkpoint_failed", step=step, error=_describe(exc))
+        # Tell the daemon too: otherwise a full or read-only disk only shows as restores
+        # that silently reach back further than expected.
+        self._lifecycle(
+            "error",
+            step=step,
+            message=f"checkpoint write failed at step {step}: {_describe(exc)}"[:_MESSAGE_CHARS],
+        )
+
+    # -- DCP checkpoints (checkpoint_format="dcp", docs/checkpoints.md) ------------------------
+
+    def _dcp_group(self) -> ProcessGroup | None:
+        """The process group DCP saves and loads synchronize over, made on first use (every
+        rank makes its first DCP checkpoint or load at the same point, as ``new_group`` asks);
+        ``None`` without ``torch.distributed``.
+
+        A gloo group of its own: an async save runs DCP's collectives on a background thread,
+        which must not interleave with the training's collectives on the default group (as
+        torchtitan's async checkpointing does). Gloo also serves a job whose default backend
+        is NCCL: DCP's collectives carry only plans and small results, on the CPU.
+        """
+        if self._dcp_pg is None:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self._dcp_pg = (dist.new_group(backend="gloo"),)
+            else:
+                self._dcp_pg = (None,)
+        return self._dcp_pg[0]
+
+    def _dcp_staging(self) -> AsyncStager:
+        """DCP's stager, kept for the agent's life: it keeps the host copies of the state's
+        tensors and reuses them at the next checkpoint (pinned when CUDA is there)."""
+        if self._dcp_stager is None:
+            import torch
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._dcp_stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+        return self._dcp_stager
+
+    def _checkpoint_dcp(
+        self,
+        template: Checkpoint,
+        state: Mapping[str, Any],
+        own: Mapping[str, Any],
+        *,
+        blocking: bool,
+    ) -> Future[Checkpoint]:
+        """:meth:`checkpoint` in the ``dcp`` format (its docstring says what happens)."""
+        from torch.distributed.checkpoint.state_dict_saver import async_save, save
+
+        c = self.config
+        base = c.checkpoint_uri or self._root.as_uri()
+        write = storage_writer(step_folder_uri(base, c.job_id, template.generation, template.step))
+        group = self._dcp_group()
+        done: Future[Checkpoint] = Future()
+        if not blocking:
+            try:
+                # The calling thread pays the staging copy; DCP writes on its own thread.
+                upload = async_save(
+                    dict(state),
+                    storage_writer=write.writer,
+                    process_group=group,
+                    async_stager=self._dcp_staging(),
+                    no_dist=group is None,
+                )
+            except _save_failures() as exc:
+                self._write_failed(template.step, exc)
+                done.set_exception(_as_error(exc))
+                return done
+            pending = cast("Future[Any]", upload)
+            self._pending = self._writer.submit(
+                self._finish_dcp, template, write, own, pending.result
+            )
+            return self._pending
+        previous = self._phase
+        self.phase("checkpoint")
+        try:
+            save = functools.partial(
+                save,
+                dict(state),
+                storage_writer=write.writer,
+                process_group=group,
+                no_dist=group is None,
+            )
+            done.set_result(self._finish_dcp(template, write, own, save))
+        except Exception as exc:
+            done.set_exception(exc)
+        finally:
+            self._phase = previous
+        return done
+
+    def _finish_dcp(
+        self,
+        template: Checkpoint,
+        write: DcpWrite,
+        own: Mapping[str, Any],
+        save: Callable[[], Any],
+    ) -> Checkpoint:
+        """Run (or await) the DCP save, write the agent's own file, announce the rank's files."""
+        try:
+            self._faults.before_write(template.step)
+            save()
+            write.write_sidecar(self.config.rank, own)
+        except _save_failures() as exc:
+            self._write_failed(template.step, exc)
+            raise _as_error(exc) from exc
+        files = write.files()
+        shard = dataclasses.replace(
+            template,
+            shard_uri=write.uri,
+            size_bytes=sum(f.size_bytes for f in files),
+            digest=files_digest(files),
+            files=files,
+        )
+        return self._announce(shard)
 
     def _lifecycle(self, kind: LifecycleKind, **fields: Any) -> None:
         c = self.config
@@ -871,6 +1035,25 @@ class Agent:
                 **fields,
             )
         )
+
+
+def _save_failures() -> tuple[type[BaseException], ...]:
+    """What a failed DCP save raises: any ``Exception``, or DCP's ``CheckpointException`` (a
+    ``BaseException``) with every rank's failures."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _as_error(exc: BaseException) -> Exception:
+    """``exc`` itself when it is an ``Exception``; DCP's ``CheckpointException`` (a
+    ``BaseException``, gathered from every rank) as a ``RuntimeError`` naming it, so that it
+    is handled as the failed write it is rather than as an interrupt."""
+    if isinstance(exc, Exception):
+        return exc
+    error = RuntimeError(f"DCP save failed: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def _describe_init(snapshot_id: str, exc: BaseException) -> str:

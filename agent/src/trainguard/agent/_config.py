@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from trainguard.agent._errors import ConfigError
 from trainguard.agent.bus import (
@@ -25,7 +26,14 @@ from trainguard.agent.bus import (
 )
 from trainguard.agent.faults._plan import parse_faults
 from trainguard.agent.keys._keystore import AgentKeys, agent_keys_from_env
-from trainguard.schemas import Checkpoint, CheckpointMeta, DataCursor, SchemaError, encode
+from trainguard.schemas import (
+    Checkpoint,
+    CheckpointFormat,
+    CheckpointMeta,
+    DataCursor,
+    SchemaError,
+    encode,
+)
 from trainguard.schemas.settings import build, from_environment
 
 __all__ = ["DEFAULT_BUS_URL", "AgentConfig"]
@@ -39,6 +47,8 @@ _ENVIRONMENT: Mapping[str, tuple[str, ...]] = {
     "world_size": ("TRAINGUARD_WORLD_SIZE", "WORLD_SIZE"),
     "generation": ("TRAINGUARD_GENERATION",),
     "checkpoint_dir": ("TRAINGUARD_CHECKPOINT_DIR",),
+    "checkpoint_format": ("TRAINGUARD_CHECKPOINT_FORMAT",),
+    "checkpoint_uri": ("TRAINGUARD_CHECKPOINT_URI",),
     "heartbeat_interval_s": ("TRAINGUARD_HEARTBEAT_INTERVAL",),
     "restore_timeout_s": ("TRAINGUARD_RESTORE_TIMEOUT",),
     "resume_timeout_s": ("TRAINGUARD_RESUME_TIMEOUT",),
@@ -77,6 +87,14 @@ class AgentConfig:
         checkpoint_dir: root folder of checkpoint shards and fault markers
             (``TRAINGUARD_CHECKPOINT_DIR``), default ``./checkpoints``; must be shared by all
             nodes for multi-node restores.
+        checkpoint_format: how :meth:`Agent.checkpoint` stores a rank's state
+            (``TRAINGUARD_CHECKPOINT_FORMAT``): ``torch`` (default), one ``torch.save`` file per
+            rank; ``dcp``, ``torch.distributed.checkpoint`` (sharded FSDP2/DTensor state,
+            restorable onto another world size; ``docs/checkpoints.md``).
+        checkpoint_uri: where ``dcp`` checkpoints go (``TRAINGUARD_CHECKPOINT_URI``), an
+            fsspec URL such as ``s3://bucket/prefix`` (credentials from the storage library's
+            usual environment and configuration) or ``file:///shared/ckpt``; default
+            ``checkpoint_dir``. Only ``dcp`` writes to URIs other than ``file://``.
         heartbeat_interval_s: seconds between heartbeats (``TRAINGUARD_HEARTBEAT_INTERVAL``),
             default 1.
         restore_timeout_s: seconds :meth:`Agent.restore_target` waits for the daemon's
@@ -134,6 +152,8 @@ class AgentConfig:
     world_size: int = 1
     generation: int = 0
     checkpoint_dir: Path = Path("checkpoints")
+    checkpoint_format: CheckpointFormat = "torch"
+    checkpoint_uri: str | None = None
     heartbeat_interval_s: float = 1.0
     restore_timeout_s: float = 300.0
     resume_timeout_s: float = 300.0
@@ -169,6 +189,19 @@ class AgentConfig:
         if self.heartbeat_queue < 1:
             raise ConfigError(f"heartbeat_queue must be >= 1, got {self.heartbeat_queue}")
         parse_faults(self.faults)
+        if self.checkpoint_uri is not None:
+            scheme = urlsplit(self.checkpoint_uri).scheme
+            if not scheme:
+                raise ConfigError(
+                    f"checkpoint_uri {self.checkpoint_uri!r} is no URL: give a scheme, e.g. "
+                    "s3://bucket/prefix or file:///shared/checkpoints"
+                )
+            if scheme != "file" and self.checkpoint_format != "dcp":
+                raise ConfigError(
+                    f"checkpoint_uri {self.checkpoint_uri!r}: only the dcp checkpoint format "
+                    "writes to object storage; set checkpoint_format='dcp' "
+                    "(TRAINGUARD_CHECKPOINT_FORMAT=dcp)"
+                )
         if self.init_from is not None and self.init_from.partition("/")[0] == self.job_id:
             # The daemon restores a job's own snapshots; as a parent it would make a loop.
             raise ConfigError(

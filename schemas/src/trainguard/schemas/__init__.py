@@ -51,6 +51,7 @@ from trainguard.schemas._messages import (
     Abort,
     AbortOutcome,
     Checkpoint,
+    CheckpointFormat,
     CheckpointMeta,
     ClockTick,
     Command,
@@ -74,6 +75,8 @@ from trainguard.schemas._messages import (
     Shard,
     Signature,
     StepRange,
+    StoredFile,
+    files_digest,
 )
 from trainguard.schemas._schema_files import SCHEMA_BASE_URI, load_schema, schema_path
 from trainguard.schemas._wire_form import MAX_FREEFORM_DEPTH
@@ -88,6 +91,7 @@ __all__ = [
     "AbortOutcome",
     "AuthFailure",
     "Checkpoint",
+    "CheckpointFormat",
     "CheckpointMeta",
     "ClockTick",
     "Command",
@@ -119,6 +123,7 @@ __all__ = [
     "Shard",
     "Signature",
     "StepRange",
+    "StoredFile",
     "Unauthenticated",
     "UnexpectedMessage",
     "UnknownSchema",
@@ -127,6 +132,7 @@ __all__ = [
     "decode",
     "decode_maced",
     "encode",
+    "files_digest",
     "load_schema",
     "schema_path",
     "sign",

@@ -30,8 +30,10 @@ Conventions shared by every message:
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, ClassVar, Literal, TypeAlias
+from typing import Annotated, ClassVar, Final, Literal, TypeAlias
 
 from trainguard.schemas._wire_types import (
     Count,
@@ -65,6 +67,9 @@ Phase: TypeAlias = Literal["init", "train", "checkpoint", "eval", "data"]
 that extend the progress timeout."""
 
 LifecycleKind: TypeAlias = Literal["started", "restored", "finished", "exited", "error"]
+CheckpointFormat: TypeAlias = Literal["torch", "dcp"]
+"""How a rank's part of a snapshot is stored: one ``torch.save`` file, or its files of a
+``torch.distributed.checkpoint`` folder (``docs/checkpoints.md``)."""
 RestoreMode: TypeAlias = Literal["restart", "in_process"]
 RequestKind: TypeAlias = Literal["stop", "continue"]
 """What a :class:`JobRequest` asks of the daemon."""
@@ -326,9 +331,13 @@ class Checkpoint(_RankEvent):
         parent: ``snapshot_id`` of another job's committed snapshot this job started from (the
             agent's ``init_from``), or ``None`` (since 1.1). Every shard of a job carries it,
             also after restores, and the daemon copies it into the manifests it commits.
+        files: for a DCP checkpoint (since 1.3), the files the rank wrote in the folder
+            ``shard_uri``, each with size and digest (rank 0's include ``.metadata``);
+            ``size_bytes`` is then their sum and ``digest`` their :func:`files_digest`.
+            ``None`` for a ``torch.save`` shard.
     """
 
-    SCHEMA: ClassVar[str] = "checkpoint/1.2"
+    SCHEMA: ClassVar[str] = "checkpoint/1.3"
     WIRE: ClassVar[Wire] = Wire(
         "One rank's shard of a checkpoint, sent after the shard is fsynced and atomically"
         " renamed into place."
@@ -337,7 +346,9 @@ class Checkpoint(_RankEvent):
     step: Annotated[Step, Wire("Training step the shard captures.")]
     shard_uri: Annotated[Uri, Wire("Where the shard lives.")]
     size_bytes: Annotated[Count, Wire("Shard size in bytes.")]
-    digest: Annotated[Digest, Wire("SHA-256 of the shard's bytes.")]
+    digest: Annotated[
+        Digest, Wire("SHA-256 of the shard's bytes; for a DCP shard, of its file list (files).")
+    ]
     cursor: Annotated[DataCursor, Wire("Data cursor matching step.")]
     metadata: Annotated[CheckpointMeta, Wire("Hyperparameters, topology and code version.")] = (
         field(default_factory=CheckpointMeta)
@@ -350,11 +361,17 @@ class Checkpoint(_RankEvent):
         ),
     ] = None
     auth: Annotated[Mac | None, _auth("HMAC", since="1.2"), OmittedWhenNone] = None
+    files: Annotated[StoredFiles, Wire("Since 1.3: " + _FILES_DOC)] = None
 
     @property
     def data_version(self) -> str:
         """The dataset version the shard was trained on (the cursor's)."""
         return self.cursor.data_version
+
+    @property
+    def format(self) -> CheckpointFormat:
+        """``"dcp"`` when the shard lists DCP files, else ``"torch"``."""
+        return "torch" if self.files is None else "dcp"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -477,14 +494,83 @@ class Lifecycle:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Shard:
-    """One rank's file of a training snapshot."""
+class StoredFile:
+    """One file of a rank's DCP checkpoint, as written.
 
-    WIRE: ClassVar[Shared] = Shared("shard", "One rank's file of a training snapshot.")
-    rank: Rank
-    uri: Uri
+    Attributes:
+        name: file name inside the checkpoint folder (``__0_0.distcp``, ``.metadata``, ...);
+            never a path.
+        size_bytes: its size in bytes.
+        digest: ``sha256:<64 hex>`` of its bytes, computed while they were written.
+    """
+
+    WIRE: ClassVar[Shared] = Shared(
+        "stored_file", "One file of a DCP checkpoint folder, with its size and SHA-256."
+    )
+    name: Annotated[
+        str,
+        Wire(
+            "File name inside the checkpoint folder, never a path (nor . or ..).",
+            pattern=r"^\.?[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}$",
+        ),
+    ]
     size_bytes: Annotated[Count, Wire("File size in bytes.")]
     digest: Digest
+
+
+_FILES_DOC: Final = (
+    "for a DCP checkpoint (torch.distributed.checkpoint), the files this rank wrote in the"
+    " folder named by the URI (rank 0's include the coordinator's .metadata); absent for a"
+    " per-rank torch.save file."
+)
+StoredFiles: TypeAlias = Annotated[
+    tuple[StoredFile, ...] | None, Wire(minItems=1, maxItems=4096), OmittedWhenNone
+]
+
+
+def files_digest(files: Sequence[StoredFile]) -> str:
+    """The digest of a DCP shard: SHA-256 over its file list, one ``name NUL size NUL digest
+    LF`` line per file in name order, so the ``digest`` a shard always carries covers the
+    digest of every file it lists."""
+    sha = hashlib.sha256()
+    for f in sorted(files, key=lambda f: f.name):
+        sha.update(f"{f.name}\0{f.size_bytes}\0{f.digest}\n".encode())
+    return f"sha256:{sha.hexdigest()}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shard:
+    """One rank's part of a training snapshot: a ``torch.save`` file, or (``files`` set) the
+    rank's files of a DCP checkpoint folder.
+
+    Attributes:
+        rank: the rank that wrote it.
+        uri: the file (``torch.save``), or the checkpoint folder (DCP; the same for every rank).
+        size_bytes: bytes of the file, or of all the rank's ``files``.
+        digest: SHA-256 of the file, or :func:`files_digest` of ``files``.
+        files: DCP only (since manifest 1.2): the files the rank wrote in ``uri``.
+    """
+
+    WIRE: ClassVar[Shared] = Shared(
+        "shard", "One rank's part of a training snapshot: a file, or its files of a DCP folder."
+    )
+    rank: Rank
+    uri: Uri
+    size_bytes: Annotated[Count, Wire("Bytes of the file, or of all the rank's files.")]
+    digest: Annotated[
+        str,
+        Wire(
+            "SHA-256 of the file's bytes; for a DCP shard, of its file list (name, size and"
+            " digest of each file in name order).",
+            pattern="^sha256:[0-9a-f]{64}$",
+        ),
+    ]
+    files: Annotated[StoredFiles, Wire("Since manifest 1.2: " + _FILES_DOC)] = None
+
+    @property
+    def format(self) -> CheckpointFormat:
+        """``"dcp"`` when the shard lists DCP files, else ``"torch"``."""
+        return "torch" if self.files is None else "dcp"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -504,7 +590,7 @@ class Manifest:
             job carries the same parent (the job's origin, not the job's previous snapshot).
     """
 
-    SCHEMA: ClassVar[str] = "manifest/1.1"
+    SCHEMA: ClassVar[str] = "manifest/1.2"
     WIRE: ClassVar[Wire] = Wire("A committed training snapshot: what a restore resumes from.")
     job_id: JobId
     snapshot_id: SnapshotId
@@ -842,6 +928,7 @@ SHARED_TYPES: tuple[object, ...] = (
     JsonObject,
     DataCursor,
     CheckpointMeta,
+    StoredFile,
     Shard,
     StepRange,
     Kid,

@@ -3,8 +3,9 @@
 ARCHITECTURE.md section 4: step S of generation G is committed when every rank of the world size
 has reported a shard for (G, S), all with one data version and one world size; the data cursor
 is world-size independent, so every rank's must be the same too, and so must the snapshot the
-job started from (``parent``: shards of different origins are not one model). Only committed
-steps are restore targets.
+job started from (``parent``: shards of different origins are not one model). A DCP step is
+one folder with the coordinator's ``.metadata`` and every file listed once (``docs/checkpoints.md``).
+Only committed steps are restore targets.
 
 Ranks whose data cursors disagree at one step (seed, epoch, data version or offset; from
 shards or data-cursor events) can never commit: :func:`disagreement` finds the first such
@@ -28,7 +29,10 @@ from trainguard.daemon.core._evidence import Measures
 from trainguard.daemon.core._machine_config import MachineConfig
 from trainguard.daemon.core._recovery import Failure
 from trainguard.daemon.core._state import JobState, unjoined
-from trainguard.schemas import Checkpoint, DataCursor, Manifest, Shard
+from trainguard.schemas import Checkpoint, DataCursor, Manifest, Shard, files_digest
+
+_METADATA = ".metadata"
+"""The DCP coordinator's file: the plan that maps every tensor to its bytes."""
 
 _POSITION = ("data_version", "seed", "epoch", "offset")
 """The cursor fields ranks must agree on (``world_size`` is the sender's, informational)."""
@@ -90,6 +94,9 @@ def commit(
             f"shards of step {step} in generation {generation} disagree on the snapshot the job "
             f"started from (rank 0: {first.parent!r}; {odd}); step not committed"
         )
+    layout = _dcp_layout(ordered)
+    if layout is not None:
+        return f"shards of step {step} in generation {generation} {layout}; step not committed"
     return Manifest(
         job_id=job_id,
         snapshot_id=snapshot_id(job_id, generation, step),
@@ -98,13 +105,57 @@ def commit(
         step=step,
         world_size=world_size,
         shards=tuple(
-            Shard(rank=c.rank, uri=c.shard_uri, size_bytes=c.size_bytes, digest=c.digest)
+            Shard(
+                rank=c.rank,
+                uri=c.shard_uri,
+                size_bytes=c.size_bytes,
+                digest=c.digest,
+                files=c.files,
+            )
             for c in ordered
         ),
         cursor=first.cursor,
         metadata=first.metadata,
         parent=first.parent,
     )
+
+
+def _dcp_layout(ordered: list[Checkpoint]) -> str | None:
+    """Why the shards (ordered by rank) are not one checkpoint in one layout, or ``None``.
+
+    A step is all ``torch.save`` files or all DCP; a DCP step is one folder (every rank's
+    ``shard_uri``), each file in it listed by one rank, and the coordinator's ``.metadata``
+    (written by rank 0, ``torch.distributed.checkpoint``'s coordinator) listed by rank 0;
+    each rank's ``digest`` and ``size_bytes`` are those of its file list.
+    """
+    dcp = [c.rank for c in ordered if c.files is not None]
+    if not dcp:
+        return None
+    if len(dcp) != len(ordered):
+        torch = [c.rank for c in ordered if c.files is None]
+        return f"mix formats (DCP: ranks {_ranks(dcp)}; torch.save: ranks {_ranks(torch)})"
+    folder = ordered[0].shard_uri
+    elsewhere = [c for c in ordered if c.shard_uri != folder]
+    if elsewhere:
+        odd = ", ".join(f"rank {c.rank}: {c.shard_uri!r}" for c in elsewhere[:8])
+        return f"name different DCP folders (rank 0: {folder!r}; {odd})"
+    owner: dict[str, int] = {}
+    for c in ordered:
+        files = c.files or ()
+        if c.digest != files_digest(files) or c.size_bytes != sum(f.size_bytes for f in files):
+            return f"include rank {c.rank}'s, whose digest or size does not sum up its file list"
+        for f in files:
+            first = owner.setdefault(f.name, c.rank)
+            if first != c.rank:
+                return f"both list the file {f.name!r} (ranks {first} and {c.rank})"
+    if owner.get(_METADATA) != 0:
+        return f"are a DCP checkpoint whose rank 0 does not list its {_METADATA} file"
+    return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``"0, 1, 2, ..."``: at most 8 ranks named."""
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
 def late_shard(

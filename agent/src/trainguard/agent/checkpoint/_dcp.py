@@ -1,0 +1,400 @@
+"""DCP checkpoints (``torch.distributed.checkpoint``) whose every byte is digested and verified.
+
+A DCP checkpoint of a step is one folder: each rank writes ``__<rank>_<n>.distcp`` with the
+tensors it owns, and the coordinator (rank 0) writes ``.metadata``, the plan that maps every
+tensor (and every shard of a DTensor) to an offset and a length in those files. DCP loads it
+onto any mesh, so a snapshot written by N ranks restores onto M (resharding); any DCP reader
+(torchtitan, ``torch.distributed.checkpoint.format_utils``) can read it.
+
+What trainguard adds, at the storage layer DCP leaves open (``FileSystemBase``):
+
+* **Digests recorded with the write.** Every stream DCP opens for writing passes through a
+  hashing stream, so each file's SHA-256 and size are known when it is closed, without reading
+  it back (:class:`DigestingFileSystem`). The rank announces its files with their digests;
+  rank 0's include ``.metadata``.
+* **Verified before deserialized.** On a restore every file is read whole, checked against the
+  manifest's digest and size, and only then handed to DCP (which unpickles ``.metadata`` and
+  ``torch.load``\\ s the items) as an in-memory stream. A file the manifest does not list is
+  refused. So a flipped byte, a truncated or missing file, or a file replaced by a malicious
+  pickle never reaches ``pickle`` or ``torch.load``. The price: a rank holds each file it reads
+  in memory once, and reads a whole file even when it needs only a slice of it (resharding).
+* **The agent's per-rank state** (RNG states, cursor, step) goes into a small
+  ``trainguard.rank<rank:05>.pt`` beside the DCP files, digested the same way, so the DCP
+  folder holds exactly the user's state dict and other tools read it as is.
+
+Storage is named by URI: ``file://`` through DCP's ``FileSystemWriter``/``FileSystemReader``,
+anything else through fsspec (DCP's ``FsspecWriter``/``FsspecReader``; ``s3://`` with s3fs),
+with credentials from that library's usual environment and configuration. Object stores have
+no atomic rename; that is fine, because a restore reads only a snapshot the daemon committed,
+and only the bytes its manifest's digests vouch for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import unquote, urlsplit
+
+from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
+from trainguard.schemas import Shard, StoredFile, files_digest
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.filesystem import FileSystemBase
+    from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+__all__ = [
+    "METADATA",
+    "DcpWrite",
+    "DigestingFileSystem",
+    "dcp_files",
+    "load_dcp",
+    "sidecar_name",
+    "step_folder_uri",
+    "storage_writer",
+]
+
+METADATA = ".metadata"
+"""The DCP coordinator's file (written by rank 0)."""
+
+
+def sidecar_name(rank: int) -> str:
+    """``trainguard.rank<rank:05>.pt``: the agent's own state of ``rank`` in a DCP folder."""
+    return f"trainguard.rank{rank:05d}.pt"
+
+
+def step_folder_uri(base_uri: str, job_id: str, generation: int, step: int) -> str:
+    """The DCP folder of ``step`` written in ``generation``:
+    ``<base_uri>/<job_id>/g<generation:06>/s<step:010>`` (the layout of ``torch.save`` shards,
+    so retention and the catalog treat both alike)."""
+    return f"{base_uri.rstrip('/')}/{job_id}/g{generation:06d}/s{step:010d}"
+
+
+def _is_local(uri: str) -> bool:
+    return urlsplit(uri).scheme == "file"
+
+
+def _local_path(uri: str) -> Path:
+    return Path(unquote(urlsplit(uri).path))
+
+
+class _Ledger:
+    """The files one save wrote: name -> :class:`StoredFile` (thread-safe: DCP may write from
+    several threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: dict[str, StoredFile] = {}
+
+    def record(self, name: str, size: int, digest: str) -> None:
+        with self._lock:
+            self._files[name] = StoredFile(name=name, size_bytes=size, digest=digest)
+
+    def rename(self, old: str, new: str) -> None:
+        with self._lock:
+            stored = self._files.pop(old, None)
+            if stored is not None:
+                self._files[new] = StoredFile(
+                    name=new, size_bytes=stored.size_bytes, digest=stored.digest
+                )
+
+    def files(self) -> tuple[StoredFile, ...]:
+        with self._lock:
+            return tuple(sorted(self._files.values(), key=lambda f: f.name))
+
+
+class _HashingStream(io.RawIOBase):
+    """A write stream that hashes and counts what passes through to ``raw``.
+
+    ``tell`` is the count (the stream was opened empty, for writing), which is all DCP asks of
+    it besides ``write``, ``flush``, ``fileno`` (for ``fsync``) and ``close``.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self._raw = raw
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.size += len(view)
+        self._raw.write(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return cast(int, self._raw.fileno())
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.flush()
+        super().close()
+
+
+class DigestingFileSystem:
+    """Wraps the ``fs`` of a DCP storage writer or reader (a ``FileSystemBase``).
+
+    Writing (``ledger`` given): every stream is hashed as written; when it is closed its name,
+    size and SHA-256 go into the ledger; a rename (``.metadata.tmp`` to ``.metadata``) renames
+    the entry. Reading (``expected`` given): a file is read whole, checked, and served from
+    memory.
+
+    Args:
+        inner: the storage's own ``FileSystemBase``.
+        ledger: where written files are recorded, or ``None`` for a reader.
+        expected: file name -> what the manifest says of it, or ``None`` for a writer.
+
+    Raises (reading, from ``create_stream``):
+        ShardMissing: the file is not in storage.
+        ShardCorrupt: the file is not in ``expected``, or its size or digest differ.
+        ShardError: the file cannot be read.
+    """
+
+    def __init__(
+        self,
+        inner: FileSystemBase,
+        *,
+        ledger: _Ledger | None = None,
+        expected: Mapping[str, StoredFile] | None = None,
+    ) -> None:
+        self._inner = inner
+        self._ledger = ledger
+        self._expected = expected
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        name = os.path.basename(os.fspath(path))
+        if "r" in mode:
+            yield io.BytesIO(self.read_verified(path, name))
+            return
+        if self._ledger is None:
+            raise ShardError(f"{name}: this storage is open for reading only")
+        with self._inner.create_stream(path, mode) as raw:
+            stream = _HashingStream(raw)
+            yield cast(io.IOBase, stream)
+            stream.close()
+        self._ledger.record(name, stream.size, f"sha256:{stream.sha.hexdigest()}")
+
+    def read_verified(self, path: str | os.PathLike[str], name: str) -> bytes:
+        """The bytes of file ``name`` at ``path``, once they match the manifest's entry
+        (raises as the class says)."""
+        expected = (self._expected or {}).get(name)
+        if expected is None:
+            raise ShardCorrupt(f"{path} is not among the files of the snapshot's manifest")
+        try:
+            with self._inner.create_stream(path, "rb") as raw:
+                data = cast(bytes, raw.read())
+        except FileNotFoundError as exc:
+            raise ShardMissing(f"{path} does not exist") from exc
+        except OSError as exc:
+            raise ShardError(f"{path} cannot be read: {exc}") from exc
+        if len(data) != expected.size_bytes:
+            raise ShardCorrupt(
+                f"{path} has {len(data)} bytes, its manifest says {expected.size_bytes}"
+            )
+        actual = f"sha256:{hashlib.sha256(data).hexdigest()}"
+        if actual != expected.digest:
+            raise ShardCorrupt(f"{path} has digest {actual}, expected {expected.digest}")
+        return data
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        self._inner.rename(path, new_path)
+        if self._ledger is not None:
+            self._ledger.rename(
+                os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        # concat_path, init_path, mkdir, exists, rm_file, ls: the storage's own.
+        return getattr(self._inner, name)
+
+
+def _writer_for(uri: str) -> Any:
+    if _is_local(uri):
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        return FileSystemWriter(_local_path(uri), single_file_per_rank=True, sync_files=True)
+    # DCP's own fsspec writer, the one dcp.save picks for such a checkpoint_id. Object stores
+    # make an object durable when its upload completes: no fsync (DCP would fall back to a
+    # machine-wide sync()).
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(uri, single_file_per_rank=True, sync_files=False)
+
+
+def _reader_for(uri: str) -> Any:
+    if _is_local(uri):
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        return FileSystemReader(_local_path(uri))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(uri)
+
+
+@dataclass(frozen=True, slots=True)
+class DcpWrite:
+    """A DCP storage writer for one step's folder and what it wrote.
+
+    Attributes:
+        uri: the folder.
+        writer: the ``StorageWriter`` to hand to ``dcp.save`` / ``dcp.async_save``.
+        ledger: the files written through it so far.
+    """
+
+    uri: str
+    writer: StorageWriter
+    ledger: _Ledger
+
+    def write_sidecar(self, rank: int, own: Mapping[str, Any]) -> None:
+        """Write the agent's state of ``rank`` (``torch.save``) into the folder, digested.
+
+        Raises:
+            OSError: the storage refused the write.
+        """
+        import torch
+
+        writer = cast(Any, self.writer)
+        path = writer.fs.concat_path(writer.path, sidecar_name(rank))
+        with writer.fs.create_stream(path, "wb") as stream:
+            torch.save(dict(own), stream)
+            if _is_local(self.uri):
+                stream.flush()
+                os.fsync(stream.fileno())
+
+    def files(self) -> tuple[StoredFile, ...]:
+        """The files written so far, in name order."""
+        return self.ledger.files()
+
+
+def storage_writer(uri: str) -> DcpWrite:
+    """A DCP storage writer for the folder ``uri`` that records every file's digest.
+
+    Raises:
+        ImportError: ``uri`` is not ``file://`` and fsspec (or the scheme's implementation,
+            e.g. s3fs for ``s3://``) is not installed.
+        ValueError: fsspec knows no implementation for the scheme.
+    """
+    ledger = _Ledger()
+    writer = _writer_for(uri)
+    writer.fs = DigestingFileSystem(writer.fs, ledger=ledger)
+    return DcpWrite(uri, cast("StorageWriter", writer), ledger)
+
+
+def dcp_files(shards: tuple[Shard, ...]) -> tuple[str, dict[str, StoredFile]]:
+    """The folder and the files (name -> entry) of a DCP snapshot's shards.
+
+    Raises:
+        ShardCorrupt: the shards are not one DCP checkpoint (a ``torch.save`` shard among them,
+            folders that differ, a file listed twice, a digest that is not its file list's,
+            or no ``.metadata``): a manifest the daemon would not have committed.
+    """
+    if not shards:
+        raise ShardCorrupt("the snapshot has no shards")
+    folder = shards[0].uri
+    files: dict[str, StoredFile] = {}
+    for shard in shards:
+        if shard.files is None or shard.uri != folder:
+            raise ShardCorrupt(f"rank {shard.rank}'s shard is not part of the DCP folder {folder}")
+        if shard.digest != files_digest(shard.files):
+            raise ShardCorrupt(f"rank {shard.rank}'s digest does not match its file list")
+        for f in shard.files:
+            if files.setdefault(f.name, f) is not f:
+                raise ShardCorrupt(f"{f.name} is listed by two ranks")
+    if METADATA not in files:
+        raise ShardCorrupt(f"the DCP snapshot in {folder} lists no {METADATA}")
+    return folder, files
+
+
+def load_dcp(
+    shards: tuple[Shard, ...],
+    state: dict[str, Any],
+    rank: int,
+    *,
+    process_group: ProcessGroup | None,
+) -> dict[str, Any] | None:
+    """Load a DCP snapshot into ``state`` in place (resharding as DCP does), verified.
+
+    Every rank calls it together (``dcp.load`` plans collectively over ``process_group``; with
+    no process group, one process loads alone). Each file is checked against its digest before
+    DCP sees a byte; a failure on any rank fails the load on every rank.
+
+    Args:
+        shards: the manifest's shards (all ranks'; their ``files`` say what the folder holds).
+        state: the state dict to fill, e.g. ``get_state_dict(model, optimizer)``'s, with
+            tensors (DTensors) of the current mesh's shapes.
+        rank: this process's rank: its agent state file is read if the snapshot has one.
+        process_group: the group ``dcp.load`` synchronizes over, or ``None`` without
+            ``torch.distributed``.
+
+    Returns:
+        The agent's state of ``rank`` (RNG states, cursor, step) from the snapshot, or ``None``
+        when the snapshot was written by fewer ranks than ``rank + 1``.
+
+    Raises:
+        ShardCorrupt, ShardMissing: a file fails its check, or is missing (on this rank or
+            another: DCP gathers the failures); nothing unverified was deserialized.
+        ShardError: the verified bytes do not load into ``state`` (keys or shapes that do not
+            match the checkpoint), or the agent state file does not deserialize.
+    """
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    folder, expected = dcp_files(shards)
+    reader = _reader_for(folder)
+    fs = DigestingFileSystem(reader.fs, expected=expected)
+    reader.fs = fs
+    try:
+        dcp_load(
+            state,
+            storage_reader=cast("StorageReader", reader),
+            process_group=process_group,
+            no_dist=process_group is None,
+        )
+    except CheckpointException as exc:
+        raise _first_failure(folder, exc) from exc
+    except ShardError:
+        raise
+    except Exception as exc:
+        raise ShardError(f"DCP snapshot {folder} verified but cannot be loaded: {exc}") from exc
+    name = sidecar_name(rank)
+    if name not in expected:
+        return None
+    data = fs.read_verified(reader.fs.concat_path(reader.path, name), name)
+    try:
+        own = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ShardError(f"{folder}/{name} verified but cannot be loaded: {exc}") from exc
+    if not isinstance(own, dict):
+        raise ShardError(f"{folder}/{name} holds a {type(own).__name__}, not a dict")
+    return own
+
+
+def _first_failure(folder: str, exc: BaseException) -> ShardError:
+    """The trainguard error among the ranks' failures of a DCP load (the lowest rank's), so
+    every rank reports a verification failure as such; else a :class:`ShardError`."""
+    failures: Mapping[int, Any] = getattr(exc, "failures", {})
+    for rank in sorted(failures):
+        failure = failures[rank]
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, ShardError):
+            return type(cause)(f"{cause} (found by rank {rank})")
+    return ShardError(f"DCP snapshot {folder} cannot be loaded: {exc}")
