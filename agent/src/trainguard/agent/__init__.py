@@ -3,13 +3,15 @@
 ``from trainguard.agent import Agent`` is the entry point for training code; see
 :class:`Agent` (and :class:`RestoreRequested`, the one exception a training loop catches).
 The data cursor (:class:`GlobalOrder`, :class:`ResumableDistributedSampler`) makes a restore
-resume with no sample skipped or repeated; :func:`dataset_version` binds a
+resume with no sample skipped or repeated; :class:`LoaderState` checkpoints a torchdata
+``StatefulDataLoader`` with workers, and its consumed cursor; :func:`dataset_version` binds a
 checkpoint to the data it was trained on; :func:`ordered_allreduce` makes DDP's gradient
 averaging independent of its bucket layout, so that restores are bitwise exact with 3 or more
 ranks (``docs/bitwise.md``).
 
 Importing this package does not import torch; ``ResumableDistributedSampler``,
-``ordered_allreduce`` and ``ordered_allreduce_hook`` load it on first use.
+``LoaderState``, ``LoaderStateNotReshardable``, ``ordered_allreduce`` and
+``ordered_allreduce_hook`` load it (and torchdata, for the loader's) on first use.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from trainguard.agent.faults._plan import Fault, FaultKind, parse_faults
 
 if TYPE_CHECKING:
     from trainguard.agent._ddp import ordered_allreduce, ordered_allreduce_hook
+    from trainguard.agent.data._loader import LoaderState, LoaderStateNotReshardable
     from trainguard.agent.data._sampler import ResumableDistributedSampler
 
 __all__ = [
@@ -60,6 +63,8 @@ __all__ = [
     "GlobalOrder",
     "JobAborted",
     "KeyedPermutation",
+    "LoaderState",
+    "LoaderStateNotReshardable",
     "ManifestEntry",
     "RestoreRequested",
     "RestoreTimeout",
@@ -79,7 +84,11 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # The sampler subclasses torch's Sampler, the DDP hook uses torch.distributed: load torch
-    # only when they are asked for.
+    # only when they are asked for; the loader's state needs torchdata too.
+    if name in ("LoaderState", "LoaderStateNotReshardable"):
+        from trainguard.agent.data import _loader
+
+        return getattr(_loader, name)
     if name == "ResumableDistributedSampler":
         from trainguard.agent.data._sampler import ResumableDistributedSampler
 
