@@ -1,10 +1,14 @@
-"""Shared pytest fixtures: one Kafka broker per session, unique topic prefixes, a Kafka tally.
+"""Shared pytest fixtures: one Kafka broker and one S3 server per session, unique topic
+prefixes and buckets, a Kafka and an S3 tally.
 
 Kafka tests carry ``@pytest.mark.kafka`` and take the ``kafka_bootstrap`` fixture. The broker is
 ``$TRAINGUARD_KAFKA`` (``host:port``) when set, else a real broker started for the session by
-``deploy/kafka/kafka-dev`` in a session tmp dir. Without java/mvn, or when the start fails, Kafka
-tests are skipped, except under ``CI=true``, where they fail: in CI a Kafka test never silently
-skips. The terminal summary counts the kafka-marked outcomes so CI logs show they ran.
+``deploy/kafka/kafka-dev`` in a session tmp dir. S3 tests carry ``@pytest.mark.s3`` and take
+``s3_endpoint``, ``s3_env`` or ``s3_bucket``: the server is ``$TRAINGUARD_S3``
+(``http://host:port``, with s3-dev's credentials) when set, else a real S3Proxy started for the
+session by ``deploy/s3/s3-dev``. Without java/mvn, or when a start fails, those tests are
+skipped, except under ``CI=true``, where they fail: in CI they never silently skip. The terminal
+summary counts the kafka- and s3-marked outcomes so CI logs show they ran.
 """
 
 from __future__ import annotations
@@ -19,8 +23,16 @@ import pytest
 
 from tests.support.buses import BusFactory
 from tests.support.kafka_dev import CLUSTER_READY_TIMEOUT_S, dev_broker, wait_for_cluster
+from tests.support.s3_dev import (
+    SERVER_READY_TIMEOUT_S,
+    S3Endpoint,
+    dev_server,
+    s3_environment,
+    wait_for_server,
+)
 
 _BROKER_LABEL = pytest.StashKey[str]()
+_S3_LABEL = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,6 +72,50 @@ def kafka_bootstrap(
         yield bootstrap
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[S3Endpoint]:
+    """The S3 server shared by the whole session, with its credentials.
+
+    ``$TRAINGUARD_S3`` (``http://host:port``) wins and is used as is with s3-dev's dev
+    credentials (nothing is started; a server that does not answer fails the tests). Otherwise
+    ``s3-dev start --port 0`` starts S3Proxy in a session tmp dir and ``s3-dev stop`` ends it at
+    session end; its log is ``s3proxy.log`` there. Share it between tests through ``s3_bucket``.
+    """
+    given = os.environ.get("TRAINGUARD_S3")
+    if given:
+        endpoint = S3Endpoint(given.rstrip("/"))
+        try:
+            wait_for_server(endpoint, SERVER_READY_TIMEOUT_S)
+        except TimeoutError as exc:
+            pytest.fail(f"TRAINGUARD_S3={given}: {exc}", pytrace=False)
+        pytestconfig.stash[_S3_LABEL] = f"{endpoint.endpoint_url} (TRAINGUARD_S3)"
+        yield endpoint
+        return
+
+    run_dir = tmp_path_factory.mktemp("s3")
+    with dev_server(run_dir) as endpoint:
+        label = f"{endpoint.endpoint_url} (s3-dev, log {run_dir / 's3proxy.log'})"
+        pytestconfig.stash[_S3_LABEL] = label
+        yield endpoint
+
+
+@pytest.fixture
+def s3_env(s3_endpoint: S3Endpoint) -> Iterator[S3Endpoint]:
+    """The session's S3 server, with its AWS variables in ``os.environ`` for the test, so
+    ``fsspec.filesystem("s3")`` and any botocore client use it (:func:`s3_environment`)."""
+    with s3_environment(s3_endpoint):
+        yield s3_endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_env: S3Endpoint) -> str:
+    """A bucket of its own on the session's S3 server (``"t-1a2b3c4d5e6f"``), with ``s3_env``
+    in effect; it is not deleted afterwards."""
+    return s3_env.create_bucket()
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     """aiokafka runs on asyncio only, so async tests do too."""
@@ -88,19 +144,20 @@ def unique_prefix() -> str:
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, config: pytest.Config
 ) -> None:
-    """Print how many ``kafka``-marked tests passed, failed, were skipped or errored, and where."""
-    outcomes: Counter[str] = Counter()
-    for outcome in ("passed", "failed", "skipped", "error"):
-        for report in terminalreporter.stats.get(outcome, []):
-            if isinstance(report, pytest.TestReport) and "kafka" in report.keywords:
-                outcomes[outcome] += 1
-    if not outcomes:
-        return
-    terminalreporter.write_sep("-", "kafka")
-    terminalreporter.write_line(
-        f"kafka-marked tests: {outcomes['passed']} passed, {outcomes['failed']} failed, "
-        f"{outcomes['skipped']} skipped, {outcomes['error']} errors"
-    )
-    terminalreporter.write_line(
-        f"kafka broker: {config.stash.get(_BROKER_LABEL, 'none (not started)')}"
-    )
+    """Print how many ``kafka``- and ``s3``-marked tests passed, failed, were skipped or
+    errored, and which broker and server they used."""
+    servers = (("kafka", "kafka broker", _BROKER_LABEL), ("s3", "s3 server", _S3_LABEL))
+    for marker, server, label in servers:
+        outcomes: Counter[str] = Counter()
+        for outcome in ("passed", "failed", "skipped", "error"):
+            for report in terminalreporter.stats.get(outcome, []):
+                if isinstance(report, pytest.TestReport) and marker in report.keywords:
+                    outcomes[outcome] += 1
+        if not outcomes:
+            continue
+        terminalreporter.write_sep("-", marker)
+        terminalreporter.write_line(
+            f"{marker}-marked tests: {outcomes['passed']} passed, {outcomes['failed']} failed, "
+            f"{outcomes['skipped']} skipped, {outcomes['error']} errors"
+        )
+        terminalreporter.write_line(f"{server}: {config.stash.get(label, 'none (not started)')}")

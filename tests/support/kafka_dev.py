@@ -9,18 +9,18 @@ except under ``CI=true``, where it fails it: in CI a Kafka test never silently s
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
+
+from tests.support.dev_servers import unavailable
 
 KAFKA_DEV = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "kafka-dev"
 # Seconds for kafka-dev to see the broker ready once its JVM runs (measured: about 4-7 s here).
@@ -31,13 +31,6 @@ KAFKA_DEV_TIMEOUT_S = 600.0
 CLUSTER_READY_TIMEOUT_S = 60.0
 # Seconds for the controlled shutdown before kafka-dev sends SIGKILL (measured: under 1 s).
 KAFKA_DEV_STOP_TIMEOUT_S = 30.0
-
-
-def unavailable(what: str, reason: str) -> NoReturn:
-    """Skip the requesting test, or fail it under ``CI=true``; ``what`` names the broker."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{what} unavailable (CI=true, so not skipping): {reason}", pytrace=False)
-    pytest.skip(f"{what} unavailable: {reason}")
 
 
 def kafka_dev(*args: str | Path, timeout: float) -> subprocess.CompletedProcess[str]:
