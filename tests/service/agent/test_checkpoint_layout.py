@@ -16,6 +16,7 @@ from trainguard.agent.checkpoint import (
     step_folders,
 )
 from trainguard.agent.checkpoint._shards import shard_path
+from trainguard.schemas import Shard, StoredFile
 
 
 def written(root: Path, generation: int, step: int) -> list[Path]:
@@ -24,6 +25,18 @@ def written(root: Path, generation: int, step: int) -> list[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x" * 10)
     return shards
+
+
+def at(*paths: Path, dcp: bool = False) -> list[Shard]:
+    """Shards of the files (or, ``dcp``, DCP folders) ``paths``."""
+    files = (StoredFile(name=".metadata", size_bytes=0, digest=ZERO),) if dcp else None
+    return [
+        Shard(rank=r, uri=p.as_uri(), size_bytes=0, digest=ZERO, files=files)
+        for r, p in enumerate(paths)
+    ]
+
+
+ZERO = "sha256:" + "0" * 64
 
 
 def test_the_layout_is_found_and_deleted_step_by_step(tmp_path: Path) -> None:
@@ -36,7 +49,7 @@ def test_the_layout_is_found_and_deleted_step_by_step(tmp_path: Path) -> None:
     assert job_folder("s3://bucket/job/g000000/s0000000010/rank00000.pt", "job") is None
     found = step_folders(tmp_path / "job")
     assert [(f.generation, f.step) for f in found] == [(0, 10), (1, 20)]
-    folder = snapshot_folder((p.as_uri() for p in first), "job", 0, 10)
+    folder = snapshot_folder(at(*first), "job", 0, 10)
     assert folder == first[0].parent
     assert remove_step_folder(folder) == 20
     assert not (tmp_path / "job" / "g000000").exists()  # the empty generation folder goes too
@@ -54,13 +67,13 @@ def test_a_manifest_naming_files_elsewhere_or_through_a_link_deletes_nothing(
     shards = written(tmp_path, 0, 10)
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
-    elsewhere = [victim.as_uri()]
+    elsewhere = at(victim)
     with pytest.raises(ValueError, match="is not its step folder"):
         snapshot_folder(elsewhere, "job", 0, 10)
     with pytest.raises(ValueError, match="is not its step folder"):
-        snapshot_folder([shards[0].as_uri()], "job", 0, 11)
+        snapshot_folder(at(shards[0]), "job", 0, 11)
     with pytest.raises(ValueError, match="not in one step folder"):
-        snapshot_folder([shards[0].as_uri(), victim.as_uri()], "job", 0, 10)
+        snapshot_folder(at(shards[0], victim), "job", 0, 10)
     outside = tmp_path / "outside" / "s0000000030"
     outside.mkdir(parents=True)
     (outside / "data").write_text("keep me too")
@@ -70,6 +83,16 @@ def test_a_manifest_naming_files_elsewhere_or_through_a_link_deletes_nothing(
     with pytest.raises(ValueError, match="symbolic link"):
         remove_step_folder(linked)
     with pytest.raises(ValueError, match="symbolic link"):
-        snapshot_folder([(linked / "rank00000.pt").as_uri()], "job", 3, 30)
+        snapshot_folder(at(linked / "rank00000.pt"), "job", 3, 30)
+    with pytest.raises(ValueError, match="symbolic link"):
+        snapshot_folder(at(linked, dcp=True), "job", 3, 30)
     assert victim.read_text() == "keep me"
     assert (outside / "data").read_text() == "keep me too"
+
+
+def test_a_dcp_snapshot_is_its_own_step_folder(tmp_path: Path) -> None:
+    folder = written(tmp_path, 2, 40)[0].parent
+    assert snapshot_folder(at(folder, folder, dcp=True), "job", 2, 40) == folder
+    with pytest.raises(ValueError, match="is not its step folder"):
+        # A DCP shard naming a file would make its parent look like the folder: not so.
+        snapshot_folder(at(folder / "rank00000.pt", dcp=True), "job", 2, 40)

@@ -36,7 +36,15 @@ from trainguard.daemon.core._inputs import Input, Observed, Tick
 from trainguard.daemon.core._machine import decide, next_deadline
 from trainguard.daemon.core._machine_config import MachineConfig
 from trainguard.daemon.core._state import new_job
-from trainguard.schemas import Abort, Checkpoint, Lifecycle, Restore, Resume
+from trainguard.schemas import (
+    Abort,
+    Checkpoint,
+    Lifecycle,
+    Restore,
+    Resume,
+    StoredFile,
+    files_digest,
+)
 
 CFG = config()
 
@@ -139,6 +147,97 @@ def test_shards_that_disagree_on_the_origin_do_not_commit() -> None:
     assert anomaly.kind == "checkpoint_mismatch"
     assert "rank 3: None" in anomaly.reason
     assert "started from" in anomaly.reason
+    assert state.committed == ()
+
+
+def _dcp(
+    shard: Input, *names: str, folder: str = "file:///ckpt/job/g000000/s0000000010"
+) -> Observed:
+    """``shard`` (a checkpoint input) as a DCP shard listing files ``names`` in ``folder``."""
+    assert isinstance(shard, Observed)
+    assert isinstance(shard.event, Checkpoint)
+    files = tuple(
+        StoredFile(name=n, size_bytes=10 + i, digest="sha256:" + f"{i:x}" * 64)
+        for i, n in enumerate(names)
+    )
+    event = dataclasses.replace(
+        shard.event,
+        shard_uri=folder,
+        files=files,
+        size_bytes=sum(f.size_bytes for f in files),
+        digest=files_digest(files),
+    )
+    return shard._replace(event=event)
+
+
+def _dcp_step(sim: Sim, **odd: Observed) -> list[Input]:
+    """Step 10 of four ranks as DCP shards (rank 0 with ``.metadata``); ``odd`` replaces
+    ranks' shards (keys ``r0`` .. ``r3``)."""
+    shards: list[Input] = []
+    for r in range(4):
+        names = (".metadata", "__0_0.distcp") if r == 0 else (f"__{r}_0.distcp",)
+        shards.append(odd.get(f"r{r}", _dcp(sim.checkpoint(r, 10, T0 + S + r), *names)))
+    return shards
+
+
+def test_a_dcp_step_commits_with_every_ranks_files() -> None:
+    sim = Sim()
+    state, _ = run(sim.start(T0))
+    state, decisions = run(_dcp_step(sim), state)
+    [committed] = of_type(decisions, Committed)
+    shards = committed.manifest.shards
+    assert {s.uri for s in shards} == {"file:///ckpt/job/g000000/s0000000010"}
+    assert [f.name for s in shards for f in s.files or ()] == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+        "__3_0.distcp",
+    ]
+    assert all(s.format == "dcp" for s in shards)
+
+
+@pytest.mark.parametrize(
+    ("odd", "says"),
+    [
+        ({"r2": "torch"}, "mix formats (DCP: ranks 0, 1, 3; torch.save: ranks 2)"),
+        ({"r1": "folder"}, "name different DCP folders"),
+        ({"r3": "twice"}, "both list the file '__0_0.distcp' (ranks 0 and 3)"),
+        ({"r0": "no metadata"}, "whose rank 0 does not list its .metadata file"),
+        ({"r1": "metadata"}, "both list the file '.metadata' (ranks 0 and 1)"),
+        ({"r2": "bad digest"}, "include rank 2's, whose digest or size does not sum up"),
+    ],
+)
+def test_a_dcp_step_that_is_not_one_checkpoint_does_not_commit(
+    odd: dict[str, str], says: str
+) -> None:
+    sim = Sim()
+    state, _ = run(sim.start(T0))
+    ((key, how),) = odd.items()
+    rank = int(key[1])
+    plain = sim.checkpoint(rank, 10, T0 + S + rank)
+    own = (".metadata", "__0_0.distcp") if rank == 0 else (f"__{rank}_0.distcp",)
+    replaced: Observed
+    if how == "torch":
+        assert isinstance(plain, Observed)
+        replaced = plain
+    elif how == "folder":
+        replaced = _dcp(plain, *own, folder="file:///elsewhere/s0000000010")
+    elif how == "twice":
+        replaced = _dcp(plain, *own, "__0_0.distcp")
+    elif how == "no metadata":
+        replaced = _dcp(plain, "__0_0.distcp")
+    elif how == "metadata":
+        replaced = _dcp(plain, *own, ".metadata")
+    else:
+        good = _dcp(plain, *own)
+        assert isinstance(good.event, Checkpoint)
+        replaced = good._replace(event=dataclasses.replace(good.event, size_bytes=1))
+    state, decisions = run(_dcp_step(sim, **{key: replaced}), state)
+    [anomaly] = decisions
+    assert isinstance(anomaly, Anomaly)
+    assert anomaly.kind == "checkpoint_mismatch"
+    assert says in anomaly.reason
     assert state.committed == ()
 
 

@@ -4,11 +4,13 @@
 verified before loading), :mod:`._checksum` digests parameters for the cross-rank checksum
 detector, :mod:`._step_file` records a worker's last finished step for its supervisor, and
 :mod:`._manifests` reads the signed manifests of committed snapshots from the ``manifests``
-topic, and :mod:`._layout` lists and removes the shards' step folders (retention).
+topic, :mod:`._layout` lists and removes the shards' step folders (retention), and :mod:`._dcp`
+writes, verifies and loads DCP (``torch.distributed.checkpoint``) snapshots.
 """
 
 from __future__ import annotations
 
+from trainguard.agent.checkpoint._dcp import dcp_problems
 from trainguard.agent.checkpoint._layout import (
     StepFolder,
     job_folder,
@@ -28,6 +30,7 @@ from trainguard.agent.checkpoint._shards import (
 __all__ = [
     "ManifestLog",
     "StepFolder",
+    "dcp_problems",
     "fetch_manifest",
     "job_folder",
     "read_manifests",

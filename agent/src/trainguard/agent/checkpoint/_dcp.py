@@ -55,6 +55,7 @@ __all__ = [
     "DcpWrite",
     "DigestingFileSystem",
     "dcp_files",
+    "dcp_problems",
     "load_dcp",
     "sidecar_name",
     "step_folder_uri",
@@ -177,12 +178,14 @@ class DigestingFileSystem:
         self._inner = inner
         self._ledger = ledger
         self._expected = expected
+        self._kept: dict[str, bytes] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         name = os.path.basename(os.fspath(path))
         if "r" in mode:
-            yield io.BytesIO(self.read_verified(path, name))
+            kept = self._kept.get(name)
+            yield io.BytesIO(self.read_verified(path, name) if kept is None else kept)
             return
         if self._ledger is None:
             raise ShardError(f"{name}: this storage is open for reading only")
@@ -191,6 +194,10 @@ class DigestingFileSystem:
             yield cast(io.IOBase, stream)
             stream.close()
         self._ledger.record(name, stream.size, f"sha256:{stream.sha.hexdigest()}")
+
+    def keep(self, path: str | os.PathLike[str], name: str) -> None:
+        """Verify file ``name`` now and serve its bytes from memory when DCP opens it."""
+        self._kept[name] = self.read_verified(path, name)
 
     def read_verified(self, path: str | os.PathLike[str], name: str) -> bytes:
         """The bytes of file ``name`` at ``path``, once they match the manifest's entry
@@ -362,6 +369,9 @@ def load_dcp(
     reader = _reader_for(folder)
     fs = DigestingFileSystem(reader.fs, expected=expected)
     reader.fs = fs
+    # Every rank reads .metadata first, so each one fails here alike when it is damaged (DCP
+    # itself would fall back to looking for a rank-local metadata file and blur the reason).
+    fs.keep(reader.fs.concat_path(reader.path, METADATA), METADATA)
     try:
         dcp_load(
             state,
@@ -398,3 +408,54 @@ def _first_failure(folder: str, exc: BaseException) -> ShardError:
         if isinstance(cause, ShardError):
             return type(cause)(f"{cause} (found by rank {rank})")
     return ShardError(f"DCP snapshot {folder} cannot be loaded: {exc}")
+
+
+def dcp_problems(shards: tuple[Shard, ...], *, verify: bool) -> list[str]:
+    """What is wrong with a DCP snapshot's files in storage: the shards are not one DCP
+    checkpoint, a file is missing or has another size, or (``verify``) another SHA-256.
+
+    Every file is checked, whichever rank wrote it: on another world size any rank may read
+    any file. Reads through fsspec (``file://``, ``s3://``, ...), streaming: memory stays
+    small whatever the file sizes.
+
+    Returns:
+        One line per problem, naming the file; empty when all is well.
+    """
+    import fsspec
+
+    try:
+        folder, files = dcp_files(shards)
+    except ShardError as exc:
+        return [str(exc)]
+    try:
+        fs, root = fsspec.core.url_to_fs(folder)
+    except (ImportError, ValueError) as exc:
+        return [f"{folder} cannot be opened: {exc}"]
+    problems: list[str] = []
+    for name, entry in sorted(files.items()):
+        path = f"{root.rstrip('/')}/{name}"
+        where = f"{folder}/{name}"
+        try:
+            size = fs.size(path)
+            if size != entry.size_bytes:
+                problems.append(f"{where} has {size} bytes, the manifest says {entry.size_bytes}")
+                continue
+            if verify:
+                sha = hashlib.sha256()
+                with fs.open(path, "rb") as stream:
+                    while chunk := stream.read(_CHUNK):
+                        sha.update(chunk)
+                actual = f"sha256:{sha.hexdigest()}"
+                if actual != entry.digest:
+                    problems.append(
+                        f"{where} has digest {actual}, the manifest says {entry.digest}"
+                    )
+        except FileNotFoundError:
+            problems.append(f"{where} is missing")
+        except OSError as exc:
+            problems.append(f"{where} cannot be read: {exc}")
+    return problems
+
+
+_CHUNK = 8 << 20
+"""Bytes hashed at a time when verifying a file in storage."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from trainguard.agent._errors import ShardError
 from trainguard.agent.checkpoint._shards import uri_to_path
+from trainguard.schemas import Shard
 
 __all__ = [
     "StepFolder",
@@ -83,18 +84,21 @@ def step_folders(job: Path) -> list[StepFolder]:
     return sorted(found, key=lambda f: (f.generation, f.step))
 
 
-def snapshot_folder(uris: Iterable[str], job_id: str, generation: int, step: int) -> Path:
+def snapshot_folder(shards: Iterable[Shard], job_id: str, generation: int, step: int) -> Path:
     """The step folder holding every shard of a committed snapshot, checked to be the one the
     agent's layout gives it: ``<root>/<job_id>/g<generation:06>/s<step:010>``, neither it nor
     its generation folder a symbolic link. Retention deletes that folder, never a path a
-    manifest names elsewhere.
+    manifest names elsewhere. A ``torch.save`` shard's URI names its file in the folder, a DCP
+    shard's the folder itself.
 
     Raises:
         ValueError: a shard lies elsewhere (another folder, another layout, a link), or there
             is none.
         ShardError: a URI that is not ``file://``.
     """
-    folders = {uri_to_path(uri).parent for uri in uris}
+    folders = {
+        uri_to_path(s.uri) if s.files is not None else uri_to_path(s.uri).parent for s in shards
+    }
     if len(folders) != 1:
         raise ValueError(f"its shards are not in one step folder: {sorted(map(str, folders))}")
     (folder,) = folders

@@ -354,9 +354,11 @@ def compat(
     Otherwise what the agent and the data cursor do on a restore decides it
     (``docs/catalog.md``):
 
-    * world size: every rank loads its own shard (``Agent.load``: rank r takes shard r,
-      ``ShardMissing`` otherwise), and trainguard does not reshard; so a larger world size is
-      refused. A smaller one is refused for a model-parallel topology (``tp`` or ``pp`` > 1:
+    * world size, DCP snapshot: DCP reshards onto any world size, so another one is warned
+      (each step trains another number of samples), refused only with ``exact``;
+    * world size, ``torch.save`` snapshot: every rank loads its own shard (``Agent.load``:
+      rank r takes shard r, ``ShardMissing`` otherwise), which cannot be resharded; so a
+      larger world size is refused. A smaller one is refused for a model-parallel topology (``tp`` or ``pp`` > 1:
       the unused shards hold parts of the model) and with ``exact``; otherwise warned: the
       cursor is world-size independent, so the data resumes with no sample skipped or
       repeated, but each step trains fewer samples;
@@ -370,7 +372,22 @@ def compat(
     refusals: list[str] = [] if abandoned_by is None else [abandoned_by.reason]
     warnings: list[str] = []
     size, new_size = manifest.world_size, request.world_size
-    if new_size is not None and new_size != size:
+    not_exact = (
+        f"world size {new_size}: an exact continuation needs the snapshot's world size "
+        f"{size} (the samples per step and the ranks' random streams change)"
+    )
+    if new_size is not None and new_size != size and manifest.shards[0].files is not None:
+        if request.exact:
+            refusals.append(not_exact)
+        else:
+            warnings.append(
+                f"world size {new_size} != {size}: this DCP snapshot is resharded onto "
+                f"{new_size} ranks as it loads; the data cursor is world-size independent, so "
+                f"no sample is skipped or repeated, but a step trains {new_size}/{size} of the "
+                "samples it did (a data loader state that only its own rank can resume, such as "
+                "a StatefulDataLoader without trainguard's sampler, is refused on restore)"
+            )
+    elif new_size is not None and new_size != size:
         split = {
             k: v
             for k in _MODEL_PARALLEL
@@ -389,10 +406,7 @@ def compat(
                 f"{_span('shard', new_size, size - 1)} hold parts of the model every rank needs"
             )
         elif request.exact:
-            refusals.append(
-                f"world size {new_size}: an exact continuation needs the snapshot's world size "
-                f"{size} (the samples per step and the ranks' random streams change)"
-            )
+            refusals.append(not_exact)
         else:
             warnings.append(
                 f"world size {new_size} < {size}: the ranks load {_span('shard', 0, new_size - 1)}"

@@ -559,8 +559,8 @@ def _apply(plan: RetentionPlan) -> dict[str, str]:
     for v in plan.deleted:
         try:
             if v.manifest is not None:
-                uris = (shard.uri for shard in v.manifest.shards)
-                remove_step_folder(snapshot_folder(uris, v.job_id, v.generation, v.step))
+                shards = v.manifest.shards
+                remove_step_folder(snapshot_folder(shards, v.job_id, v.generation, v.step))
             elif v.location is not None:
                 remove_step_folder(Path(v.location))
         except (OSError, ShardError, ValueError) as exc:
@@ -763,10 +763,14 @@ def _shard_problems(
 ) -> list[str]:
     """What is wrong with the shard files the new job's ranks would load (those of ranks
     below its world size, and among ``ranks`` if given): not a ``file://`` URI (the agent loads
-    no other), missing, another size, or with ``verify`` another SHA-256."""
+    no other), missing, another size, or with ``verify`` another SHA-256. For a DCP snapshot,
+    every file of the folder (:func:`trainguard.agent.checkpoint.dcp_problems`)."""
     from trainguard.agent import ShardError
-    from trainguard.agent.checkpoint import uri_to_path
+    from trainguard.agent.checkpoint import dcp_problems, uri_to_path
 
+    if manifest.shards[0].files is not None:
+        # DCP: any rank may read any file (resharding), so all are checked.
+        return dcp_problems(manifest.shards, verify=verify)
     problems: list[str] = []
     for shard in manifest.shards:
         if world_size is not None and shard.rank >= world_size:

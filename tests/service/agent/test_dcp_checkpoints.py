@@ -1,0 +1,247 @@
+"""DCP checkpoints (``checkpoint_format="dcp"``): every file digested as written and verified
+before DCP reads a byte of it; FSDP2 snapshots resharded onto other world sizes (real ranks,
+gloo); the agent's sync and async saves announce the rank's files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict_saver import save
+
+from tests.support import dcp_ranks
+from tests.support.jobbus import JOB, of_type, read_events
+from trainguard.agent import AgentError, ShardCorrupt, ShardError, ShardMissing
+from trainguard.agent.checkpoint import dcp_problems
+from trainguard.agent.checkpoint._dcp import load_dcp, storage_writer
+from trainguard.schemas import Checkpoint, DataCursor, Manifest, Shard, files_digest
+
+CURSOR = DataCursor(data_version="v1", seed=3, epoch=0, offset=64, world_size=1)
+
+
+def state_of(seed: int) -> dict[str, Any]:
+    """A small model-and-optimizer-like state: tensors, nested, and a non-tensor value."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)},
+        "optim": {"step": 7, "exp_avg": torch.randn(64, 32, generator=g)},
+    }
+
+
+def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: zeros_like(v)
+        if isinstance(v, dict)
+        else torch.zeros_like(v)
+        if torch.is_tensor(v)
+        else 0
+        for k, v in state.items()
+    }
+
+
+def assert_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if isinstance(value, dict):
+            assert_equal(value, b[key])
+        elif torch.is_tensor(value):
+            assert torch.equal(value, b[key]), key
+        else:
+            assert value == b[key], key
+
+
+def saved_alone(folder: Path, state: dict[str, Any]) -> tuple[Shard, ...]:
+    """Save ``state`` in one process (no process group) as rank 0 of world size 1."""
+    write = storage_writer(folder.as_uri())
+    save(state, storage_writer=write.writer, no_dist=True)
+    write.write_sidecar(0, {"rng": {}, "step": 3})
+    files = write.files()
+    uri = folder.as_uri()
+    size = sum(f.size_bytes for f in files)
+    return (Shard(rank=0, uri=uri, size_bytes=size, digest=files_digest(files), files=files),)
+
+
+def test_every_file_is_listed_with_the_digest_of_its_bytes(tmp_path: Path) -> None:
+    import hashlib
+
+    (shard,) = saved_alone(tmp_path / "s", state_of(0))
+    assert shard.files is not None
+    names = [f.name for f in shard.files]
+    assert names == sorted(os.listdir(tmp_path / "s"))  # nothing left out, no temporary file
+    assert ".metadata" in names
+    assert "trainguard.rank00000.pt" in names
+    for f in shard.files:
+        data = (tmp_path / "s" / f.name).read_bytes()
+        assert (f.size_bytes, f.digest) == (len(data), f"sha256:{hashlib.sha256(data).hexdigest()}")
+    loaded = zeros_like(state_of(0))
+    assert load_dcp((shard,), loaded, 0, process_group=None) == {"rng": {}, "step": 3}
+    assert_equal(loaded, state_of(0))
+    assert dcp_problems((shard,), verify=True) == []
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[random.Random(path.name).randrange(len(data))] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+def malicious(path: Path) -> None:
+    """Replace the file with a pickle that, once unpickled, leaves a marker file."""
+    marker = path.parent / "PWNED"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+            return (Path.write_text, (marker, "unpickled"))
+
+    path.write_bytes(pickle.dumps(Payload()))
+
+
+DAMAGE: dict[str, tuple[str, Callable[[Path], None], type[ShardError]]] = {
+    "flipped .distcp": ("__0_0.distcp", flip, ShardCorrupt),
+    "flipped .metadata": (".metadata", flip, ShardCorrupt),
+    "flipped agent file": ("trainguard.rank00000.pt", flip, ShardCorrupt),
+    "truncated .distcp": ("__0_0.distcp", truncate, ShardCorrupt),
+    "missing .distcp": ("__0_0.distcp", Path.unlink, ShardMissing),
+    "malicious .metadata": (".metadata", malicious, ShardCorrupt),
+    "malicious .distcp": ("__0_0.distcp", malicious, ShardCorrupt),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damage_is_caught_before_deserialization(tmp_path: Path, case: str) -> None:
+    name, damage, error = DAMAGE[case]
+    (shard,) = saved_alone(tmp_path / "s", state_of(1))
+    damage(tmp_path / "s" / name)
+    loaded = zeros_like(state_of(1))
+    with pytest.raises(error, match=name.replace(".", r"\.")):
+        load_dcp((shard,), loaded, 0, process_group=None)
+    assert not (tmp_path / "s" / "PWNED").exists()
+    problems = dcp_problems((shard,), verify=True)
+    assert len(problems) == 1
+    assert name in problems[0]
+
+
+def test_a_file_the_manifest_does_not_list_is_refused(tmp_path: Path) -> None:
+    (shard,) = saved_alone(tmp_path / "s", state_of(2))
+    assert shard.files is not None
+    # A manifest that leaves out .metadata is no DCP snapshot the daemon would commit.
+    bare = dataclasses.replace(shard, files=tuple(f for f in shard.files if f.name != ".metadata"))
+    with pytest.raises(ShardCorrupt, match="digest does not match its file list"):
+        load_dcp((bare,), zeros_like(state_of(2)), 0, process_group=None)
+    signed = dataclasses.replace(bare, digest=files_digest(bare.files or ()))
+    with pytest.raises(ShardCorrupt, match=r"lists no \.metadata"):
+        load_dcp((signed,), zeros_like(state_of(2)), 0, process_group=None)
+
+
+def spawn(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` fresh processes; raise if one fails."""
+    from torch.multiprocessing.spawn import spawn as start
+
+    start(fn, args=(nprocs, *args), nprocs=nprocs, join=True)  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.slow
+def test_an_fsdp2_snapshot_reshards_onto_other_world_sizes(tmp_path: Path) -> None:
+    """Saved by 2 ranks, loaded by 1 and 4: every tensor of the model and the optimizer
+    equals the saved one; only ranks the snapshot had find their own agent state."""
+    uri = (tmp_path / "ckpt").as_uri()
+    spawn(dcp_ranks.save_rank, 2, str(tmp_path), uri)
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    for world_size in (1, 4):
+        tag = f"w{world_size}"
+        spawn(dcp_ranks.load_rank, world_size, str(tmp_path), uri, 2, tag)
+        outcomes = [
+            json.loads((tmp_path / f"outcome-{tag}-{r}.json").read_text())
+            for r in range(world_size)
+        ]
+        assert [o.get("own") for o in outcomes] == [
+            {"rank": r} if r < 2 else None for r in range(world_size)
+        ]
+        assert_equal(torch.load(tmp_path / f"loaded-{tag}.pt", weights_only=True), reference)
+
+
+@pytest.mark.slow
+def test_a_damaged_file_fails_the_load_on_every_rank(tmp_path: Path) -> None:
+    """Whichever rank reads the damaged file, every rank raises the verification error
+    (DCP gathers the failures), so every rank reports the snapshot as unusable."""
+    uri = (tmp_path / "ckpt").as_uri()
+    spawn(dcp_ranks.save_rank, 2, str(tmp_path), uri)
+    flip(tmp_path / "ckpt" / "__1_0.distcp")
+    spawn(dcp_ranks.load_rank, 2, str(tmp_path), uri, 2, "damaged")
+    for rank in (0, 1):
+        outcome = json.loads((tmp_path / f"outcome-damaged-{rank}.json").read_text())
+        assert outcome["error"] == "ShardCorrupt"
+        assert "__1_0.distcp" in outcome["message"]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_the_agent_announces_its_files_and_loads_them_back(
+    make_agent: Callable[..., Any], bus_url: str, blocking: bool
+) -> None:
+    state = state_of(3)
+    with make_agent(checkpoint_format="dcp") as agent:
+        agent.ready(0)
+        agent.step(5)
+        torch.manual_seed(99)
+        expected_draw = torch.rand(3)
+        torch.manual_seed(99)
+        event = agent.checkpoint(5, state, cursor=CURSOR, blocking=blocking).result()
+        # The caller may change its tensors once checkpoint() returned, also when not blocking.
+        state["model"]["w"].add_(1.0)
+    (announced,) = of_type(read_events(bus_url, JOB), Checkpoint)
+    assert announced == event
+    assert event.files is not None
+    assert event.shard_uri.endswith(f"/{JOB}/g000000/s0000000005")
+    assert {f.name for f in event.files} == {
+        ".metadata",
+        "__0_0.distcp",
+        "trainguard.rank00000.pt",
+    }
+    assert event.digest == files_digest(event.files)
+    assert event.size_bytes == sum(f.size_bytes for f in event.files)
+    manifest = Manifest(
+        job_id=JOB,
+        snapshot_id=f"{JOB}/g0/s5",
+        generation=0,
+        ts=1,
+        step=5,
+        world_size=1,
+        shards=(
+            Shard(
+                rank=0,
+                uri=event.shard_uri,
+                size_bytes=event.size_bytes,
+                digest=event.digest,
+                files=event.files,
+            ),
+        ),
+        cursor=CURSOR,
+    )
+    with make_agent(checkpoint_format="dcp", generation=1) as agent:
+        with pytest.raises(AgentError, match="pass state="):
+            agent.load(manifest)
+        loaded = agent.load(manifest, state=zeros_like(state_of(3)))
+        assert torch.equal(torch.rand(3), expected_draw)  # the RNG state came back too
+    assert_equal(loaded, state_of(3))
+
+
+def test_object_storage_needs_the_dcp_format(make_agent: Callable[..., Any]) -> None:
+    from trainguard.agent import ConfigError
+
+    with pytest.raises(ConfigError, match="only the dcp checkpoint format"):
+        make_agent(checkpoint_uri="s3://bucket/ckpt")
+    with pytest.raises(ConfigError, match="is no URL"):
+        make_agent(checkpoint_format="dcp", checkpoint_uri="bucket/ckpt")
+    make_agent(checkpoint_format="dcp", checkpoint_uri="s3://bucket/ckpt")
