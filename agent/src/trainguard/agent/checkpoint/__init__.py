@@ -13,6 +13,7 @@ from __future__ import annotations
 from trainguard.agent.checkpoint._dcp import dcp_problems
 from trainguard.agent.checkpoint._layout import (
     StepFolder,
+    files_present,
     job_folder,
     remove_step_folder,
     snapshot_folder,
@@ -32,6 +33,7 @@ __all__ = [
     "StepFolder",
     "dcp_problems",
     "fetch_manifest",
+    "files_present",
     "job_folder",
     "read_manifests",
     "remove_step_folder",

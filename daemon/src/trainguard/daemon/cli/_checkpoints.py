@@ -494,17 +494,17 @@ def prune(
 
 def _stored_steps(catalog: Catalog, job: str | None) -> tuple[list[StoredStep], set[str]]:
     """The step folders under the job folders of the catalog's snapshots (of ``job`` only,
-    if given), and the jobs whose folders were listed; exits 2 when a folder cannot be
-    listed."""
+    if given), on a file system or object storage, and the jobs whose folders were listed;
+    exits 2 when a folder cannot be listed."""
     from trainguard.agent.checkpoint import job_folder, step_folders
     from trainguard.daemon.catalog import StoredStep
 
-    folders: dict[Path, str] = {}
+    folders: dict[str, str] = {}
     for manifest in catalog.snapshots.values():
         if job is not None and manifest.job_id != job:
             continue
         for shard in manifest.shards:
-            folder = job_folder(shard.uri, manifest.job_id)
+            folder = job_folder(shard, manifest.job_id)
             if folder is not None:
                 folders.setdefault(folder, manifest.job_id)
     stored: list[StoredStep] = []
@@ -513,25 +513,24 @@ def _stored_steps(catalog: Catalog, job: str | None) -> tuple[list[StoredStep], 
             found = step_folders(folder)
         except OSError as exc:
             _fail(f"cannot list the checkpoints of job {job_id!r} in {folder}: {exc}")
-        stored += [StoredStep(job_id, f.generation, f.step, str(f.path)) for f in found]
+        stored += [StoredStep(job_id, f.generation, f.step, f.uri) for f in found]
     return stored, set(folders.values())
 
 
 def _incomplete(catalog: Catalog, stored: Sequence[StoredStep], job: str | None) -> list[str]:
-    """The committed snapshots whose step folder is there but lacks one of their shard
-    files (lost: no restore point)."""
-    from trainguard.agent import ShardError
-    from trainguard.agent.checkpoint import uri_to_path
+    """The committed snapshots whose step folder is there but lacks one of their files
+    (lost: no restore point)."""
+    from trainguard.agent.checkpoint import files_present
 
     there = {(s.job_id, s.generation, s.step) for s in stored}
     out: list[str] = []
     for m in catalog.snapshots.values():
         if (job is None or m.job_id == job) and (m.job_id, m.generation, m.step) in there:
             try:
-                if not all(uri_to_path(shard.uri).is_file() for shard in m.shards):
+                if not files_present(m.shards):
                     out.append(m.snapshot_id)
-            except ShardError:
-                continue  # not file://: this command does not see it
+            except OSError as exc:
+                _fail(f"cannot check the files of {m.snapshot_id}: {exc}")
     return out
 
 
@@ -552,7 +551,6 @@ def _apply(plan: RetentionPlan) -> dict[str, str]:
     """Delete the step folder of each verdict ``plan`` deletes (a committed snapshot's only
     where its shards lie in its own folder of the agent's layout: never a path a manifest
     names elsewhere); return why, for each deletion that failed."""
-    from trainguard.agent import ShardError
     from trainguard.agent.checkpoint import remove_step_folder, snapshot_folder
 
     failures: dict[str, str] = {}
@@ -562,8 +560,8 @@ def _apply(plan: RetentionPlan) -> dict[str, str]:
                 shards = v.manifest.shards
                 remove_step_folder(snapshot_folder(shards, v.job_id, v.generation, v.step))
             elif v.location is not None:
-                remove_step_folder(Path(v.location))
-        except (OSError, ShardError, ValueError) as exc:
+                remove_step_folder(v.location)
+        except (OSError, ValueError) as exc:
             failures[v.name] = str(exc)
     return failures
 
