@@ -3,6 +3,7 @@ the snapshots restores abandoned, and the compatibility verdict with every reaso
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from tests.support.manifests import T0, S, manifest
 from trainguard.daemon.catalog._catalog import Catalog, SeedRequest, compat, lookup
 from trainguard.daemon.forensics._report_record import AuditDigest, Opened, Restored
-from trainguard.schemas import JSONValue, Manifest
+from trainguard.schemas import JSONValue, Manifest, StoredFile
 
 PRE = [manifest("pre", 20, at=1), manifest("pre", 40, at=2)]
 TUNE = [
@@ -135,6 +136,29 @@ def test_a_larger_world_size_is_refused_a_smaller_one_warned() -> None:
     assert "world-size independent" in warning
     (reason,), _ = judge(world_size=1, exact=True)
     assert "exact continuation needs the snapshot's world size 2" in reason
+
+
+def test_a_dcp_snapshot_is_resharded_onto_any_world_size() -> None:
+    """DCP reshards, also model-parallel state: another world size is warned, refused only
+    for an exact continuation."""
+    split = manifest("mp", 10, world_size=4, topology={"world_size": 4, "tp": 2, "dp": 2})
+    files = (StoredFile(name=".metadata", size_bytes=1, digest="sha256:" + "a" * 64),)
+    dcp = dataclasses.replace(
+        split,
+        shards=tuple(
+            dataclasses.replace(s, uri="file:///ckpt/mp/g000000/s0000000010", files=files)
+            for s in split.shards
+        ),
+    )
+    for size in (2, 8):
+        result = compat(dcp, SeedRequest(world_size=size))
+        assert result.refusals == ()
+        (warning,) = result.warnings
+        assert f"resharded onto {size} ranks" in warning
+        assert "world-size independent" in warning
+    (reason,) = compat(dcp, SeedRequest(world_size=8, exact=True)).refusals
+    assert "exact continuation needs the snapshot's world size 4" in reason
+    assert compat(dcp, SeedRequest(world_size=4)).refusals == ()
 
 
 def test_a_model_parallel_snapshot_cannot_shrink() -> None:

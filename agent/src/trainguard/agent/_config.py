@@ -94,7 +94,7 @@ class AgentConfig:
         checkpoint_uri: where ``dcp`` checkpoints go (``TRAINGUARD_CHECKPOINT_URI``), an
             fsspec URL such as ``s3://bucket/prefix`` (credentials from the storage library's
             usual environment and configuration) or ``file:///shared/ckpt``; default
-            ``checkpoint_dir``. Only ``dcp`` writes to URIs other than ``file://``.
+            ``checkpoint_dir``. Only for ``dcp``.
         heartbeat_interval_s: seconds between heartbeats (``TRAINGUARD_HEARTBEAT_INTERVAL``),
             default 1.
         restore_timeout_s: seconds :meth:`Agent.restore_target` waits for the daemon's
@@ -196,11 +196,11 @@ class AgentConfig:
                     f"checkpoint_uri {self.checkpoint_uri!r} is no URL: give a scheme, e.g. "
                     "s3://bucket/prefix or file:///shared/checkpoints"
                 )
-            if scheme != "file" and self.checkpoint_format != "dcp":
+            if self.checkpoint_format != "dcp":
                 raise ConfigError(
                     f"checkpoint_uri {self.checkpoint_uri!r}: only the dcp checkpoint format "
-                    "writes to object storage; set checkpoint_format='dcp' "
-                    "(TRAINGUARD_CHECKPOINT_FORMAT=dcp)"
+                    "writes to a URI (the torch format writes under checkpoint_dir); set "
+                    "checkpoint_format='dcp' (TRAINGUARD_CHECKPOINT_FORMAT=dcp)"
                 )
         if self.init_from is not None and self.init_from.partition("/")[0] == self.job_id:
             # The daemon restores a job's own snapshots; as a parent it would make a loop.

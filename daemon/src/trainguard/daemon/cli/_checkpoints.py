@@ -203,6 +203,7 @@ def show(
         ("parent", m.parent or "- (the job started from scratch)"),
         ("hyperparameters", _compact(m.metadata.hyperparameters)),
         ("topology", _compact(m.metadata.topology)),
+        ("format", _format(m)),
         ("signature", f"{read.signature_state}: {read.signatures}"),
         ("timeline", "on it" if gone is None else gone.reason),
     ):
@@ -213,7 +214,17 @@ def show(
         shards.add_column(name, overflow="fold", justify="right" if name == "size" else "left")
     for s in m.shards:
         shards.add_row(str(s.rank), _bytes(s.size_bytes), s.digest, s.uri)
+        for f in s.files or ():
+            shards.add_row("", _bytes(f.size_bytes), f.digest, f"  {f.name}")
     console.print(shards)
+
+
+def _format(m: Manifest) -> str:
+    """How the snapshot is stored (docs/checkpoints.md)."""
+    if m.shards[0].files is None:
+        return "torch.save, one file per rank (loads onto its own world size)"
+    files = sum(len(s.files or ()) for s in m.shards)
+    return f"DCP, {files} files in one folder (reshards onto any world size)"
 
 
 @checkpoints_app.command()
