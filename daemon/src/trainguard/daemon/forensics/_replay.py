@@ -54,7 +54,7 @@ import difflib
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, cast
 
 import orjson
 
@@ -661,7 +661,9 @@ def verify(replayed: Sequence[Group], recorded: Sequence[Group]) -> Difference |
                 expected_config=rec.config_id,
                 got_config=None,
             )
-        if (got.config_id, got.decisions) != (rec.config_id, rec.decisions):
+        if got.config_id != rec.config_id or _comparable(got.decisions) != _comparable(
+            rec.decisions
+        ):
             return Difference(
                 input_id=rec.input_id,
                 at_ms=rec.at_ms,
@@ -696,6 +698,27 @@ def _unrecorded(group: Group, *, pending: bool) -> Difference:
 
 def _canonical(decisions: Iterable[Mapping[str, JSONValue]]) -> bytes:
     return orjson.dumps(list(decisions), option=orjson.OPT_SORT_KEYS)
+
+
+def _comparable(value: object) -> JSONValue:
+    """Decisions as a replay compares them across builds: a message's ``schema`` without its
+    minor version, and null properties left out. A newer minor version only adds optional
+    properties (``docs/wire-contract.md``, "Versions"), null unless set, so a decision
+    recorded by an older build equals the same decision made now; any value that differs
+    still shows."""
+    if isinstance(value, Mapping):
+        out: dict[str, JSONValue] = {}
+        for key, item in value.items():
+            if item is None:
+                continue
+            if key == "schema" and isinstance(item, str):
+                out[key] = item.rpartition(".")[0] or item
+            else:
+                out[key] = _comparable(item)
+        return out
+    if isinstance(value, list | tuple):
+        return [_comparable(item) for item in value]
+    return cast(JSONValue, value)
 
 
 # -- what-if ----------------------------------------------------------------------------------
