@@ -1,7 +1,8 @@
 """The ``examples/llm_fsdp`` job (FSDP2 over gloo, AdamW, asynchronous DCP checkpoints,
 torchdata's ``StatefulDataLoader`` with a worker process) under a real ``trainguard daemon``
 and ``trainguard run``, on the embedded bus and on Kafka (issue 15, item 6 and the first
-"Done when" bullet; the S3 variant waits for the S3 dev server, see ``llm_env``).
+"Done when" bullet), with checkpoints on a local path and on a real S3 server
+(``deploy/s3/s3-dev``'s S3Proxy, the ``s3_bucket`` fixture).
 
 Every scenario ends with the verdict of the charlm scenarios (:func:`assert_exact`): the
 supervisor exits 0, the final (gathered, unsharded) parameters are bitwise equal to an
@@ -70,24 +71,26 @@ def llm_command(out: Path, shape: Shape, extra: Sequence[str] = ()) -> list[str]
     ]
 
 
-def llm_env(out: Path, faults: str = "") -> dict[str, str]:
+def llm_env(out: Path, faults: str = "", checkpoint_uri: str | None = None) -> dict[str, str]:
     """Worker environment: charlm's (checkpoints and fault markers under ``out/checkpoints``,
-    heartbeats every 0.5 s, ``faults``), this test's ``PYTHONPATH``, and the example's own
-    default checkpoint format (``dcp``) said out loud.
-
-    S3: once the S3 dev server exists (``deploy/s3/s3-dev``, ``tests/support/s3_dev.py``,
-    being built on branch ``s3dev``), a variant sets ``TRAINGUARD_CHECKPOINT_URI`` to
-    ``s3://<bucket>/<prefix>`` with the fixture's AWS variables here.
-    """
+    heartbeats every 0.5 s, ``faults``), this test's ``PYTHONPATH``, the example's own default
+    checkpoint format (``dcp``) said out loud, and ``checkpoint_uri`` as
+    ``TRAINGUARD_CHECKPOINT_URI`` when given (the AWS variables of an ``s3://`` one come from
+    the ``s3_env`` fixture, in ``os.environ``, which the processes inherit)."""
     env = charlm_env(out, REPO, faults=faults)
     env["PYTHONPATH"] = _pythonpath()
     env["TRAINGUARD_CHECKPOINT_FORMAT"] = "dcp"
     env["OMP_NUM_THREADS"] = "1"
+    if checkpoint_uri is not None:
+        env["TRAINGUARD_CHECKPOINT_URI"] = checkpoint_uri
     return env
 
 
 class LLMRun(JobRun):
-    """A :class:`JobRun` of the ``examples/llm_fsdp`` job instead of charlm's."""
+    """A :class:`JobRun` of the ``examples/llm_fsdp`` job instead of charlm's, its DCP
+    checkpoints under :attr:`checkpoint_uri` (``None``: ``run/checkpoints``)."""
+
+    checkpoint_uri: str | None = None
 
     def start_job(
         self,
@@ -105,7 +108,7 @@ class LLMRun(JobRun):
             prefix=self.bus.prefix,
             nproc_per_node=self.shape.world_size,
             log_path=self.workdir / "supervisor.log",
-            env=llm_env(self.out, faults),
+            env=llm_env(self.out, faults, self.checkpoint_uri),
             grace_s=GRACE_S,
             args=run_args,
         )
@@ -157,6 +160,23 @@ def _kill_step() -> tuple[int, int]:
 def test_an_fsdp_rank_killed_at_a_random_step_is_restored_once_and_bitwise_exact(
     llm_run: LLMRun,
 ) -> None:
+    _kill_at_a_random_step(llm_run)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)  # storage is bus-blind
+def test_the_random_kill_with_dcp_checkpoints_on_s3_is_restored_once_and_bitwise_exact(
+    llm_run: LLMRun, s3_bucket: str
+) -> None:
+    llm_run.checkpoint_uri = f"s3://{s3_bucket}/checkpoints"
+    target = _kill_at_a_random_step(llm_run)
+    folder = target.shards[0].uri
+    assert folder.startswith(f"{llm_run.checkpoint_uri}/"), f"{folder} {llm_run.describe()}"
+
+
+def _kill_at_a_random_step(llm_run: LLMRun) -> Manifest:
+    """SIGKILL rank 1 at a random step; check the restore and the outcome; return the
+    restore's target."""
     seed, step = _kill_step()
     faults = f"kill@step={step},rank=1"
     llm_run.context = f"TRAINGUARD_SCENARIO_SEED={seed}: {faults}"
@@ -179,6 +199,7 @@ def test_an_fsdp_rank_killed_at_a_random_step_is_restored_once_and_bitwise_exact
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= names, llm_run.describe()
     assert [r.generation for r in record.resumes()] == [1], llm_run.describe()
     assert_exact(llm_run, code, record)
+    return target
 
 
 @pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)  # the rule is bus-blind
