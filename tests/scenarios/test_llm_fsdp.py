@@ -149,12 +149,11 @@ def llm_run(bus_factory: BusFactory, tmp_path: Path, reference: Path) -> Iterato
         run.close()
 
 
-def _kill_step() -> tuple[int, int]:
-    """A kill step drawn from a seed (``$TRAINGUARD_SCENARIO_SEED`` to replay one): after the
-    first checkpoint (with a few steps for its asynchronous write to commit), before the end;
-    returns ``(seed, step)``."""
+def _kill_step(first: int) -> tuple[int, int]:
+    """A kill step drawn from a seed (``$TRAINGUARD_SCENARIO_SEED`` to replay one), from
+    ``first`` to the step before the last; returns ``(seed, step)``."""
     seed = int(os.environ.get("TRAINGUARD_SCENARIO_SEED") or random.SystemRandom().randrange(10**6))
-    return seed, random.Random(seed).randrange(SHAPE.checkpoint_every + 5, SHAPE.steps - 1)
+    return seed, random.Random(seed).randrange(first, SHAPE.steps - 1)
 
 
 def test_an_fsdp_rank_killed_at_a_random_step_is_restored_once_and_bitwise_exact(
@@ -169,19 +168,27 @@ def test_the_random_kill_with_dcp_checkpoints_on_s3_is_restored_once_and_bitwise
     llm_run: LLMRun, s3_bucket: str
 ) -> None:
     llm_run.checkpoint_uri = f"s3://{s3_bucket}/checkpoints"
-    target = _kill_at_a_random_step(llm_run)
+    # A process's first save to S3 takes seconds more than the next ones (measured ~2.5 s
+    # here: s3fs, aiobotocore and the first connection, on the agent's writer thread), during
+    # which training goes on: the kill comes after the second checkpoint, at 0.3 s a step.
+    target = _kill_at_a_random_step(
+        llm_run, first=2 * SHAPE.checkpoint_every + 2, extra=["--step-period=0.3"]
+    )
     folder = target.shards[0].uri
     assert folder.startswith(f"{llm_run.checkpoint_uri}/"), f"{folder} {llm_run.describe()}"
 
 
-def _kill_at_a_random_step(llm_run: LLMRun) -> Manifest:
-    """SIGKILL rank 1 at a random step; check the restore and the outcome; return the
-    restore's target."""
-    seed, step = _kill_step()
+def _kill_at_a_random_step(
+    llm_run: LLMRun, first: int = SHAPE.checkpoint_every + 5, extra: Sequence[str] = ()
+) -> Manifest:
+    """SIGKILL rank 1 at a random step from ``first`` on (by default a few steps after the
+    first checkpoint, for its asynchronous write to commit), with ``extra`` options of the
+    example; check the restore and the outcome; return the restore's target."""
+    seed, step = _kill_step(first)
     faults = f"kill@step={step},rank=1"
     llm_run.context = f"TRAINGUARD_SCENARIO_SEED={seed}: {faults}"
     llm_run.start_daemon()
-    llm_run.start_job(faults)
+    llm_run.start_job(faults, extra=extra)
     code = llm_run.finish()
     record = llm_run.record()
 
