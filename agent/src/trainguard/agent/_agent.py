@@ -819,16 +819,26 @@ class Agent:
         computed while writing; then a ``checkpoint`` event carries URI, size, digest, cursor
         and metadata. The daemon commits ``step`` once every rank's shard is in.
 
+        With ``checkpoint_format="dcp"`` (``docs/checkpoints.md``), ``state`` is a DCP state
+        dict (``get_state_dict(model, optimizer)``'s, DTensors welcome) and every rank must
+        call this at the same step: it is written with ``torch.distributed.checkpoint``
+        (``dcp.save``, or ``dcp.async_save`` when not ``blocking``) into
+        ``<checkpoint_uri>/<job>/g<generation:06>/s<step:010>/``, each file digested as it is
+        written; the RNG states, cursor and step go into this rank's
+        ``trainguard.rank<rank:05>.pt`` beside it, and the event lists the rank's files.
+
         One write runs at a time: a call first waits for the previous write to finish, in the
         declared phase ``checkpoint``. ``blocking=True`` writes on the calling thread, declaring
         the phase ``checkpoint`` meanwhile. ``blocking=False`` makes the calling thread pay only
-        for copying ``state`` to fresh host memory; a background thread writes and announces it.
+        for copying ``state`` to host memory (DCP: into the buffers of DCP's stager, kept and
+        reused across checkpoints); a background thread writes and announces it.
 
         Returns:
             A future of the announced event (``shard_uri``, ``size_bytes``, ``digest``); done
             on return when ``blocking``. A failed write is not raised here: the future holds
-            the ``OSError`` (or serialization error), and it is logged and counted in
-            :attr:`stats`; training can go on, the daemon just does not commit ``step``.
+            the ``OSError`` (or serialization error; DCP: a ``RuntimeError`` naming every
+            rank's failure), and it is logged and counted in :attr:`stats`; training can go
+            on, the daemon just does not commit ``step``.
 
         Raises:
             ValueError: ``state`` uses the key :data:`RESERVED_KEY`.
