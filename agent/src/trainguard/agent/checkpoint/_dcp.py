@@ -36,6 +36,7 @@ import io
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,11 +112,20 @@ class _Ledger:
             return tuple(sorted(self._files.values(), key=lambda f: f.name))
 
 
+_OVERLAP_BYTES = 1 << 20
+"""Writes at least this large are hashed on another thread while they are written."""
+
+
 class _HashingStream(io.RawIOBase):
     """A write stream that hashes and counts what passes through to ``raw``.
 
     ``tell`` is the count (the stream was opened empty, for writing), which is all DCP asks of
     it besides ``write``, ``flush``, ``fileno`` (for ``fsync``) and ``close``.
+
+    A large write is hashed on a helper thread while this thread writes it: ``hashlib`` and
+    file writes both release the GIL, so the digest costs little more than the write itself
+    (``bench/checkpoint.py``, part 2). ``write`` returns only once both are done, so the caller
+    may reuse its buffer as usual.
     """
 
     def __init__(self, raw: Any) -> None:
@@ -123,15 +133,25 @@ class _HashingStream(io.RawIOBase):
         self._raw = raw
         self.sha = hashlib.sha256()
         self.size = 0
+        self._hasher: ThreadPoolExecutor | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.sha.update(view)
         self.size += len(view)
-        self._raw.write(view)
+        if len(view) < _OVERLAP_BYTES:
+            self.sha.update(view)
+            self._raw.write(view)
+            return len(view)
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="trainguard-sha256")
+        hashed = self._hasher.submit(self.sha.update, view)
+        try:
+            self._raw.write(view)
+        finally:
+            hashed.result()
         return len(view)
 
     def tell(self) -> int:
@@ -144,6 +164,9 @@ class _HashingStream(io.RawIOBase):
         return cast(int, self._raw.fileno())
 
     def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
         if not self.closed:
             self._raw.flush()
         super().close()
