@@ -27,9 +27,11 @@ Outputs under ``--out``: the bus (``bus.db``, when trainguard's supervisor does 
 another), the checkpoints (``checkpoints/``, or ``TRAINGUARD_CHECKPOINT_URI``),
 ``ledger-rank-*.jsonl`` (:mod:`examples.charlm.ledger`: the sample ids each rank trained at
 each step), and from rank 0 ``final.pt`` (the full, unsharded state dict) and ``final.sha256``
-(:func:`examples.charlm.model.parameter_digest` of it). With one seed, an uninterrupted run and a
-run killed and restored from a committed checkpoint end with bitwise-equal parameters
-(``README.md`` says why). Logs are JSON lines on stderr.
+(:func:`examples.charlm.model.parameter_digest` of it); with ``--dump-state``, also from rank 0
+the full model and optimizer state right after a restore (``restored-state.pt``) and at the end
+(``final-state.pt``). With one seed, an uninterrupted run and a run killed and restored from a
+committed checkpoint end with bitwise-equal parameters (``README.md`` says why). Logs are JSON
+lines on stderr.
 """
 
 from __future__ import annotations
@@ -97,6 +99,9 @@ class TrainConfig:
         step_period: each step lasts at least this many seconds (it sleeps the rest), to pace
             the job like a bigger one; the numbers are unchanged.
         model: the model shape.
+        dump_state: rank 0 also writes the full (unsharded) model and optimizer state right
+            after a restore (``restored-state.pt``) and at the end (``final-state.pt``): what
+            a test compares to check that a restore, on any world size, loaded what was saved.
     """
 
     steps: int
@@ -111,6 +116,7 @@ class TrainConfig:
     threads: int
     step_period: float
     model: LLMConfig
+    dump_state: bool = False
 
     def hyperparameters(self) -> dict[str, Any]:
         """The settings a restored run must share with its checkpoint to stay bitwise exact
@@ -257,6 +263,21 @@ def restore(agent: Agent, run: Run, config: TrainConfig, target: Manifest) -> in
     return target.step
 
 
+def dump_full_state(run: Run, rank: int, path: Path) -> None:
+    """Write the full (unsharded) model and optimizer state dicts, keyed by parameter names
+    (as ``get_state_dict`` keys them on any world size), to ``path`` from rank 0:
+    ``{"model": ..., "optim": ...}``. Collective: every rank sends its shards."""
+    model, optimizer = get_state_dict(
+        run.model,
+        run.optimizer,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+    )
+    if rank == 0:
+        buffer = io.BytesIO()
+        torch.save({"model": model, "optim": optimizer}, buffer)
+        _atomic_write(path, buffer.getvalue())
+
+
 def batches(loader: StatefulDataLoader) -> Iterator[tuple[list[int], torch.Tensor]]:
     """Yield ``(sample ids, windows)`` endlessly, one per step, pass after pass."""
     while True:
@@ -291,6 +312,8 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
         if target is not None:
             step = restore(agent, run, config, target)
             log.info("restored", step=step, snapshot_id=target.snapshot_id)
+            if config.dump_state:
+                dump_full_state(run, rank, config.out / "restored-state.pt")
         if agent.skip is not None and agent.skip.from_step > step:
             run.sampler.skip(agent.skip, restored_step=step)
         agent.ready(step, cursor=run.position.cursor)
@@ -317,6 +340,8 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
                     )
                     saved.add_done_callback(functools.partial(_log_checkpoint, log, step))
             agent.wait_checkpoints()
+        if config.dump_state:  # the state of the last step, which the last checkpoint saved
+            dump_full_state(run, rank, config.out / "final-state.pt")
         # Collective: every rank sends its shards, rank 0 receives the whole model.
         full = get_model_state_dict(
             run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -385,6 +410,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         metavar="S",
         help="each step lasts at least S seconds, sleeping the rest (numbers unchanged)",
     )
+    parser.add_argument(
+        "--dump-state",
+        action="store_true",
+        help="rank 0 writes the full model and optimizer state after a restore "
+        "(restored-state.pt) and at the end (final-state.pt)",
+    )
     parser.add_argument("--context", type=int, default=LLMConfig.context, help="bytes per sample")
     parser.add_argument("--d-model", type=int, default=LLMConfig.d_model)
     parser.add_argument("--layers", type=int, default=LLMConfig.n_layers)
@@ -407,6 +438,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         workers=args.workers,
         threads=args.threads,
         step_period=args.step_period,
+        dump_state=args.dump_state,
         model=LLMConfig(
             context=args.context,
             d_model=args.d_model,
