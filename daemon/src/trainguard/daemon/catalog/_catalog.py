@@ -382,10 +382,11 @@ def compat(
         else:
             warnings.append(
                 f"world size {new_size} != {size}: this DCP snapshot is resharded onto "
-                f"{new_size} ranks as it loads; the data cursor is world-size independent, so "
-                f"no sample is skipped or repeated, but a step trains {new_size}/{size} of the "
-                "samples it did (a data loader state that only its own rank can resume, such as "
-                "a StatefulDataLoader without trainguard's sampler, is refused on restore)"
+                f"{_span('rank', 0, new_size - 1)} as it loads; the data cursor is world-size "
+                "independent, so no sample is skipped or repeated, but with the same per-rank "
+                f"batch a step trains {new_size} ranks' samples where it trained {size} (a data "
+                "loader state that only its own rank can resume, such as a StatefulDataLoader "
+                "without trainguard's sampler, is refused on restore)"
             )
     elif new_size is not None and new_size != size:
         split = {
