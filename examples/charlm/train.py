@@ -387,9 +387,9 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
                         cursor=run.sampler.cursor,
                         blocking=config.blocking_checkpoints,
                     )
-                    saved.add_done_callback(functools.partial(_log_checkpoint, log, step))
+                    saved.add_done_callback(functools.partial(log_checkpoint, log, step))
         if rank == 0:
-            write_final(config.out, run.model)
+            write_final(config.out, run.model.state_dict())
         log.info(
             "finished",
             step=config.steps,
@@ -400,27 +400,28 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
         )
 
 
-def _log_checkpoint(log: Any, step: int, done: Future[Checkpoint]) -> None:
+def log_checkpoint(log: Any, step: int, done: Future[Checkpoint]) -> None:
     """Log the outcome of the checkpoint of ``step`` (runs on the thread that finished it)."""
     error = done.exception()
     if error is not None:
         log.error("checkpoint_failed", step=step, error=str(error))
         return
     event = done.result()
-    log.info("checkpoint", step=step, bytes=event.size_bytes, digest=event.digest)
+    files = None if event.files is None else len(event.files)
+    log.info("checkpoint", step=step, bytes=event.size_bytes, digest=event.digest, files=files)
 
 
-def write_final(out: Path, model: nn.Module) -> None:
+def write_final(out: Path, state: Mapping[str, torch.Tensor]) -> None:
     """Write ``final.pt`` (the state dict) and ``final.sha256`` (its parameter digest), each
-    atomically (temporary file, fsync, rename)."""
-    state = model.state_dict()
+    atomically (:func:`atomic_write`)."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
-    _atomic_write(out / "final.pt", buffer.getvalue())
-    _atomic_write(out / "final.sha256", f"{parameter_digest(state)}\n".encode())
+    torch.save(dict(state), buffer)
+    atomic_write(out / "final.pt", buffer.getvalue())
+    atomic_write(out / "final.sha256", f"{parameter_digest(state)}\n".encode())
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically and durably: temporary file, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("wb") as file:

@@ -45,7 +45,6 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -66,10 +65,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from examples.charlm.data import ByteWindows
 from examples.charlm.ledger import LedgerWriter, ledger_path
-from examples.charlm.model import next_byte_loss, parameter_digest
-from examples.charlm.train import derive_seed
+from examples.charlm.model import next_byte_loss
+from examples.charlm.train import atomic_write, derive_seed, log_checkpoint, write_final
 from trainguard.agent import Agent, AgentConfig, LoaderState, ResumableDistributedSampler
-from trainguard.schemas import Checkpoint, Manifest
+from trainguard.schemas import Manifest
 
 from .model import LLMConfig, TinyLLM
 
@@ -275,7 +274,7 @@ def dump_full_state(run: Run, rank: int, path: Path) -> None:
     if rank == 0:
         buffer = io.BytesIO()
         torch.save({"model": model, "optim": optimizer}, buffer)
-        _atomic_write(path, buffer.getvalue())
+        atomic_write(path, buffer.getvalue())
 
 
 def batches(loader: StatefulDataLoader) -> Iterator[tuple[list[int], torch.Tensor]]:
@@ -338,7 +337,7 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
                         cursor=run.position.cursor,
                         blocking=config.blocking_checkpoints,
                     )
-                    saved.add_done_callback(functools.partial(_log_checkpoint, log, step))
+                    saved.add_done_callback(functools.partial(log_checkpoint, log, step))
             agent.wait_checkpoints()
         if config.dump_state:  # the state of the last step, which the last checkpoint saved
             dump_full_state(run, rank, config.out / "final-state.pt")
@@ -355,35 +354,6 @@ def train(config: TrainConfig, settings: AgentConfig) -> None:
             steps_run=len(durations),
             step_seconds_median=statistics.median(durations) if durations else None,
         )
-
-
-def _log_checkpoint(log: Any, step: int, done: Future[Checkpoint]) -> None:
-    """Log the outcome of the checkpoint of ``step`` (runs on the thread that finished it)."""
-    error = done.exception()
-    if error is not None:
-        log.error("checkpoint_failed", step=step, error=str(error))
-        return
-    event = done.result()
-    log.info("checkpoint", step=step, bytes=event.size_bytes, files=len(event.files or ()))
-
-
-def write_final(out: Path, state: Mapping[str, torch.Tensor]) -> None:
-    """Write ``final.pt`` (the full state dict) and ``final.sha256`` (its parameter digest),
-    each atomically (temporary file, fsync, rename)."""
-    buffer = io.BytesIO()
-    torch.save(dict(state), buffer)
-    _atomic_write(out / "final.pt", buffer.getvalue())
-    _atomic_write(out / "final.sha256", f"{parameter_digest(state)}\n".encode())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    tmp.replace(path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
