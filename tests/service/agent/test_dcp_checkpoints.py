@@ -245,6 +245,31 @@ def test_object_storage_needs_the_dcp_format(make_agent: Callable[..., Any]) -> 
     with pytest.raises(ConfigError, match="is no URL"):
         make_agent(checkpoint_format="dcp", checkpoint_uri="bucket/ckpt")
     make_agent(checkpoint_format="dcp", checkpoint_uri="s3://bucket/ckpt")
+    with pytest.raises(ConfigError, match="no storage for nosuchscheme://"):
+        make_agent(checkpoint_format="dcp", checkpoint_uri="nosuchscheme://bucket/ckpt")
+
+
+@pytest.mark.s3
+def test_a_save_to_a_missing_bucket_fails_in_one_line(
+    make_agent: Callable[..., Any], bus_url: str, s3_env: Any
+) -> None:
+    """A save the storage refuses is a failed checkpoint, reported with the storage's own
+    reason in one line (not DCP's gathered tracebacks); training goes on."""
+    from trainguard.schemas import Lifecycle
+
+    store = "s3://no-such-bucket-trainguard/ckpt"
+    with make_agent(checkpoint_format="dcp", checkpoint_uri=store) as agent:
+        agent.ready(0)
+        for blocking in (True, False):
+            failed = agent.checkpoint(2, state_of(5), cursor=CURSOR, blocking=blocking)
+            error = failed.exception()
+            assert isinstance(error, RuntimeError)
+            assert str(error).startswith("DCP save failed on rank 0: FileNotFoundError: ")
+            assert "\n" not in str(error)
+        assert agent.stats.checkpoint_failures == 2
+    reports = [e for e in of_type(read_events(bus_url, JOB), Lifecycle) if e.kind == "error"]
+    assert len(reports) == 2
+    assert all("\n" not in e.message and "bucket" in e.message for e in reports)
 
 
 @pytest.mark.s3

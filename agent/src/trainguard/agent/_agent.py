@@ -980,8 +980,9 @@ class Agent:
                     no_dist=group is None,
                 )
             except _save_failures() as exc:
-                self._write_failed(template.step, exc)
-                done.set_exception(_as_error(exc))
+                error = _as_error(exc)
+                self._write_failed(template.step, error)
+                done.set_exception(error)
                 return done
             pending = cast("Future[Any]", upload)
             self._pending = self._writer.submit(
@@ -1018,8 +1019,11 @@ class Agent:
             save()
             write.write_sidecar(self.config.rank, own)
         except _save_failures() as exc:
-            self._write_failed(template.step, exc)
-            raise _as_error(exc) from exc
+            error = _as_error(exc)
+            self._write_failed(template.step, error)
+            if error is exc:
+                raise
+            raise error from exc
         files = write.files()
         shard = dataclasses.replace(
             template,
@@ -1057,11 +1061,22 @@ def _save_failures() -> tuple[type[BaseException], ...]:
 
 def _as_error(exc: BaseException) -> Exception:
     """``exc`` itself when it is an ``Exception``; DCP's ``CheckpointException`` (a
-    ``BaseException``, gathered from every rank) as a ``RuntimeError`` naming it, so that it
-    is handled as the failed write it is rather than as an interrupt."""
+    ``BaseException``, gathered from every rank, whose text holds each rank's traceback) as a
+    ``RuntimeError`` naming each failed rank's error in one line (``"DCP save failed on rank
+    0: FileNotFoundError: The specified bucket does not exist"``), so that it is handled and
+    reported as the failed write it is rather than as an interrupt."""
     if isinstance(exc, Exception):
         return exc
-    error = RuntimeError(f"DCP save failed: {exc}")
+    failures: Mapping[int, Any] = getattr(exc, "failures", {})
+    causes = []
+    for rank in sorted(failures)[:4]:
+        failure = failures[rank]
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        causes.append(
+            f"rank {rank}: {_describe(cause) if isinstance(cause, BaseException) else cause}"
+        )
+    more = f" (and {len(failures) - 4} more ranks)" if len(failures) > 4 else ""
+    error = RuntimeError(f"DCP save failed on {'; '.join(causes) or str(exc)}{more}")
     error.__cause__ = exc
     return error
 

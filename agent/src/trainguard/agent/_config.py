@@ -196,6 +196,8 @@ class AgentConfig:
                     f"checkpoint_uri {self.checkpoint_uri!r} is no URL: give a scheme, e.g. "
                     "s3://bucket/prefix or file:///shared/checkpoints"
                 )
+            if scheme != "file":
+                _check_storage(self.checkpoint_uri, scheme)
             if self.checkpoint_format != "dcp":
                 raise ConfigError(
                     f"checkpoint_uri {self.checkpoint_uri!r}: only the dcp checkpoint format "
@@ -274,6 +276,20 @@ class AgentConfig:
             ),
             parent=self.init_from,
         )
+
+
+def _check_storage(uri: str, scheme: str) -> None:
+    """Raise :class:`ConfigError` when fsspec has no installed implementation for ``scheme``
+    (``s3://`` needs s3fs: the ``s3`` extra)."""
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as exc:
+        hint = " (pip install 'trainguard[s3]')" if scheme in ("s3", "s3a") else ""
+        raise ConfigError(
+            f"checkpoint_uri {uri!r}: no storage for {scheme}://: {exc}{hint}"
+        ) from exc
 
 
 _PROBE_CURSOR = DataCursor(data_version="probe", seed=0, epoch=0, offset=0, world_size=1)
