@@ -314,3 +314,28 @@ def test_a_dcp_checkpoint_on_object_storage_round_trips_and_is_verified(
     with pytest.raises(ShardMissing, match=r"__0_0\.distcp"):
         load_dcp(shards, zeros_like(state_of(4)), 0, process_group=None)
     assert dcp_problems(shards, verify=True) == [f"{distcp} is missing"]
+
+
+def test_a_write_that_fails_records_nothing_and_ends_its_hashing_thread(tmp_path: Path) -> None:
+    import threading
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from trainguard.agent.checkpoint._dcp import DigestingFileSystem, _Ledger
+
+    ledger = _Ledger()
+    fs = DigestingFileSystem(FileSystem(), ledger=ledger)
+
+    def fill_then_fail() -> None:
+        with fs.create_stream(tmp_path / "f", "wb") as out:
+            out.write(b"x" * (2 << 20))  # large: hashed on the helper thread
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        fill_then_fail()
+    assert ledger.files() == ()
+    assert not [t for t in threading.enumerate() if t.name.startswith("trainguard-sha256")]
+    with fs.create_stream(tmp_path / "g", "wb") as out:
+        out.write(b"y" * (2 << 20))
+    (written,) = ledger.files()
+    assert (written.name, written.size_bytes) == ("g", 2 << 20)

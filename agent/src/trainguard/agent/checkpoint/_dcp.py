@@ -163,10 +163,14 @@ class _HashingStream(io.RawIOBase):
     def fileno(self) -> int:
         return cast(int, self._raw.fileno())
 
-    def close(self) -> None:
+    def stop_hashing(self) -> None:
+        """End the helper thread, if one was started (idempotent)."""
         if self._hasher is not None:
             self._hasher.shutdown()
             self._hasher = None
+
+    def close(self) -> None:
+        self.stop_hashing()
         if not self.closed:
             self._raw.flush()
         super().close()
@@ -214,7 +218,11 @@ class DigestingFileSystem:
             raise ShardError(f"{name}: this storage is open for reading only")
         with self._inner.create_stream(path, mode) as raw:
             stream = _HashingStream(raw)
-            yield cast(io.IOBase, stream)
+            try:
+                yield cast(io.IOBase, stream)
+            except BaseException:
+                stream.stop_hashing()  # the write failed: no flush, just end the thread
+                raise
             stream.close()
         self._ledger.record(name, stream.size, f"sha256:{stream.sha.hexdigest()}")
 
