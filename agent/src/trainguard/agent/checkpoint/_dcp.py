@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote, urlsplit
 
 from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
+from trainguard.agent.checkpoint._shards import load_verified_dict
 from trainguard.schemas import Shard, StoredFile, files_digest
 
 if TYPE_CHECKING:
@@ -392,7 +393,6 @@ def load_dcp(
         ShardError: the verified bytes do not load into ``state`` (keys or shapes that do not
             match the checkpoint), or the agent state file does not deserialize.
     """
-    import torch
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -420,13 +420,7 @@ def load_dcp(
     if name not in expected:
         return None
     data = fs.read_verified(reader.fs.concat_path(reader.path, name), name)
-    try:
-        own = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ShardError(f"{folder}/{name} verified but cannot be loaded: {exc}") from exc
-    if not isinstance(own, dict):
-        raise ShardError(f"{folder}/{name} holds a {type(own).__name__}, not a dict")
-    return own
+    return load_verified_dict(data, f"{folder}/{name}")
 
 
 def _first_failure(folder: str, exc: BaseException) -> ShardError:

@@ -30,6 +30,7 @@ __all__ = [
     "WrittenShard",
     "capture_rng",
     "load_shard",
+    "load_verified_dict",
     "restore_rng",
     "shard_path",
     "uri_to_path",
@@ -148,7 +149,6 @@ def load_shard(uri: str, digest: str) -> dict[str, Any]:
         ShardError: ``uri`` is not a ``file://`` URI, the file cannot be read, or the verified
             bytes do not deserialize (e.g. they hold objects ``weights_only`` refuses).
     """
-    import torch
 
     path = uri_to_path(uri)
     try:
@@ -160,12 +160,28 @@ def load_shard(uri: str, digest: str) -> dict[str, Any]:
     actual = f"sha256:{hashlib.sha256(data).hexdigest()}"
     if actual != digest:
         raise ShardCorrupt(f"shard {uri} has digest {actual}, expected {digest}")
+    return load_verified_dict(data, f"shard {uri}")
+
+
+def load_verified_dict(data: bytes, what: str) -> dict[str, Any]:
+    """Deserialize bytes already checked against their digest: ``torch.load`` with
+    ``weights_only=True`` (refuses arbitrary pickled objects), tensors on the CPU.
+
+    Args:
+        data: the verified bytes.
+        what: names them in errors (``"shard file:///..."``).
+
+    Raises:
+        ShardError: they do not deserialize, or hold something other than a dict.
+    """
+    import torch
+
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ShardError(f"shard {uri} verified but cannot be loaded: {exc}") from exc
+        raise ShardError(f"{what} verified but cannot be loaded: {exc}") from exc
     if not isinstance(state, dict):
-        raise ShardError(f"shard {uri} holds a {type(state).__name__}, not a dict")
+        raise ShardError(f"{what} holds a {type(state).__name__}, not a dict")
     return state
 
 
