@@ -9,12 +9,15 @@ state after saving) and ``loaded-<tag>.pt`` (rank 0: the full state after loadin
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore  # dist.FileStore, as the stubs know it
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -22,11 +25,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import save
+from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from trainguard.agent.checkpoint._dcp import load_dcp, storage_writer
+from trainguard.agent.checkpoint._shards import HostStager
 from trainguard.schemas import Shard, StoredFile, files_digest
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -59,24 +63,46 @@ def _full(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     }
 
 
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 16)).square().mean().backward()
+    optimizer.step()
+
+
 def save_rank(rank: int, world_size: int, root: str, uri: str) -> None:
-    """Train one step on rank-specific data, save the snapshot at ``uri``, record the files."""
+    """Train one step on rank-specific data, save the snapshot at ``uri`` asynchronously as
+    the agent does (staged by :class:`HostStager`, written on DCP's thread over a group of its
+    own), train on while it is written, record the files and (rank 0) the state at the save."""
     where = Path(root)
     _group(where, "save", rank, world_size)
     try:
         model, optimizer = _model(world_size)
         torch.manual_seed(1 + rank)
-        model(torch.randn(8, 16)).square().mean().backward()
-        optimizer.step()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        write = storage_writer(uri)
-        save({"model": model_state, "optim": optim_state}, storage_writer=write.writer)
-        write.write_sidecar(rank, {"rank": rank})
-        listed = [[f.name, f.size_bytes, f.digest] for f in write.files()]
-        (where / f"files{rank}.json").write_text(json.dumps(listed))
+        _train_step(model, optimizer)
         full = _full(model, optimizer)
         if rank == 0:
             torch.save(full, where / "reference.pt")
+        model_state, optim_state = get_state_dict(model, optimizer)
+        write = storage_writer(uri)
+        trained = threading.Event()  # the write starts only once training changed the state
+        write_data = write.writer.write_data
+
+        def write_later(plan: Any, planner: Any) -> Any:
+            trained.wait()
+            return write_data(plan, planner)
+
+        write.writer.write_data = write_later  # type: ignore[method-assign]
+        upload = async_save(
+            {"model": model_state, "optim": optim_state},
+            storage_writer=write.writer,
+            process_group=dist.new_group(backend="gloo"),
+            async_stager=cast(AsyncStager, HostStager()),
+        )
+        _train_step(model, optimizer)  # changes every tensor the save holds a copy of
+        trained.set()
+        cast("Future[object]", upload).result()
+        write.write_sidecar(rank, {"rank": rank})
+        listed = [[f.name, f.size_bytes, f.digest] for f in write.files()]
+        (where / f"files{rank}.json").write_text(json.dumps(listed))
     finally:
         dist.destroy_process_group()
 

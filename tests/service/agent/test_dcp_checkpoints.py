@@ -321,21 +321,51 @@ def test_a_write_that_fails_records_nothing_and_ends_its_hashing_thread(tmp_path
 
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from trainguard.agent.checkpoint._dcp import DigestingFileSystem, _Ledger
+    from trainguard.agent.checkpoint._dcp import _POOL, DigestingFileSystem, _Ledger
 
     ledger = _Ledger()
     fs = DigestingFileSystem(FileSystem(), ledger=ledger)
 
     def fill_then_fail() -> None:
         with fs.create_stream(tmp_path / "f", "wb") as out:
-            out.write(b"x" * (2 << 20))  # large: hashed on the helper thread
+            out.write(b"x" * (9 << 20))  # two full chunks queued, one partly filled
             raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
         fill_then_fail()
     assert ledger.files() == ()
     assert not [t for t in threading.enumerate() if t.name.startswith("trainguard-sha256")]
+    assert _POOL._free.qsize() == _POOL._made  # every chunk buffer is back in the pool
     with fs.create_stream(tmp_path / "g", "wb") as out:
         out.write(b"y" * (2 << 20))
     (written,) = ledger.files()
     assert (written.name, written.size_bytes) == ("g", 2 << 20)
+
+
+def test_the_digest_is_the_sha256_of_the_bytes_whatever_the_sizes_of_the_writes(
+    tmp_path: Path,
+) -> None:
+    """Writes of every size, straddling the 4 MiB chunks the helper thread hashes, from
+    buffers the caller reuses at once (as DCP does): the digest is ``sha256sum``'s."""
+    import hashlib
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from trainguard.agent.checkpoint._dcp import DigestingFileSystem, _Ledger
+
+    ledger = _Ledger()
+    fs = DigestingFileSystem(FileSystem(), ledger=ledger)
+    rng = random.Random(5)
+    buffer = bytearray(9 << 20)
+    expected = hashlib.sha256()
+    with fs.create_stream(tmp_path / "f", "wb") as out:
+        for size in [0, 1, 4095, (4 << 20) - 3, 5, 4 << 20, 9 << 20, 17] * 2:
+            buffer[:size] = rng.randbytes(size)
+            out.write(memoryview(buffer)[:size])
+            expected.update(memoryview(buffer)[:size])
+            buffer[:size] = bytes(size)  # the caller reuses its buffer once write returns
+    (written,) = ledger.files()
+    data = (tmp_path / "f").read_bytes()
+    assert written.size_bytes == len(data)
+    assert written.digest == f"sha256:{hashlib.sha256(data).hexdigest()}"
+    assert written.digest == f"sha256:{expected.hexdigest()}"

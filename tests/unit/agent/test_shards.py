@@ -144,3 +144,28 @@ def test_the_stager_reuses_its_buffers_while_the_shapes_stay():
     third = stager.stage({"w": torch.ones(5)})  # new shapes: new buffers
     assert third["w"].shape == (5,)
     assert torch.equal(second["w"], torch.full((4,), 2.0))  # the old copy is not touched
+
+
+def test_leaves_that_can_change_are_copied_and_scalars_are_kept():
+    import numpy as np
+
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 1
+
+    counter, array, blob = Counter(), np.zeros(2), bytearray(b"ab")
+    sub = torch.zeros(2).as_subclass(_Marked)
+    copy = HostStager().stage(
+        {"c": counter, "a": array, "b": blob, "sub": sub, "dtype": torch.float16, "s": "x"}
+    )
+    counter.n, array[0], blob[0] = 2, 7.0, ord("z")
+    sub.add_(1.0)
+    assert (copy["c"].n, copy["a"][0], bytes(copy["b"])) == (1, 0.0, b"ab")
+    assert type(copy["sub"]) is _Marked
+    assert torch.equal(copy["sub"], torch.zeros(2))
+    assert copy["dtype"] is torch.float16
+    assert copy["s"] == "x"
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass the stager knows nothing of (cloned)."""

@@ -225,9 +225,8 @@ class Agent:
         self._pending: Future[Checkpoint] | None = None
         self._written = 0
         self._write_failures = 0
-        self._stager = HostStager()
+        self._stager = HostStager()  # also DCP's async_stager
         # DCP only, made at the first DCP checkpoint or load (see _dcp_group).
-        self._dcp_stager: AsyncStager | None = None
         self._dcp_pg: tuple[ProcessGroup | None] | None = None
         self._restore: Restore | None = None
         self._initial: Manifest | None = None  # init_from's manifest, once read
@@ -326,8 +325,7 @@ class Agent:
             return
         self._state = "closed"
         self._writer.shutdown(wait=True)
-        if self._dcp_stager is not None:
-            self._dcp_stager.close()
+        self._stager.close()
         self._link.close(self.config.close_timeout_s if timeout_s is None else timeout_s)
         self._step_cell = None
         if self._steps is not None:
@@ -830,8 +828,9 @@ class Agent:
         One write runs at a time: a call first waits for the previous write to finish, in the
         declared phase ``checkpoint``. ``blocking=True`` writes on the calling thread, declaring
         the phase ``checkpoint`` meanwhile. ``blocking=False`` makes the calling thread pay only
-        for copying ``state`` to host memory (DCP: into the buffers of DCP's stager, kept and
-        reused across checkpoints); a background thread writes and announces it.
+        for copying ``state`` to host memory, into buffers kept and reused across
+        checkpoints (:class:`~trainguard.agent.checkpoint.HostStager`, in both formats); a
+        background thread writes and announces it.
 
         Returns:
             A future of the announced event (``shard_uri``, ``size_bytes``, ``digest``); done
@@ -936,23 +935,6 @@ class Agent:
                 self._dcp_pg = (None,)
         return self._dcp_pg[0]
 
-    def _dcp_staging(self) -> AsyncStager:
-        """DCP's stager, kept for the agent's life: it keeps the host copies of the state's
-        tensors and reuses them at the next checkpoint (pinned when CUDA is there)."""
-        if self._dcp_stager is None:
-            import torch
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self._dcp_stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=torch.cuda.is_available(),
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=False,
-                )
-            )
-        return self._dcp_stager
-
     def _checkpoint_dcp(
         self,
         template: Checkpoint,
@@ -976,7 +958,7 @@ class Agent:
                     dict(state),
                     storage_writer=write.writer,
                     process_group=group,
-                    async_stager=self._dcp_staging(),
+                    async_stager=cast("AsyncStager", self._stager),
                     no_dist=group is None,
                 )
             except _save_failures() as exc:

@@ -34,9 +34,10 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import queue
 import threading
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,8 +114,48 @@ class _Ledger:
             return tuple(sorted(self._files.values(), key=lambda f: f.name))
 
 
-_OVERLAP_BYTES = 1 << 20
-"""Writes at least this large are hashed on another thread while they are written."""
+_CHUNK_BYTES = 4 << 20
+"""The hashing thread's unit of work: a copy of this many consecutive bytes of a stream."""
+
+_POOL_CHUNKS = 32
+"""At most this many chunks (128 MiB) are waiting to be hashed, in all streams of a process."""
+
+
+class _ChunkPool:
+    """Reusable chunk buffers, shared by every stream of the process.
+
+    A buffer is allocated the first time one is needed and none is free, up to ``limit``;
+    after that ``take`` waits for one to be given back (a stream holds at most one partly
+    filled buffer, and DCP writes a rank's files with one thread, two at most here: far from
+    the limit). Reused buffers are the point: a
+    fresh 4 MiB allocation is a fresh mapping whose first touch costs a page fault per 4 KiB,
+    more than the copy itself (``bench/checkpoint.py``, part 2).
+    """
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self._limit = limit
+        self._made = 0
+        self._lock = threading.Lock()
+        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+
+    def take(self) -> bytearray:
+        """A buffer of ``size`` bytes (blocks while ``limit`` buffers are in use)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                if self._made < self._limit:
+                    self._made += 1
+                    return bytearray(self.size)
+        return self._free.get()
+
+    def give(self, buffer: bytearray) -> None:
+        """Return a buffer taken with :meth:`take`."""
+        self._free.put(buffer)
+
+
+_POOL = _ChunkPool(_CHUNK_BYTES, _POOL_CHUNKS)
 
 
 class _HashingStream(io.RawIOBase):
@@ -123,37 +164,60 @@ class _HashingStream(io.RawIOBase):
     ``tell`` is the count (the stream was opened empty, for writing), which is all DCP asks of
     it besides ``write``, ``flush``, ``fileno`` (for ``fsync``) and ``close``.
 
-    A large write is hashed on a helper thread while this thread writes it: ``hashlib`` and
-    file writes both release the GIL, so the digest costs little more than the write itself
-    (``bench/checkpoint.py``, part 2). ``write`` returns only once both are done, so the caller
-    may reuse its buffer as usual.
+    The hashing runs on a helper thread, behind the writes: ``write`` copies the bytes into
+    pooled chunk buffers (DCP hands it views of tensor storage that are valid only during the
+    call), hands each full chunk to the helper and returns. ``hashlib`` releases the GIL, so
+    the digest overlaps DCP's serialization, the writes and the ``fsync``; ``close`` waits
+    for the last chunk. The digest is the plain SHA-256 of the stream (``sha256sum`` of the
+    file). The pool bounds the bytes waiting to be hashed; ``write`` waits when it is empty.
     """
 
     def __init__(self, raw: Any) -> None:
         super().__init__()
         self._raw = raw
-        self.sha = hashlib.sha256()
+        self._sha = hashlib.sha256()
         self.size = 0
         self._hasher: ThreadPoolExecutor | None = None
+        self._hashed: list[Future[None]] = []
+        self._chunk: bytearray | None = None
+        self._filled = 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        self._raw.write(view)
         self.size += len(view)
-        if len(view) < _OVERLAP_BYTES:
-            self.sha.update(view)
-            self._raw.write(view)
-            return len(view)
+        done = 0
+        while done < len(view):
+            if self._chunk is None:
+                self._chunk, self._filled = _POOL.take(), 0
+            take = min(len(view) - done, _POOL.size - self._filled)
+            self._chunk[self._filled : self._filled + take] = view[done : done + take]
+            self._filled += take
+            done += take
+            if self._filled == _POOL.size:
+                self._hand_over()
+        return len(view)
+
+    def _hand_over(self) -> None:
+        """Queue the current chunk for hashing (the helper gives it back to the pool)."""
+        chunk, filled = cast(bytearray, self._chunk), self._filled
+        self._chunk = None
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="trainguard-sha256")
-        hashed = self._hasher.submit(self.sha.update, view)
+        self._hashed.append(self._hasher.submit(self._hash, chunk, filled))
+
+    def _hash(self, chunk: bytearray, filled: int) -> None:
         try:
-            self._raw.write(view)
+            self._sha.update(memoryview(chunk)[:filled])
         finally:
-            hashed.result()
-        return len(view)
+            _POOL.give(chunk)
+
+    def digest(self) -> str:
+        """``sha256:<hex>`` of everything written (call after :meth:`close`)."""
+        return f"sha256:{self._sha.hexdigest()}"
 
     def tell(self) -> int:
         return self.size
@@ -165,14 +229,23 @@ class _HashingStream(io.RawIOBase):
         return cast(int, self._raw.fileno())
 
     def stop_hashing(self) -> None:
-        """End the helper thread, if one was started (idempotent)."""
+        """Hash what is queued, end the helper thread and give every buffer back
+        (idempotent). Queued chunks are hashed, not cancelled: a cancelled one would never
+        return its buffer to the pool."""
+        if self._chunk is not None:
+            _POOL.give(self._chunk)
+            self._chunk = None
         if self._hasher is not None:
             self._hasher.shutdown()
             self._hasher = None
 
     def close(self) -> None:
-        self.stop_hashing()
         if not self.closed:
+            if self._chunk is not None and self._filled:
+                self._hand_over()
+            self.stop_hashing()
+            for hashed in self._hashed:
+                hashed.result()  # re-raises what a hashing failed with: no digest then
             self._raw.flush()
         super().close()
 
@@ -225,7 +298,7 @@ class DigestingFileSystem:
                 stream.stop_hashing()  # the write failed: no flush, just end the thread
                 raise
             stream.close()
-        self._ledger.record(name, stream.size, f"sha256:{stream.sha.hexdigest()}")
+        self._ledger.record(name, stream.size, stream.digest())
 
     def keep(self, path: str | os.PathLike[str], name: str) -> None:
         """Verify file ``name`` now and serve its bytes from memory when DCP opens it."""

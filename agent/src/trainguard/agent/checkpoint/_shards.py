@@ -12,6 +12,7 @@ the check and the load cannot slip through.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import os
@@ -186,67 +187,118 @@ def load_verified_dict(data: bytes, what: str) -> dict[str, Any]:
 
 
 class HostStager:
-    """Copies a checkpoint's state to host memory for a background write (async saves).
+    """Copies a checkpoint's state to host memory for a background write (async saves, both
+    formats; for DCP it is the ``async_stager`` of ``dcp.async_save``).
 
     The buffers are kept and reused by the next checkpoint whose tensors have the same shapes
     and dtypes (the usual case: the same model and optimizer every time), so later copies
     allocate nothing and touch no fresh pages; all copies go through one
     ``torch._foreach_copy_`` call, which releases the GIL once rather than once per tensor.
-    (DCP's ``BlockingAsyncStager`` caches likewise, but insists on pinned accelerator memory.)
+    That is the whole training-thread stall of an async save, so it is kept to the copy:
+    DCP's own ``DefaultStager`` rebuilds the state by deep copy around the same copies and
+    takes about half as long again (``bench/checkpoint.py``, part 1). Buffers are pinned when
+    CUDA is present (faster device-to-host copies).
+
+    What a staged copy holds: plain tensors (and parameters) as buffers; a ``DTensor`` (FSDP2,
+    tensor parallel) as a ``DTensor`` of the same mesh, placements, shape and stride whose
+    local tensor is a buffer (no communication); any other tensor subclass cloned; any leaf that
+    is not an immutable scalar (``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
+    ``bytes``, ``torch.dtype``, ``torch.device``) deep-copied; dicts, lists and tuples
+    rebuilt (mappings as ``dict``). So once :meth:`stage` returns, the caller may change
+    anything in its state.
 
     Reusing buffers is safe because the agent stages a checkpoint only after the previous
     write finished. Not thread-safe.
     """
 
+    # DCP's AsyncStager protocol: stage() is synchronous, there is nothing to wait for later.
+    should_synchronize_after_execute = False
+
     def __init__(self) -> None:
         self._buffers: list[Any] = []
 
     def stage(self, state: Any) -> Any:
-        """A copy of ``state`` (nested dicts/lists/tuples) whose tensors live in this stager's
-        host buffers; containers are rebuilt (mappings as ``dict``), other leaves kept as they
-        are. Once it returns, the caller may change its tensors and containers freely."""
+        """A copy of ``state`` (nested dicts/lists/tuples) whose tensors live in this
+        stager's host buffers (the class docstring says what is copied how)."""
         import torch
 
         sources: list[torch.Tensor] = []
-        copy = _rebuild(state, sources)
+        rebuilt = _rebuild(state, sources)
         buffers = self._buffers
         if len(buffers) != len(sources) or any(
             b.shape != t.shape or b.dtype != t.dtype for b, t in zip(buffers, sources, strict=True)
         ):
+            pin = torch.cuda.is_available()
             buffers = self._buffers = [
-                torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in sources
+                torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in sources
             ]
         if sources:
             with torch.no_grad():
                 torch._foreach_copy_(buffers, [t.detach() for t in sources])
-        return _fill(copy, iter(buffers))
+        return _fill(rebuilt, iter(buffers))
+
+    def synchronize_staging(self) -> None:
+        """DCP's AsyncStager protocol: nothing to wait for (:meth:`stage` copies at once)."""
+
+    def close(self) -> None:
+        """Drop the buffers (the next :meth:`stage` allocates again)."""
+        self._buffers = []
 
 
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes)
+
+
+@dataclass(frozen=True, slots=True)
 class _Slot:
-    """Where a tensor goes in a rebuilt container (filled with a staged buffer)."""
+    """Where a staged tensor goes in a rebuilt container; ``dtensor``: the ``DTensor`` whose
+    local tensor it is (its mesh, placements, shape and stride are reused)."""
+
+    dtensor: Any = None
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
 
 
 def _rebuild(state: Any, tensors: list[Any]) -> Any:
     import torch
 
     if isinstance(state, torch.Tensor):
-        tensors.append(state)
-        return _Slot()
+        if type(state) in (torch.Tensor, torch.nn.Parameter):
+            tensors.append(state)
+            return _Slot()
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(state, dtensor):
+            tensors.append(cast(Any, state).to_local())
+            return _Slot(state)
+        return state.detach().clone()
     if isinstance(state, Mapping):
         return {key: _rebuild(value, tensors) for key, value in state.items()}
     if isinstance(state, list | tuple):
         return type(state)(_rebuild(value, tensors) for value in state)
-    return state
+    if isinstance(state, (*_IMMUTABLE, torch.dtype, torch.device)):
+        return state
+    return copy.deepcopy(state)
 
 
-def _fill(copy: Any, buffers: Any) -> Any:
-    if isinstance(copy, _Slot):
-        return next(buffers)
-    if isinstance(copy, dict):
-        return {key: _fill(value, buffers) for key, value in copy.items()}
-    if isinstance(copy, list | tuple):
-        return type(copy)(_fill(value, buffers) for value in copy)
-    return copy
+def _fill(rebuilt: Any, buffers: Any) -> Any:
+    if isinstance(rebuilt, _Slot):
+        buffer = next(buffers)
+        if rebuilt.dtensor is None:
+            return buffer
+        d = rebuilt.dtensor
+        return type(d).from_local(
+            buffer, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
+        )
+    if isinstance(rebuilt, dict):
+        return {key: _fill(value, buffers) for key, value in rebuilt.items()}
+    if isinstance(rebuilt, list | tuple):
+        return type(rebuilt)(_fill(value, buffers) for value in rebuilt)
+    return rebuilt
 
 
 def capture_rng() -> dict[str, Any]:
