@@ -33,6 +33,36 @@ def test_help_lists_exactly_the_commands_and_each_one_has_help() -> None:
         assert f" {command} " in result.output.split("\n", 3)[1], result.output
 
 
+def usage_lines() -> dict[str, str]:
+    """Each command's (and sub-command's) usage line, from its ``--help``."""
+    runner = CliRunner()
+    groups = {"bus": ["check"], "checkpoints": ["list", "show", "lineage", "compat", "prune"],
+              "keys": ["init", "job", "rotate", "show", "retire"],
+              "snapshots": ["list", "show", "verify"]}  # fmt: skip
+    found: dict[str, str] = {}
+    for command in sorted(COMMANDS):
+        for sub in groups.get(command, [""]):
+            args = [command, sub] if sub else [command]
+            out = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "200"}).output
+            [line] = [line for line in out.splitlines() if "Usage:" in line]
+            found[" ".join(args)] = line.split(" ".join(args), 1)[1].strip()
+    return found
+
+
+def test_usage_lines_bracket_each_argument_once_and_name_it_in_capitals() -> None:
+    """An optional argument shows as ``[JOB]`` (typer adds the brackets: a metavar with its
+    own showed ``[[JOB]]``), a required one as ``{JOB}``, named as the help text names it."""
+    usage = usage_lines()
+    assert usage["status"] == "[OPTIONS] [JOB]"
+    assert usage["replay"] == "[OPTIONS] {JOB}"
+    assert usage["run"] == "[OPTIONS] {COMMAND}..."
+    for command, line in usage.items():
+        assert "[[" not in line, (command, line)
+        assert "{{" not in line, (command, line)
+        arguments = line.removeprefix("[OPTIONS]").split()
+        assert all(a.strip("[]{}.").isupper() for a in arguments), (command, line)
+
+
 def test_daemon_logs_json_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [*CLI, "daemon", "--bus", f"sqlite://{tmp_path / 'bus.db'}", "--metrics-port", "0"],

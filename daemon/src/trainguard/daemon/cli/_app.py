@@ -362,7 +362,9 @@ def _unservable(host: str, port: int, exc: OSError) -> str:
 
 @app.command(context_settings={"allow_interspersed_args": False})
 def run(
-    command: Annotated[list[str], typer.Argument(help="The worker command, after --.")],
+    command: Annotated[
+        list[str], typer.Argument(metavar="COMMAND", help="The worker command, after --.")
+    ],
     job: Annotated[str, typer.Option(envvar="TRAINGUARD_JOB", help="The job's name.")],
     bus: BusOption = DEFAULT_BUS_URL,
     nproc_per_node: Annotated[

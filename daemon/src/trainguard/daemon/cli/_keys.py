@@ -110,7 +110,7 @@ def init(
 
 @keys_app.command("job")
 def job_key(
-    job: Annotated[str, typer.Argument(help="The job whose event key to create.")],
+    job: Annotated[str, typer.Argument(metavar="JOB", help="The job whose event key to create.")],
     keys: KeysDir = None,
 ) -> None:
     """Create a job's event key (HMAC-SHA256), before the job starts."""
@@ -134,7 +134,7 @@ def rotate(
 
 @keys_app.command("retire")
 def retire(
-    kid: Annotated[str, typer.Argument(help="Key id of a key that is not current.")],
+    kid: Annotated[str, typer.Argument(metavar="KID", help="Key id of a key that is not current.")],
     keys: KeysDir = None,
 ) -> None:
     """Move a key to retired/: it no longer verifies new input."""

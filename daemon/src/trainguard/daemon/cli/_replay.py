@@ -69,7 +69,7 @@ def _security() -> KafkaSecurity:
 
 
 def replay(
-    job: Annotated[str, typer.Argument(help="The job id.")],
+    job: Annotated[str, typer.Argument(metavar="JOB", help="The job id.")],
     bus: BusOption = DEFAULT_BUS_URL,
     topic_prefix: PrefixOption = DEFAULT_PREFIX,
     file: ExportFile = None,
@@ -389,7 +389,7 @@ def _verdict(console: Console, result: Replay, *, jsonl: bool) -> None:
 
 
 def export(
-    job: Annotated[str, typer.Argument(help="The job id.")],
+    job: Annotated[str, typer.Argument(metavar="JOB", help="The job id.")],
     output: Annotated[
         Path,
         typer.Option(
@@ -454,7 +454,9 @@ def _dump_to_stdout(header: ExportHeader, records: Mapping[str, Sequence[Record]
 
 
 def import_record(
-    file: Annotated[Path, typer.Argument(help="A job record written by trainguard export.")],
+    file: Annotated[
+        Path, typer.Argument(metavar="FILE", help="A job record written by trainguard export.")
+    ],
     bus: BusOption = DEFAULT_BUS_URL,
     topic_prefix: PrefixOption = DEFAULT_PREFIX,
 ) -> None:

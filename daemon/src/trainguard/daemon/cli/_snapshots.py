@@ -162,7 +162,9 @@ def list_snapshots(
 
 @snapshots_app.command("show")
 def show(
-    job: Annotated[str, typer.Argument(help="The job whose latest snapshot to open.")],
+    job: Annotated[
+        str, typer.Argument(metavar="JOB", help="The job whose latest snapshot to open.")
+    ],
     bus: ConfiguredBus = None,
     config: ConfigOption = None,
     topic_prefix: ConfiguredPrefix = None,

@@ -33,9 +33,7 @@ def register(app: typer.Typer) -> None:
 def status(
     job: Annotated[
         str | None,
-        typer.Argument(
-            metavar="[JOB]", help="Show this job's ranks; default: a table of all jobs."
-        ),
+        typer.Argument(metavar="JOB", help="Show this job's ranks; default: a table of all jobs."),
     ] = None,
     bus: ConfiguredBus = None,
     config: Annotated[

@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
 
 
 def stop(
-    job: Annotated[str, typer.Argument(help="The job to stop.")],
+    job: Annotated[str, typer.Argument(metavar="JOB", help="The job to stop.")],
     bus: ConfiguredBus = None,
     reason: Annotated[
         str, typer.Option(help="Why, in words: recorded in the abort and the audit trail.")
