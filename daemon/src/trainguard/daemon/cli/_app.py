@@ -28,6 +28,7 @@ from trainguard.daemon.cli._options import (
     ConfiguredBus,
     ConfiguredPrefix,
     PrefixOption,
+    given_path,
     other_prefixes,
 )
 
@@ -222,8 +223,9 @@ def daemon(
     config: Annotated[
         Path | None,
         typer.Option(
+            parser=given_path,
             help="TOML file with \\[bus], \\[machine], \\[service] and \\[security] tables; "
-            "every key: deploy/daemon.example.toml."
+            "every key: deploy/daemon.example.toml.",
         ),
     ] = None,
     topic_prefix: ConfiguredPrefix = None,
@@ -245,6 +247,7 @@ def daemon(
         Path | None,
         typer.Option(
             envvar="TRAINGUARD_KEYS",
+            parser=given_path,
             help="Key directory (trainguard keys init); default: the config file's \\[security] "
             "keys_dir, else ~/.config/trainguard/keys if initialised, else none (insecure).",
         ),

@@ -29,7 +29,7 @@ import orjson
 import typer
 
 from trainguard.agent.bus import BusConfig, BusError
-from trainguard.daemon.cli._options import ConfigFile, ConfiguredBus, ConfiguredPrefix
+from trainguard.daemon.cli._options import ConfigFile, ConfiguredBus, ConfiguredPrefix, given_path
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -78,6 +78,7 @@ Keys = Annotated[
     typer.Option(
         "--keys",
         envvar="TRAINGUARD_KEYS",
+        parser=given_path,
         help="Key directory whose daemon public keys (live and retired) check the manifests' "
         "signatures; default: the config file's \\[security] keys_dir, else "
         "~/.config/trainguard/keys if it holds a signing key, else the keys in "

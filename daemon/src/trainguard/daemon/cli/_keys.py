@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 import orjson
 import typer
 
+from trainguard.daemon.cli._options import given_path
+
 if TYPE_CHECKING:
     from trainguard.agent.keys import KeyKind
     from trainguard.daemon.admin import KeyAdmin, KeyInfo
@@ -36,6 +38,7 @@ KeysDir = Annotated[
     typer.Option(
         "--keys",
         envvar="TRAINGUARD_KEYS",
+        parser=given_path,
         help="Key directory; default ~/.config/trainguard/keys.",
     ),
 ]

@@ -25,8 +25,20 @@ __all__ = [
     "ConfiguredPrefix",
     "ExportFile",
     "PrefixOption",
+    "given_path",
     "other_prefixes",
 ]
+
+
+def given_path(text: str) -> Path:
+    """The parser of the ``--keys`` and ``--config`` options: the path as given, where an empty
+    one is a usage error (exit 2). ``Path("")`` is the working folder: ``--keys "$DIR"`` with
+    ``DIR`` unset would otherwise read (or, for ``keys init``, fill) the folder the command runs
+    in. An empty ``TRAINGUARD_KEYS`` counts as unset, as it does for the agents."""
+    if not text.strip():
+        raise typer.BadParameter("an empty path names no file or folder; leave the option out")
+    return Path(text)
+
 
 ConfiguredBus = Annotated[
     str | None,
@@ -77,6 +89,7 @@ ConfigFile = Annotated[
     Path | None,
     typer.Option(
         "--config",
+        parser=given_path,
         help="The daemon's TOML file, for its \\[bus] table (URL, topic prefix, Kafka "
         "security; TRAINGUARD_KAFKA_* variables override it).",
     ),

@@ -25,7 +25,7 @@ import orjson
 import typer
 
 from trainguard.agent.bus import BusError
-from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix
+from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix, given_path
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -53,8 +53,9 @@ class OutputFormat(StrEnum):
 ConfigOption = Annotated[
     Path | None,
     typer.Option(
+        parser=given_path,
         help="The daemon's TOML file: its \\[bus] table, and for verify its \\[machine] table "
-        "(snapshots folded under other settings are reported)."
+        "(snapshots folded under other settings are reported).",
     ),
 ]
 KeysOption = Annotated[
@@ -62,6 +63,7 @@ KeysOption = Annotated[
     typer.Option(
         "--keys",
         envvar="TRAINGUARD_KEYS",
+        parser=given_path,
         help="Key directory; default: the config file's \\[security] keys_dir, else "
         "~/.config/trainguard/keys.",
     ),

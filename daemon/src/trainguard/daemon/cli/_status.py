@@ -13,7 +13,12 @@ from typing import Annotated, NoReturn
 import typer
 
 from trainguard.agent.bus import BusError
-from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix, other_prefixes
+from trainguard.daemon.cli._options import (
+    ConfiguredBus,
+    ConfiguredPrefix,
+    given_path,
+    other_prefixes,
+)
 
 __all__ = ["register"]
 
@@ -39,8 +44,9 @@ def status(
     config: Annotated[
         Path | None,
         typer.Option(
+            parser=given_path,
             help="The daemon's TOML file: its \\[bus] and \\[machine] tables (the detectors' "
-            "settings decide the state)."
+            "settings decide the state).",
         ),
     ] = None,
     topic_prefix: ConfiguredPrefix = None,

@@ -17,7 +17,7 @@ from trainguard.agent import AgentError
 from trainguard.agent.bus import BusConfig, BusError, TopicPartition, open_bus, partition_for
 from trainguard.agent.keys import AgentKeys, CommandGate, agent_keys_from_env
 from trainguard.agent.supervisor import encode_request, latest_command
-from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix
+from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix, given_path
 from trainguard.schemas import Abort
 
 __all__ = ["EXIT_NOT_STOPPED", "EXIT_UNCONFIRMED", "StopOutcome", "register", "stop_job"]
@@ -62,7 +62,10 @@ def stop(
     ] = 60.0,
     config: Annotated[
         Path | None,
-        typer.Option(help="The daemon's TOML file, for its \\[bus] table and consumer group."),
+        typer.Option(
+            parser=given_path,
+            help="The daemon's TOML file, for its \\[bus] table and consumer group.",
+        ),
     ] = None,
     topic_prefix: ConfiguredPrefix = None,
     daemon_group: Annotated[
