@@ -140,3 +140,13 @@ def test_an_empty_key_directory_is_a_usage_error_on_every_command_that_takes_key
             assert f"Invalid value for '{option}'" in result.output, (args, option)
             assert "an empty path" in result.output, (args, option)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_out_without_export_agent_is_a_usage_error_not_ignored(tmp_path: Path) -> None:
+    keys = tmp_path / "k"
+    assert keys_cli("init", "--keys", str(keys), "--job", "j1")[0] == 0
+    code, out, err = keys_cli("show", "--keys", str(keys), "--out", str(tmp_path / "mount"))
+    assert code == 2
+    assert "--out writes a job's agent files: give it with --export-agent JOB" in err
+    assert out == ""
+    assert not (tmp_path / "mount").exists()

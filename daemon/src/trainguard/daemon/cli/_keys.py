@@ -168,6 +168,9 @@ def show(
 ) -> None:
     """List every key (kind, kid, job, created, current, retired) and the public keys; no
     secret is printed, except the one --export-agent asks for."""
+    if out is not None and export_agent is None:
+        # Nothing else is written to a folder: the listing would print while --out was ignored.
+        _fail("--out writes a job's agent files: give it with --export-agent JOB")
     admin = _admin(keys)
     with _refusals():
         if export_agent is not None:
