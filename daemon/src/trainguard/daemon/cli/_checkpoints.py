@@ -29,7 +29,13 @@ import orjson
 import typer
 
 from trainguard.agent.bus import BusConfig, BusError
-from trainguard.daemon.cli._options import ConfigFile, ConfiguredBus, ConfiguredPrefix, given_path
+from trainguard.daemon.cli._options import (
+    ConfigFile,
+    ConfiguredBus,
+    ConfiguredPrefix,
+    given_path,
+    os_failure,
+)
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -648,7 +654,9 @@ def _read(bus: str | None, config: Path | None, prefix: str | None, keys: Path |
 
     try:
         settings = load_daemon_config(config, bus_url=bus)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        _fail(os_failure(exc, "read the config file", config))
+    except ValueError as exc:
         _fail(str(exc))
     public, signatures = _public_keys(keys, settings)
     bus_config: BusConfig = replace(settings.bus, client_id="trainguard-checkpoints", create=False)
@@ -799,7 +807,7 @@ def _shard_problems(
             problems.append(f"{what} is missing: {path}")
             continue
         except OSError as exc:
-            problems.append(f"{what} cannot be read: {exc}")
+            problems.append(f"{what} cannot be read ({exc.strerror or exc}): {path}")
             continue
         if size != shard.size_bytes:
             problems.append(

@@ -9,6 +9,7 @@ take the bus from the command line alone (their defaults, :data:`DEFAULT_BUS_URL
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -26,6 +27,7 @@ __all__ = [
     "ExportFile",
     "PrefixOption",
     "given_path",
+    "os_failure",
     "other_prefixes",
 ]
 
@@ -102,6 +104,25 @@ ExportFile = Annotated[
     typer.Option("--file", help="Read the job from an export file (trainguard export) instead."),
 ]
 """``--file FILE``: a job record written by ``trainguard export``, read instead of the bus."""
+
+
+def os_failure(exc: OSError, action: str, path: str | os.PathLike[str] | None = None) -> str:
+    """One line for ``exc``, raised while doing ``action`` to ``path``, for a command's error
+    message: ``cannot read the config file x.toml: No such file or directory``, not Python's
+    ``[Errno 2] No such file or directory: 'x.toml'``.
+
+    The path the system refused is added in parentheses when it is another one (a file inside
+    the folder named, a temporary file beside it); without ``path`` it stands in its place. An
+    ``OSError`` raised with a message of its own (no error number) is that message.
+    """
+    if exc.strerror is None:
+        return str(exc)
+    refused = None if exc.filename is None else os.fsdecode(exc.filename)
+    named = refused if path is None else os.fspath(path)
+    text = f"cannot {action}" + ("" if named is None else f" {named}") + f": {exc.strerror}"
+    if refused is not None and refused != named:
+        text += f" ({refused})"
+    return text
 
 
 async def other_prefixes(config: BusConfig) -> str:

@@ -28,7 +28,13 @@ from trainguard.agent.bus import (
     Record,
     load_kafka_security,
 )
-from trainguard.daemon.cli._options import DEFAULT_PREFIX, BusOption, ExportFile, PrefixOption
+from trainguard.daemon.cli._options import (
+    DEFAULT_PREFIX,
+    BusOption,
+    ExportFile,
+    PrefixOption,
+    os_failure,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -164,7 +170,9 @@ def replay(
             events = log.events
             shown = events[log.start] if window.bounded else None
             span = _Span(log.source, log.partition, len(events), events[0], events[-1], shown)
-    except (UnknownJob, MalformedExport, MalformedAudit, OSError, BusError) as exc:
+    except OSError as exc:  # only the export file is read from disk (the bus words its own)
+        _fail(os_failure(exc, "read the export file", file))
+    except (UnknownJob, MalformedExport, MalformedAudit, BusError) as exc:
         _fail(str(exc))
     console = Console(highlight=False, soft_wrap=True)
     jsonl = output_format is OutputFormat.jsonl
@@ -176,7 +184,7 @@ def replay(
     elif log is not None:  # --config reads the whole log (above)
         try:
             _what_if(console, log, trail, config, jsonl=jsonl)
-        except (MalformedAudit, OSError) as exc:
+        except MalformedAudit as exc:
             _fail(str(exc))
     if verify:
         _verdict(console, result, jsonl=jsonl)
@@ -300,7 +308,9 @@ def _what_if(console: Console, log: JobLog, trail: AuditTrail, path: Path, *, js
         settings = load_daemon_config(path)
         with path.open("rb") as f:
             keys = tomllib.load(f).get("machine", {}).keys() - {"daemon_id"}
-    except (OSError, ValueError) as exc:  # messages name the file
+    except OSError as exc:
+        _fail(os_failure(exc, "read the what-if config file", path))
+    except ValueError as exc:  # messages name the file
         _fail(str(exc))
     # The file's [machine] keys, with the values load_daemon_config checked and converted.
     overrides = {k: getattr(settings.machine, k) for k in keys}
@@ -429,7 +439,7 @@ def export(
     try:
         size = _dump_to_stdout(header, records) if to_stdout else dump(output, header, records)
     except OSError as exc:
-        _fail(f"cannot write {output}: {exc}")
+        _fail(os_failure(exc, "write", output))
     counts = ", ".join(f"{k} {len(v)}" for k, v in records.items())
     where = "standard output" if to_stdout else output
     # With the file on standard output, the summary goes to standard error.
@@ -469,7 +479,9 @@ def import_record(
 
     try:
         header, written = asyncio.run(import_file(file, bus, topic_prefix))
-    except (ImportRefused, MalformedExport, OSError, BusError) as exc:
+    except OSError as exc:
+        _fail(os_failure(exc, "read the export file", file))
+    except (ImportRefused, MalformedExport, BusError) as exc:
         _fail(str(exc))
     counts = ", ".join(f"{topic} {n}" for topic, n in written.items())
     typer.echo(

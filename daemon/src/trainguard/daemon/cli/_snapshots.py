@@ -25,7 +25,7 @@ import orjson
 import typer
 
 from trainguard.agent.bus import BusError
-from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix, given_path
+from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix, given_path, os_failure
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -86,7 +86,9 @@ def _settings(config: Path | None, bus: str | None, prefix: str | None) -> Daemo
 
     try:
         settings = load_daemon_config(config, bus_url=bus)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        _fail(os_failure(exc, "read the config file", config))
+    except ValueError as exc:
         _fail(str(exc))
     if prefix is not None:
         settings = replace(settings, bus=replace(settings.bus, prefix=prefix))

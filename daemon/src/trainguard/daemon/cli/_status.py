@@ -17,6 +17,7 @@ from trainguard.daemon.cli._options import (
     ConfiguredBus,
     ConfiguredPrefix,
     given_path,
+    os_failure,
     other_prefixes,
 )
 
@@ -71,7 +72,9 @@ def status(
 
     try:
         settings = load_daemon_config(config, bus_url=bus)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        _fail(os_failure(exc, "read the config file", config))
+    except ValueError as exc:
         _fail(str(exc))
     bus_config = replace(settings.bus, create=False)
     if topic_prefix is not None:
