@@ -36,6 +36,7 @@ from trainguard.daemon.cli._options import (
     given_path,
     os_failure,
 )
+from trainguard.daemon.cli._options import console as _console
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -145,7 +146,7 @@ def list_(
             _short(m.data_version),
             _short(m.metadata.code_version) or "-",
             _when(m.ts),
-            "abandoned" if m.snapshot_id in catalog.abandoned else "",
+            "abandoned" if m.snapshot_id in catalog.abandoned else "on it",
         )
         for m in rows
     ]
@@ -155,7 +156,7 @@ def list_(
         width = max(len(name), *(len(row[i]) for row in cells)) if keep else None
         table.add_column(name, no_wrap=True, min_width=width)
     for row in cells:
-        table.add_row(*row, style="dim" if row[-1] else None)
+        table.add_row(*row, style="dim" if row[-1] == "abandoned" else None)
     console.print(table)
     for m in rows:
         gone = catalog.abandoned.get(m.snapshot_id)
@@ -837,20 +838,6 @@ def _hyperparameters(pairs: Sequence[str]) -> dict[str, JSONValue]:
 
 
 # -- printing --------------------------------------------------------------------------------
-
-
-_PIPE_WIDTH = 1000
-"""Columns of the output when it is not a terminal and ``COLUMNS`` is unset: wide enough
-that ids, digests and URIs are never folded for the tools and files reading it."""
-
-
-def _console() -> Console:
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = _PIPE_WIDTH
-    return console
 
 
 def _fail(message: str) -> NoReturn:

@@ -1,5 +1,6 @@
-"""Command-line options shared by the ``trainguard`` commands that read a bus, and the hint
-they print when a topic prefix holds nothing.
+"""Command-line options shared by the ``trainguard`` commands that read a bus, the hint they
+print when a topic prefix holds nothing, and how they print: the console of their tables
+(:func:`console`) and the line of an error of the file system (:func:`os_failure`).
 
 Two families: the ``Configured*`` options of commands that read the daemon's config file
 (``None``: the file's value), and :data:`BusOption` and :data:`PrefixOption` of commands that
@@ -12,11 +13,14 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, BusError, open_bus, topic_prefixes
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -26,6 +30,7 @@ __all__ = [
     "ConfiguredPrefix",
     "ExportFile",
     "PrefixOption",
+    "console",
     "given_path",
     "os_failure",
     "other_prefixes",
@@ -104,6 +109,23 @@ ExportFile = Annotated[
     typer.Option("--file", help="Read the job from an export file (trainguard export) instead."),
 ]
 """``--file FILE``: a job record written by ``trainguard export``, read instead of the bus."""
+
+
+PIPE_WIDTH = 1000
+"""Columns of a command's output when it is not a terminal and ``COLUMNS`` is unset: wide
+enough that ids, digests and URIs are never folded or cropped for the tools and files reading
+it (rich would assume 80)."""
+
+
+def console() -> Console:
+    """The console a command prints its tables to: the terminal's width, ``COLUMNS`` when set,
+    else :data:`PIPE_WIDTH` columns; no highlighting of numbers and paths."""
+    from rich.console import Console
+
+    out = Console(highlight=False)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out.width = PIPE_WIDTH
+    return out
 
 
 def os_failure(exc: OSError, action: str, path: str | os.PathLike[str] | None = None) -> str:
