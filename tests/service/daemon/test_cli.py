@@ -118,3 +118,32 @@ def test_a_bad_demo_fault_is_a_clear_error_before_anything_starts(tmp_path: Path
     assert "nan@step=5" in done.stderr, done.stderr
     assert "missing rank" in done.stderr, done.stderr
     assert not (tmp_path / "work").exists()  # nothing was started
+
+
+def options_of(command: list[str]) -> dict[str, str]:
+    """The options ``trainguard COMMAND --help`` lists, each with its help text."""
+    out = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "300"}).output
+    found = re.finditer(r"^│ (--[a-z-]+)(?: +-\w)? +(?:<[^>]*> +)?(.*?) *│$", out, re.MULTILINE)
+    return {m.group(1): m.group(2) for m in found}
+
+
+def test_config_and_format_mean_the_same_on_every_command() -> None:
+    """``--config`` is the daemon's TOML file on each command that has it (replay's what-if
+    file was ``--config`` too, and read no bus settings); ``--format`` offers ``text`` (status
+    offered ``table``) and a machine-readable form."""
+    commands = [
+        ["daemon"], ["status"], ["report"], ["replay"], ["stop"], ["bus", "check"],
+        ["checkpoints", "list"], ["checkpoints", "prune"], ["keys", "show"],
+        ["snapshots", "list"], ["snapshots", "verify"],
+    ]  # fmt: skip
+    for command in commands:
+        options = options_of(command)
+        if "--config" in options:
+            assert "TOML file" in options["--config"], (command, options["--config"])
+            assert "\\[bus]" in options["--config"] or "[bus]" in options["--config"], command
+        if "--format" in options:
+            assert options["--format"].startswith("text"), (command, options["--format"])
+    assert "--config" not in options_of(["replay"])
+    assert "--what-if" in options_of(["replay"])
+    result = CliRunner().invoke(app, ["status", "--format", "table"])
+    assert result.exit_code == 2

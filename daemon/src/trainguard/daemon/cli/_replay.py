@@ -33,6 +33,7 @@ from trainguard.daemon.cli._options import (
     BusOption,
     ExportFile,
     PrefixOption,
+    given_path,
     os_failure,
 )
 
@@ -66,7 +67,7 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 def _security() -> KafkaSecurity:
     """Kafka TLS/SASL settings from the ``TRAINGUARD_KAFKA_*`` variables (``replay``'s
-    ``--config`` is the what-if file, so it does not carry them); exits 2 when they are
+    ``--what-if`` file is no bus configuration, so it does not carry them); exits 2 when they are
     invalid."""
     try:
         return load_kafka_security()
@@ -98,12 +99,14 @@ def replay(
     output_format: Annotated[
         OutputFormat, typer.Option("--format", help="text for people, jsonl for tools.")
     ] = OutputFormat.text,
-    config: Annotated[
+    what_if_file: Annotated[
         Path | None,
         typer.Option(
-            help="What-if: a daemon TOML file whose \\[machine] settings replace the recorded "
+            "--what-if",
+            parser=given_path,
+            help="A daemon TOML file whose \\[machine] settings replace the recorded "
             "ones (settings it leaves out, and daemon_id, stay as recorded); prints the "
-            "decisions that would change."
+            "decisions that would change.",
         ),
     ] = None,
     verify: Annotated[
@@ -126,7 +129,7 @@ def replay(
     ] = True,
 ) -> None:
     """Fold a job's recorded events and ticks through the state machine again: print its
-    timeline, check the recorded decisions, or (--config) what another configuration would
+    timeline, check the recorded decisions, or (--what-if) what another configuration would
     have decided.
 
     Example: trainguard replay j1 --bus sqlite:///bus.db --since 2026-01-05T12:00:00Z
@@ -155,7 +158,7 @@ def replay(
         _fail(str(exc))
     log: JobLog | None = None
     try:
-        if file is not None and not window.bounded and config is None:
+        if file is not None and not window.bounded and what_if_file is None:
             # The whole file, replayed as it is read.
             done = replay_file(file, job, _default_config(), timeline=timeline)
             trail, result = done.trail, done.result
@@ -178,12 +181,12 @@ def replay(
     jsonl = output_format is OutputFormat.jsonl
     if not jsonl:
         _print_header(console, job, span, trail, result)
-    if config is None:
+    if what_if_file is None:
         if timeline:
             _print_rows(console, result, span, jsonl=jsonl, every=every)
-    elif log is not None:  # --config reads the whole log (above)
+    elif log is not None:  # --what-if reads the whole log (above)
         try:
-            _what_if(console, log, trail, config, jsonl=jsonl)
+            _what_if(console, log, trail, what_if_file, jsonl=jsonl)
         except MalformedAudit as exc:
             _fail(str(exc))
     if verify:

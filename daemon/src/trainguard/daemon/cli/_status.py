@@ -29,9 +29,10 @@ __all__ = ["register"]
 
 
 class OutputFormat(StrEnum):
-    """How ``status`` prints: a rich table for people, one JSON document for tools."""
+    """How ``status`` prints: rich tables for people (``text``, as every command names it), one
+    JSON document for tools."""
 
-    table = "table"
+    text = "text"
     json = "json"
 
 
@@ -56,8 +57,8 @@ def status(
     ] = None,
     topic_prefix: ConfiguredPrefix = None,
     output: Annotated[
-        OutputFormat, typer.Option("--format", help="table (rich) or json (for tools).")
-    ] = OutputFormat.table,
+        OutputFormat, typer.Option("--format", help="text (rich tables) or json (for tools).")
+    ] = OutputFormat.text,
 ) -> None:
     """Show the jobs on the bus: phase, generation, step, last committed step, ranks alive and
     the latest incident; with JOB, that job's ranks.
