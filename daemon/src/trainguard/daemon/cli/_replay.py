@@ -10,6 +10,7 @@ window, an unreadable source or configuration.
 from __future__ import annotations
 
 import asyncio
+import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -487,7 +488,11 @@ def import_record(
     except (ImportRefused, MalformedExport, BusError) as exc:
         _fail(str(exc))
     counts = ", ".join(f"{topic} {n}" for topic, n in written.items())
+    # Quoted for the shell: the command is meant to be pasted (a path may hold a space).
+    again = shlex.join(
+        ["trainguard", "replay", header.job_id, "--bus", bus, "--topic-prefix", topic_prefix]
+    )
     typer.echo(
-        f"imported job {header.job_id} (records: {counts}) into {bus} (prefix {topic_prefix!r}); replay "
-        f"it with: trainguard replay {header.job_id} --bus {bus} --topic-prefix {topic_prefix}"
+        f"imported job {header.job_id} (records: {counts}) into {bus} (prefix "
+        f"{topic_prefix!r}); replay it with: {again}"
     )
