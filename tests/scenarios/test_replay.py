@@ -1,7 +1,7 @@
 """Issue 5's what-if on a real hang: the charlm job of ``test_detection.py``'s hang scenario
 (rank 1's training thread blocks for 20 s after step 30 while its heartbeats go on) runs under
 a real daemon on the embedded bus; ``JobRun.record`` checks that the replay reproduces the
-recorded decisions; then ``trainguard replay --config`` with a progress floor above the hang
+recorded decisions; then ``trainguard replay --what-if`` with a progress floor above the hang
 shows the hang's incident and its restore disappearing.
 """
 
@@ -43,7 +43,7 @@ def test_a_hang_restore_disappears_under_a_progress_floor_above_the_hang(
 
     patient = tmp_path / "patient.toml"
     patient.write_text("[machine]\nprogress_floor_s = 60.0\n")
-    args = ["replay", JOB, "--bus", bus.url, "--prefix", bus.prefix, "--config", str(patient)]
+    args = ["replay", JOB, "--bus", bus.url, "--prefix", bus.prefix, "--what-if", str(patient)]
     text = _trainguard(*args)
     print(text.stdout)  # the what-if as people read it (pytest -s)
     assert text.returncode == 0, text.stdout + text.stderr

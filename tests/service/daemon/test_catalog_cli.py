@@ -119,6 +119,30 @@ def test_list_shows_every_snapshot_with_its_parent(catalog_bus: str) -> None:
     assert [r["snapshot_id"] for r in only] == ["tune/g0/s60"]
 
 
+@pytest.mark.parametrize("columns", ["50", None])
+def test_list_says_which_snapshots_are_on_the_timeline_and_keeps_every_id(
+    catalog_bus: str, columns: str | None
+) -> None:
+    """The timeline column says ``on it`` (it was empty but for abandoned snapshots); piped
+    without ``COLUMNS`` the table is not cropped at rich's 80 columns; in a narrow terminal the
+    right-hand columns go, never a snapshot id."""
+    home = Path(catalog_bus.removeprefix("sqlite://")).parent / "home"
+    env = {k: v for k, v in os.environ.items() if k not in (*_KEY_VARIABLES, "COLUMNS")}
+    done = subprocess.run(
+        [*CLI, "checkpoints", "list", "--bus", catalog_bus],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "HOME": str(home), **({} if columns is None else {"COLUMNS": columns})},
+    )
+    assert done.returncode == 0, done.stderr
+    for snapshot in ("pre/g0/s20", "pre/g0/s40", "tune/g0/s60"):
+        [row] = [line for line in done.stdout.splitlines() if line.startswith(f"│ {snapshot} ")]
+        if columns is None:
+            assert row.rstrip().endswith("│ on it    │"), row
+            assert "2025-" in row, row
+
+
 def test_show_prints_shards_cursor_hyperparameters_and_topology(catalog_bus: str) -> None:
     done = checkpoints(catalog_bus, "show", "tune/g0/s60")
     assert done.returncode == 0, done.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,21 @@ def test_export_import_into_a_fresh_bus_and_replay_give_the_same_decisions(
     done = trainguard("import", exported, "--bus", fresh, "--prefix", "x.")
     assert done.returncode == 2
     assert f"already holds events of job '{JOB}'" in done.stderr
+
+
+def test_the_replay_command_import_suggests_works_as_printed(tmp_path: Path) -> None:
+    """Pasted into a shell, the suggested ``trainguard replay`` reads the imported job: the bus
+    path is quoted (it held a space, and the hint split it in two)."""
+    record = Path(__file__).parent / "data" / "charlm-demo-5296f9b.tgjsonl.gz"
+    bus = f"sqlite://{tmp_path / 'my runs' / 'bus.db'}"
+    done = trainguard("import", record, "--bus", bus, "--prefix", "x.")
+    assert done.returncode == 0, done.stderr
+    hint = done.stdout.strip().split("replay it with: ", 1)[1]
+    program, *args = shlex.split(hint)
+    assert program == "trainguard"
+    replayed = trainguard(*args, "--no-timeline")
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "the replay reproduces the recorded decisions" in replayed.stdout
 
 
 def test_the_file_holds_a_header_and_every_record_with_its_bytes(

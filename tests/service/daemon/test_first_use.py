@@ -135,3 +135,58 @@ def topic_names(url: str) -> frozenset[str]:
             return await bus.topic_names()
 
     return asyncio.run(names())
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["status", "--config", "{missing}"], "cannot read the config file {missing}: "),
+        (["bus", "check", "--config", "{missing}"], "cannot read the config file {missing}: "),
+        (
+            ["checkpoints", "list", "--config", "{missing}"],
+            "cannot read the config file {missing}: ",
+        ),
+        (["snapshots", "list", "--config", "{missing}"], "cannot read the config file {missing}: "),
+        (["stop", "j", "--config", "{missing}"], "cannot read the config file {missing}: "),
+        (["daemon", "--config", "{missing}"], "cannot read the config file {missing}: "),
+        (["report", "j", "--config", "{missing}"], "cannot read the config file {missing}: "),
+        (["report", "j", "--file", "{missing}"], "cannot read the export file {missing}: "),
+        (["replay", "j", "--file", "{missing}"], "cannot read the export file {missing}: "),
+        (["import", "{missing}"], "cannot read the export file {missing}: "),
+        (["keys", "show", "--keys", "{file}"], "cannot use the key directory {file}: "),
+    ],
+)
+def test_a_file_that_cannot_be_read_is_one_line_naming_it_and_why(
+    command: list[str], message: str, tmp_path: Path
+) -> None:
+    """Not Python's ``[Errno 2] No such file or directory: 'x'``: what the file is for, its
+    path as given, and the system's reason; exit status 2 (bad input)."""
+    missing, file = tmp_path / "missing.toml", tmp_path / "a-file"
+    file.write_text("")
+    paths = {"missing": str(missing), "file": str(file)}
+    args = [arg.format(**paths) for arg in command]
+    bus = [] if args[0] == "keys" else ["--bus", f"sqlite://{tmp_path / 'bus.db'}"]
+    code, output = invoke(*args, *bus)
+    assert code == 2, output
+    [line] = output.splitlines()
+    assert line.startswith("error: " + message.format(**paths)), line
+    assert "Errno" not in line
+    assert not (tmp_path / "bus.db").exists()
+
+
+def test_a_file_that_cannot_be_written_is_one_line_naming_it_and_why(tmp_path: Path) -> None:
+    record = REPO / "tests/service/daemon/data/charlm-demo-5296f9b.tgjsonl.gz"
+    url = f"sqlite://{tmp_path / 'bus.db'}"
+    assert invoke("import", str(record), "--bus", url)[0] == 0
+    out = tmp_path / "no-such-folder" / "job.tgjsonl.gz"
+    code, output = invoke("export", "charlm-demo", "--bus", url, "-o", str(out))
+    assert code == 2, output
+    assert output.splitlines() == [
+        f"error: cannot write {out}: No such file or directory ({out}.tmp)"
+    ]
+    html = tmp_path / "no-such-folder" / "report.html"
+    code, output = invoke("report", "charlm-demo", "--bus", url, "--html", str(html))
+    assert code == 2, output
+    assert output.splitlines() == [
+        f"error: cannot write the HTML report {html}: No such file or directory"
+    ]

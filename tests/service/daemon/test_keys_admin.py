@@ -8,6 +8,7 @@ import base64
 from pathlib import Path
 
 import orjson
+import pytest
 from typer.testing import CliRunner
 
 from trainguard.agent.keys._keystore import KeyStore, load_event_key
@@ -116,3 +117,36 @@ def test_a_key_directory_under_an_unknown_user_is_an_error_not_a_traceback() -> 
     )
     assert result.exit_code == 2, result.output
     assert "cannot expand '~no-such-user-tg'" in result.stderr
+
+
+def test_an_empty_key_directory_is_a_usage_error_on_every_command_that_takes_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--keys ''`` (say ``--keys "$DIR"`` with ``DIR`` unset) named the working folder: ``keys
+    init`` filled it with keys. Every command taking ``--keys`` (and ``--config``) refuses it
+    with exit status 2 before it reads or writes anything."""
+    monkeypatch.chdir(tmp_path)
+    bus = ["--bus", f"sqlite://{tmp_path / 'bus.db'}"]
+    for args in (
+        ["keys", "init"], ["keys", "show"], ["keys", "job", "j"], ["keys", "rotate", "--signing"],
+        ["keys", "retire", "k"], ["checkpoints", "list", *bus], ["snapshots", "verify", *bus],
+        ["snapshots", "show", "j", *bus], ["daemon", *bus],
+    ):  # fmt: skip
+        for option in ("--keys", "--config"):
+            if args[0] == "keys" and option == "--config":
+                continue
+            result = CliRunner().invoke(app, [*args, option, ""], env={"COLUMNS": "200"})
+            assert result.exit_code == 2, (args, option, result.output)
+            assert f"Invalid value for '{option}'" in result.output, (args, option)
+            assert "an empty path" in result.output, (args, option)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_without_export_agent_is_a_usage_error_not_ignored(tmp_path: Path) -> None:
+    keys = tmp_path / "k"
+    assert keys_cli("init", "--keys", str(keys), "--job", "j1")[0] == 0
+    code, out, err = keys_cli("show", "--keys", str(keys), "--out", str(tmp_path / "mount"))
+    assert code == 2
+    assert "--out writes a job's agent files: give it with --export-agent JOB" in err
+    assert out == ""
+    assert not (tmp_path / "mount").exists()

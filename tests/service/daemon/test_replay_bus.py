@@ -176,13 +176,13 @@ def test_what_if_a_longer_heartbeat_timeout_shows_the_restore_disappear(
     other = tmp_path / "patient.toml"
     other.write_text("[machine]\nheartbeat_timeout_s = 60.0\n")
     args = ["replay", JOB, "--bus", recorded_bus.url, "--prefix", recorded_bus.prefix]
-    done = trainguard(*args, "--config", other)
+    done = trainguard(*args, "--what-if", other)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "heartbeat_timeout_s" in done.stdout
     assert "1.0 → 60.0" in done.stdout
     assert "disappears restore issued: generation 1" in done.stdout
 
-    done = trainguard(*args, "--config", other, "--format", "jsonl")
+    done = trainguard(*args, "--what-if", other, "--format", "jsonl")
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     [setting] = [line for line in lines if line["type"] == "config"]
     assert (setting["key"], setting["recorded"], setting["what_if"]) == (

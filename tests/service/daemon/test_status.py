@@ -217,3 +217,35 @@ async def test_a_job_that_cannot_commit_says_so_in_status_metrics_and_logs(
     [line] = [line for line in status(sqlite_bus).stdout.splitlines() if OTHER in line]
     assert "blocked" in line
     assert "not committing: shards of step 10" in status(sqlite_bus, OTHER).stdout
+
+
+@pytest.mark.parametrize("columns", ["60", None])
+def test_a_ranks_state_and_phase_are_never_cropped(
+    sqlite_bus: BusFactory, columns: str | None
+) -> None:
+    """A rank last seen in phase ``checkpoint`` on a long host name showed ``checkpo…`` in an
+    80-column terminal, and status piped to a file (rich assumed 80 columns) did the same. The
+    short columns keep their width; the host name folds in a narrow terminal."""
+    host = "ip-10-0-12-34.eu-west-1.compute.internal"
+    ranks = [dataclasses.replace(beat(r, 1, 10), phase="checkpoint", host=host) for r in (0, 1)]
+
+    async def record() -> None:
+        async with sqlite_bus.open(topics=DEFAULT_TOPICS) as bus:
+            await publish(bus, started(0), started(1), *ranks)
+
+    asyncio.run(record())
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    done = subprocess.run(
+        [*CLI, "status", JOB, "--bus", sqlite_bus.url, "--topic-prefix", sqlite_bus.prefix],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env if columns is None else {**env, "COLUMNS": columns},
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if "checkpoint" in line]
+    assert len(rows) == 2, done.stdout
+    for row in rows:
+        assert " alive " in row, row
+        assert "…" not in row, row
+    assert (host in done.stdout) is (columns is None), done.stdout

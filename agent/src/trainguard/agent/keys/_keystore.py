@@ -235,7 +235,8 @@ class KeyStore:
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError) as exc:
-            raise KeyStoreError(f"cannot read {path}: {exc}") from None
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise KeyStoreError(f"cannot read {path}: {reason}") from None
         if not _KID.fullmatch(text):
             raise KeyStoreError(f"{path} does not hold a key id")
         return text

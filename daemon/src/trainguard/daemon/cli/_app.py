@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from importlib.metadata import version as _dist_version
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 
 import typer
 
@@ -28,6 +28,8 @@ from trainguard.daemon.cli._options import (
     ConfiguredBus,
     ConfiguredPrefix,
     PrefixOption,
+    given_path,
+    os_failure,
     other_prefixes,
 )
 
@@ -75,9 +77,10 @@ def bus_check(
 
     try:
         settings = load_daemon_config(config, bus_url=bus)
-    except (OSError, ValueError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from exc
+    except OSError as exc:
+        _fail(os_failure(exc, "read the config file", config))
+    except ValueError as exc:
+        _fail(str(exc))
     bus_config = replace(
         settings.bus, connect_timeout_s=timeout, client_id="trainguard-check", create=False
     )
@@ -102,6 +105,11 @@ def bus_check(
     except BusError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+
+
+def _fail(message: str) -> NoReturn:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
 
 
 def _parse_ranks(spec: str) -> tuple[int, ...]:
@@ -222,8 +230,9 @@ def daemon(
     config: Annotated[
         Path | None,
         typer.Option(
+            parser=given_path,
             help="TOML file with \\[bus], \\[machine], \\[service] and \\[security] tables; "
-            "every key: deploy/daemon.example.toml."
+            "every key: deploy/daemon.example.toml.",
         ),
     ] = None,
     topic_prefix: ConfiguredPrefix = None,
@@ -245,6 +254,7 @@ def daemon(
         Path | None,
         typer.Option(
             envvar="TRAINGUARD_KEYS",
+            parser=given_path,
             help="Key directory (trainguard keys init); default: the config file's \\[security] "
             "keys_dir, else ~/.config/trainguard/keys if initialised, else none (insecure).",
         ),
@@ -304,9 +314,10 @@ def daemon(
             metrics_port=metrics_port,
         )
         daemon_keys = load_keys(settings.security)
-    except (OSError, ValueError, KeyStoreError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from exc
+    except OSError as exc:  # the key store words its own
+        _fail(os_failure(exc, "read the config file", config))
+    except (ValueError, KeyStoreError) as exc:
+        _fail(str(exc))
     if topic_prefix is not None:
         settings = replace(settings, bus=replace(settings.bus, prefix=topic_prefix))
     service = DaemonService(settings, keys=daemon_keys)
@@ -348,8 +359,9 @@ def _unservable(host: str, port: int, exc: OSError) -> str:
     untouched = "The daemon did not start; the bus was not touched."
     if exc.errno != errno.EADDRINUSE:
         return (
-            f"cannot serve /metrics and /healthz on {host}:{port}: {exc}. Check [service] "
-            f"metrics_host, or give --metrics-port -1 (no /metrics and /healthz). {untouched}"
+            f"cannot serve /metrics and /healthz on {host}:{port}: {exc.strerror or exc}. "
+            "Check [service] metrics_host, or give --metrics-port -1 (no /metrics and /healthz). "
+            f"{untouched}"
         )
     return (
         f"port {port} on {host} is taken by another process (a second daemon, or another "
@@ -362,7 +374,9 @@ def _unservable(host: str, port: int, exc: OSError) -> str:
 
 @app.command(context_settings={"allow_interspersed_args": False})
 def run(
-    command: Annotated[list[str], typer.Argument(help="The worker command, after --.")],
+    command: Annotated[
+        list[str], typer.Argument(metavar="COMMAND", help="The worker command, after --.")
+    ],
     job: Annotated[str, typer.Option(envvar="TRAINGUARD_JOB", help="The job's name.")],
     bus: BusOption = DEFAULT_BUS_URL,
     nproc_per_node: Annotated[
@@ -541,9 +555,10 @@ def demo(
         if cache_dir is not None:
             options = replace(options, cache=cache_dir)
         ok = run_demo(options)
-    except (FileNotFoundError, RuntimeError, BusError, ConfigError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from exc
+    except OSError as exc:  # a work or cache folder that cannot be made, no examples/charlm
+        _fail(os_failure(exc, "use"))
+    except (RuntimeError, BusError, ConfigError) as exc:
+        _fail(str(exc))
     raise typer.Exit(0 if ok else 1)
 
 

@@ -29,7 +29,14 @@ import orjson
 import typer
 
 from trainguard.agent.bus import BusConfig, BusError
-from trainguard.daemon.cli._options import ConfigFile, ConfiguredBus, ConfiguredPrefix
+from trainguard.daemon.cli._options import (
+    ConfigFile,
+    ConfiguredBus,
+    ConfiguredPrefix,
+    given_path,
+    os_failure,
+)
+from trainguard.daemon.cli._options import console as _console
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -78,6 +85,7 @@ Keys = Annotated[
     typer.Option(
         "--keys",
         envvar="TRAINGUARD_KEYS",
+        parser=given_path,
         help="Key directory whose daemon public keys (live and retired) check the manifests' "
         "signatures; default: the config file's \\[security] keys_dir, else "
         "~/.config/trainguard/keys if it holds a signing key, else the keys in "
@@ -138,7 +146,7 @@ def list_(
             _short(m.data_version),
             _short(m.metadata.code_version) or "-",
             _when(m.ts),
-            "abandoned" if m.snapshot_id in catalog.abandoned else "",
+            "abandoned" if m.snapshot_id in catalog.abandoned else "on it",
         )
         for m in rows
     ]
@@ -148,7 +156,7 @@ def list_(
         width = max(len(name), *(len(row[i]) for row in cells)) if keep else None
         table.add_column(name, no_wrap=True, min_width=width)
     for row in cells:
-        table.add_row(*row, style="dim" if row[-1] else None)
+        table.add_row(*row, style="dim" if row[-1] == "abandoned" else None)
     console.print(table)
     for m in rows:
         gone = catalog.abandoned.get(m.snapshot_id)
@@ -647,7 +655,9 @@ def _read(bus: str | None, config: Path | None, prefix: str | None, keys: Path |
 
     try:
         settings = load_daemon_config(config, bus_url=bus)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        _fail(os_failure(exc, "read the config file", config))
+    except ValueError as exc:
         _fail(str(exc))
     public, signatures = _public_keys(keys, settings)
     bus_config: BusConfig = replace(settings.bus, client_id="trainguard-checkpoints", create=False)
@@ -798,7 +808,7 @@ def _shard_problems(
             problems.append(f"{what} is missing: {path}")
             continue
         except OSError as exc:
-            problems.append(f"{what} cannot be read: {exc}")
+            problems.append(f"{what} cannot be read ({exc.strerror or exc}): {path}")
             continue
         if size != shard.size_bytes:
             problems.append(
@@ -828,20 +838,6 @@ def _hyperparameters(pairs: Sequence[str]) -> dict[str, JSONValue]:
 
 
 # -- printing --------------------------------------------------------------------------------
-
-
-_PIPE_WIDTH = 1000
-"""Columns of the output when it is not a terminal and ``COLUMNS`` is unset: wide enough
-that ids, digests and URIs are never folded for the tools and files reading it."""
-
-
-def _console() -> Console:
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = _PIPE_WIDTH
-    return console
 
 
 def _fail(message: str) -> NoReturn:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 import orjson
 import typer
 
+from trainguard.daemon.cli._options import given_path, os_failure
+
 if TYPE_CHECKING:
     from trainguard.agent.keys import KeyKind
     from trainguard.daemon.admin import KeyAdmin, KeyInfo
@@ -36,6 +38,7 @@ KeysDir = Annotated[
     typer.Option(
         "--keys",
         envvar="TRAINGUARD_KEYS",
+        parser=given_path,
         help="Key directory; default ~/.config/trainguard/keys.",
     ),
 ]
@@ -68,22 +71,25 @@ def _fail(message: str) -> NoReturn:
 
 
 @contextlib.contextmanager
-def _refusals() -> Iterator[None]:
+def _refusals(directory: Path | None = None) -> Iterator[None]:
     """A key-store or file-system error inside the block ends the command with its message
-    and exit status 2."""
+    (a file-system error's in one line naming the key ``directory``) and exit status 2."""
     from trainguard.agent.keys import KeyStoreError
 
     try:
         yield
-    except (KeyStoreError, OSError) as exc:
+    except KeyStoreError as exc:
         _fail(str(exc))
+    except OSError as exc:
+        _fail(os_failure(exc, "use the key directory", directory))
 
 
 def _attempt(keys: Path | None, action: Callable[[KeyAdmin], _T]) -> _T:
     """``action`` applied to the admin of key directory ``keys`` inside :func:`_refusals`: its
     result, or the end of the command with the refusal's message and exit status 2."""
-    with _refusals():
-        return action(_admin(keys))
+    admin = _admin(keys)
+    with _refusals(admin.path):
+        return action(admin)
 
 
 def _created(info: KeyInfo, note: str = "") -> None:
@@ -101,7 +107,7 @@ def init(
 ) -> None:
     """Create the key directory with a signing key (Ed25519) and a data key (AES-256-GCM)."""
     admin = _admin(keys)
-    with _refusals():
+    with _refusals(admin.path):
         made = admin.init(job or ())
     for info in made:
         _created(info)
@@ -110,7 +116,7 @@ def init(
 
 @keys_app.command("job")
 def job_key(
-    job: Annotated[str, typer.Argument(help="The job whose event key to create.")],
+    job: Annotated[str, typer.Argument(metavar="JOB", help="The job whose event key to create.")],
     keys: KeysDir = None,
 ) -> None:
     """Create a job's event key (HMAC-SHA256), before the job starts."""
@@ -134,7 +140,7 @@ def rotate(
 
 @keys_app.command("retire")
 def retire(
-    kid: Annotated[str, typer.Argument(help="Key id of a key that is not current.")],
+    kid: Annotated[str, typer.Argument(metavar="KID", help="Key id of a key that is not current.")],
     keys: KeysDir = None,
 ) -> None:
     """Move a key to retired/: it no longer verifies new input."""
@@ -165,8 +171,11 @@ def show(
 ) -> None:
     """List every key (kind, kid, job, created, current, retired) and the public keys; no
     secret is printed, except the one --export-agent asks for."""
+    if out is not None and export_agent is None:
+        # Nothing else is written to a folder: the listing would print while --out was ignored.
+        _fail("--out writes a job's agent files: give it with --export-agent JOB")
     admin = _admin(keys)
-    with _refusals():
+    with _refusals(admin.path):
         if export_agent is not None:
             _export(admin, export_agent, out)
             return

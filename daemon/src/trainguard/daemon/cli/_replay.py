@@ -10,6 +10,7 @@ window, an unreadable source or configuration.
 from __future__ import annotations
 
 import asyncio
+import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -28,7 +29,14 @@ from trainguard.agent.bus import (
     Record,
     load_kafka_security,
 )
-from trainguard.daemon.cli._options import DEFAULT_PREFIX, BusOption, ExportFile, PrefixOption
+from trainguard.daemon.cli._options import (
+    DEFAULT_PREFIX,
+    BusOption,
+    ExportFile,
+    PrefixOption,
+    given_path,
+    os_failure,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -60,7 +68,7 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 def _security() -> KafkaSecurity:
     """Kafka TLS/SASL settings from the ``TRAINGUARD_KAFKA_*`` variables (``replay``'s
-    ``--config`` is the what-if file, so it does not carry them); exits 2 when they are
+    ``--what-if`` file is no bus configuration, so it does not carry them); exits 2 when they are
     invalid."""
     try:
         return load_kafka_security()
@@ -69,7 +77,7 @@ def _security() -> KafkaSecurity:
 
 
 def replay(
-    job: Annotated[str, typer.Argument(help="The job id.")],
+    job: Annotated[str, typer.Argument(metavar="JOB", help="The job id.")],
     bus: BusOption = DEFAULT_BUS_URL,
     topic_prefix: PrefixOption = DEFAULT_PREFIX,
     file: ExportFile = None,
@@ -92,12 +100,14 @@ def replay(
     output_format: Annotated[
         OutputFormat, typer.Option("--format", help="text for people, jsonl for tools.")
     ] = OutputFormat.text,
-    config: Annotated[
+    what_if_file: Annotated[
         Path | None,
         typer.Option(
-            help="What-if: a daemon TOML file whose \\[machine] settings replace the recorded "
+            "--what-if",
+            parser=given_path,
+            help="A daemon TOML file whose \\[machine] settings replace the recorded "
             "ones (settings it leaves out, and daemon_id, stay as recorded); prints the "
-            "decisions that would change."
+            "decisions that would change.",
         ),
     ] = None,
     verify: Annotated[
@@ -120,7 +130,7 @@ def replay(
     ] = True,
 ) -> None:
     """Fold a job's recorded events and ticks through the state machine again: print its
-    timeline, check the recorded decisions, or (--config) what another configuration would
+    timeline, check the recorded decisions, or (--what-if) what another configuration would
     have decided.
 
     Example: trainguard replay j1 --bus sqlite:///bus.db --since 2026-01-05T12:00:00Z
@@ -149,7 +159,7 @@ def replay(
         _fail(str(exc))
     log: JobLog | None = None
     try:
-        if file is not None and not window.bounded and config is None:
+        if file is not None and not window.bounded and what_if_file is None:
             # The whole file, replayed as it is read.
             done = replay_file(file, job, _default_config(), timeline=timeline)
             trail, result = done.trail, done.result
@@ -164,19 +174,21 @@ def replay(
             events = log.events
             shown = events[log.start] if window.bounded else None
             span = _Span(log.source, log.partition, len(events), events[0], events[-1], shown)
-    except (UnknownJob, MalformedExport, MalformedAudit, OSError, BusError) as exc:
+    except OSError as exc:  # only the export file is read from disk (the bus words its own)
+        _fail(os_failure(exc, "read the export file", file))
+    except (UnknownJob, MalformedExport, MalformedAudit, BusError) as exc:
         _fail(str(exc))
     console = Console(highlight=False, soft_wrap=True)
     jsonl = output_format is OutputFormat.jsonl
     if not jsonl:
         _print_header(console, job, span, trail, result)
-    if config is None:
+    if what_if_file is None:
         if timeline:
             _print_rows(console, result, span, jsonl=jsonl, every=every)
-    elif log is not None:  # --config reads the whole log (above)
+    elif log is not None:  # --what-if reads the whole log (above)
         try:
-            _what_if(console, log, trail, config, jsonl=jsonl)
-        except (MalformedAudit, OSError) as exc:
+            _what_if(console, log, trail, what_if_file, jsonl=jsonl)
+        except MalformedAudit as exc:
             _fail(str(exc))
     if verify:
         _verdict(console, result, jsonl=jsonl)
@@ -300,7 +312,9 @@ def _what_if(console: Console, log: JobLog, trail: AuditTrail, path: Path, *, js
         settings = load_daemon_config(path)
         with path.open("rb") as f:
             keys = tomllib.load(f).get("machine", {}).keys() - {"daemon_id"}
-    except (OSError, ValueError) as exc:  # messages name the file
+    except OSError as exc:
+        _fail(os_failure(exc, "read the what-if config file", path))
+    except ValueError as exc:  # messages name the file
         _fail(str(exc))
     # The file's [machine] keys, with the values load_daemon_config checked and converted.
     overrides = {k: getattr(settings.machine, k) for k in keys}
@@ -389,7 +403,7 @@ def _verdict(console: Console, result: Replay, *, jsonl: bool) -> None:
 
 
 def export(
-    job: Annotated[str, typer.Argument(help="The job id.")],
+    job: Annotated[str, typer.Argument(metavar="JOB", help="The job id.")],
     output: Annotated[
         Path,
         typer.Option(
@@ -429,7 +443,7 @@ def export(
     try:
         size = _dump_to_stdout(header, records) if to_stdout else dump(output, header, records)
     except OSError as exc:
-        _fail(f"cannot write {output}: {exc}")
+        _fail(os_failure(exc, "write", output))
     counts = ", ".join(f"{k} {len(v)}" for k, v in records.items())
     where = "standard output" if to_stdout else output
     # With the file on standard output, the summary goes to standard error.
@@ -454,7 +468,9 @@ def _dump_to_stdout(header: ExportHeader, records: Mapping[str, Sequence[Record]
 
 
 def import_record(
-    file: Annotated[Path, typer.Argument(help="A job record written by trainguard export.")],
+    file: Annotated[
+        Path, typer.Argument(metavar="FILE", help="A job record written by trainguard export.")
+    ],
     bus: BusOption = DEFAULT_BUS_URL,
     topic_prefix: PrefixOption = DEFAULT_PREFIX,
 ) -> None:
@@ -467,10 +483,16 @@ def import_record(
 
     try:
         header, written = asyncio.run(import_file(file, bus, topic_prefix))
-    except (ImportRefused, MalformedExport, OSError, BusError) as exc:
+    except OSError as exc:
+        _fail(os_failure(exc, "read the export file", file))
+    except (ImportRefused, MalformedExport, BusError) as exc:
         _fail(str(exc))
     counts = ", ".join(f"{topic} {n}" for topic, n in written.items())
+    # Quoted for the shell: the command is meant to be pasted (a path may hold a space).
+    again = shlex.join(
+        ["trainguard", "replay", header.job_id, "--bus", bus, "--topic-prefix", topic_prefix]
+    )
     typer.echo(
-        f"imported job {header.job_id} (records: {counts}) into {bus} (prefix {topic_prefix!r}); replay "
-        f"it with: trainguard replay {header.job_id} --bus {bus} --topic-prefix {topic_prefix}"
+        f"imported job {header.job_id} (records: {counts}) into {bus} (prefix "
+        f"{topic_prefix!r}); replay it with: {again}"
     )

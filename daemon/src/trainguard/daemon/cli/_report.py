@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from trainguard.agent.bus import BusError
-from trainguard.daemon.cli._options import ConfigFile, ConfiguredBus, ConfiguredPrefix, ExportFile
+from trainguard.daemon.cli._options import (
+    ConfigFile,
+    ConfiguredBus,
+    ConfiguredPrefix,
+    ExportFile,
+    os_failure,
+)
 
 if TYPE_CHECKING:
     from trainguard.daemon.forensics import JobLog, JobReport
@@ -75,7 +81,7 @@ def report(
         try:
             html.write_text(render_html(result), encoding="utf-8")
         except OSError as exc:
-            _fail(f"cannot write {html}: {exc}")
+            _fail(os_failure(exc, "write the HTML report", html))
     if output is OutputFormat.json:
         typer.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -100,18 +106,28 @@ def _read(
     from trainguard.daemon.forensics import MalformedExport, UnknownJob, read_bus, read_file
     from trainguard.daemon.service import load_daemon_config
 
-    try:
-        if file is not None:
+    if file is not None:
+        try:
             return read_file(file, job)
-        if job is None:
-            _fail("name the JOB (or give --file)")
+        except OSError as exc:
+            _fail(os_failure(exc, "read the export file", file))
+        except (UnknownJob, MalformedExport) as exc:
+            _fail(str(exc))
+    if job is None:
+        _fail("name the JOB (or give --file)")
+    try:
         settings = load_daemon_config(config, bus_url=bus)
-        prefix = settings.bus.prefix if topic_prefix is None else topic_prefix
-        bus_config = replace(settings.bus, prefix=prefix)
+    except OSError as exc:
+        _fail(os_failure(exc, "read the config file", config))
+    except ValueError as exc:
+        _fail(str(exc))
+    prefix = settings.bus.prefix if topic_prefix is None else topic_prefix
+    bus_config = replace(settings.bus, prefix=prefix)
+    try:
         return asyncio.run(
             read_bus(bus_config.url, bus_config.prefix, job, security=bus_config.security)
         )
-    except (UnknownJob, MalformedExport, BusError, TimeoutError, OSError, ValueError) as exc:
+    except (UnknownJob, BusError, TimeoutError) as exc:
         _fail(str(exc))
 
 

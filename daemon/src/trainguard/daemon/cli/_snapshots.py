@@ -25,7 +25,7 @@ import orjson
 import typer
 
 from trainguard.agent.bus import BusError
-from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix
+from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix, given_path, os_failure
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -53,8 +53,9 @@ class OutputFormat(StrEnum):
 ConfigOption = Annotated[
     Path | None,
     typer.Option(
+        parser=given_path,
         help="The daemon's TOML file: its \\[bus] table, and for verify its \\[machine] table "
-        "(snapshots folded under other settings are reported)."
+        "(snapshots folded under other settings are reported).",
     ),
 ]
 KeysOption = Annotated[
@@ -62,6 +63,7 @@ KeysOption = Annotated[
     typer.Option(
         "--keys",
         envvar="TRAINGUARD_KEYS",
+        parser=given_path,
         help="Key directory; default: the config file's \\[security] keys_dir, else "
         "~/.config/trainguard/keys.",
     ),
@@ -84,7 +86,9 @@ def _settings(config: Path | None, bus: str | None, prefix: str | None) -> Daemo
 
     try:
         settings = load_daemon_config(config, bus_url=bus)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        _fail(os_failure(exc, "read the config file", config))
+    except ValueError as exc:
         _fail(str(exc))
     if prefix is not None:
         settings = replace(settings, bus=replace(settings.bus, prefix=prefix))
@@ -162,7 +166,9 @@ def list_snapshots(
 
 @snapshots_app.command("show")
 def show(
-    job: Annotated[str, typer.Argument(help="The job whose latest snapshot to open.")],
+    job: Annotated[
+        str, typer.Argument(metavar="JOB", help="The job whose latest snapshot to open.")
+    ],
     bus: ConfiguredBus = None,
     config: ConfigOption = None,
     topic_prefix: ConfiguredPrefix = None,

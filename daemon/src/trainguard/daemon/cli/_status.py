@@ -8,20 +8,31 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
 from trainguard.agent.bus import BusError
-from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix, other_prefixes
+from trainguard.daemon.cli._options import (
+    ConfiguredBus,
+    ConfiguredPrefix,
+    console,
+    given_path,
+    os_failure,
+    other_prefixes,
+)
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 __all__ = ["register"]
 
 
 class OutputFormat(StrEnum):
-    """How ``status`` prints: a rich table for people, one JSON document for tools."""
+    """How ``status`` prints: rich tables for people (``text``, as every command names it), one
+    JSON document for tools."""
 
-    table = "table"
+    text = "text"
     json = "json"
 
 
@@ -33,22 +44,21 @@ def register(app: typer.Typer) -> None:
 def status(
     job: Annotated[
         str | None,
-        typer.Argument(
-            metavar="[JOB]", help="Show this job's ranks; default: a table of all jobs."
-        ),
+        typer.Argument(metavar="JOB", help="Show this job's ranks; default: a table of all jobs."),
     ] = None,
     bus: ConfiguredBus = None,
     config: Annotated[
         Path | None,
         typer.Option(
+            parser=given_path,
             help="The daemon's TOML file: its \\[bus] and \\[machine] tables (the detectors' "
-            "settings decide the state)."
+            "settings decide the state).",
         ),
     ] = None,
     topic_prefix: ConfiguredPrefix = None,
     output: Annotated[
-        OutputFormat, typer.Option("--format", help="table (rich) or json (for tools).")
-    ] = OutputFormat.table,
+        OutputFormat, typer.Option("--format", help="text (rich tables) or json (for tools).")
+    ] = OutputFormat.text,
 ) -> None:
     """Show the jobs on the bus: phase, generation, step, last committed step, ranks alive and
     the latest incident; with JOB, that job's ranks.
@@ -67,7 +77,9 @@ def status(
 
     try:
         settings = load_daemon_config(config, bus_url=bus)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        _fail(os_failure(exc, "read the config file", config))
+    except ValueError as exc:
         _fail(str(exc))
     bus_config = replace(settings.bus, create=False)
     if topic_prefix is not None:
@@ -104,7 +116,6 @@ def _fail(message: str) -> NoReturn:
 
 
 def _print_jobs(rows: Sequence[Mapping[str, object]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="jobs")
@@ -124,15 +135,14 @@ def _print_jobs(rows: Sequence[Mapping[str, object]]) -> None:
             str(row["incidents"]),
             _incident(row["last_incident"]),
         )
-    Console().print(table)
+    console().print(table)
 
 
 def _print_job(summary: Mapping[str, object], ranks: Sequence[Mapping[str, object]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    console.print(
+    out = console()
+    out.print(
         f"[bold]{summary['job_id']}[/bold]  {_phase(str(summary['phase']))}  generation "
         f"{summary['generation']}  step {_text(summary['step'])}  committed "
         f"{_text(summary['committed_step'])}  last input {_age(summary['last_input_age_s'])} ago",
@@ -141,35 +151,32 @@ def _print_job(summary: Mapping[str, object], ranks: Sequence[Mapping[str, objec
     last = summary["last_incident"]
     if isinstance(last, dict):
         state = "open" if last["open"] else "closed"
-        console.print(
+        out.print(
             f"incident {last['id']} ({last['cause']}, {state}, {_age(last['age_s'])} ago): "
             f"{last['reason']}",
             highlight=False,
         )
     if summary["not_committed"]:
-        console.print(f"[red]not committing:[/red] {summary['not_committed']}", highlight=False)
+        out.print(f"[red]not committing:[/red] {summary['not_committed']}", highlight=False)
     if summary["failure"]:
-        console.print(f"[red]failed:[/red] {summary['failure']}", highlight=False)
+        out.print(f"[red]failed:[/red] {summary['failure']}", highlight=False)
     if summary["phase"] in ("stopped", "failed"):
-        console.print(
+        out.print(
             f"continue it from committed step {_text(summary['committed_step'])} with the same "
             "trainguard run command and --continue, on every node (docs/operations.md)",
             highlight=False,
         )
     if summary["refused"]:
-        console.print(
+        out.print(
             f"{summary['refused']} record(s) left out: the daemon refused them as not authentic",
             highlight=False,
         )
     if not ranks:
-        console.print(f"no rank heard from in generation {summary['generation']} yet")
+        out.print(f"no rank heard from in generation {summary['generation']} yet")
         return
     table = Table(title=f"ranks of generation {summary['generation']}")
-    for name in ("rank", "host", "pid", "status", "phase", "step", "heard", "step time", "slow"):
-        table.add_column(name, justify="right" if name in ("rank", "pid", "step") else "left")
-    for r in ranks:
-        step_time = r["step_time_s"]
-        table.add_row(
+    cells = [
+        (
             str(r["rank"]),
             str(r["host"]),
             str(r["pid"]),
@@ -177,10 +184,23 @@ def _print_job(summary: Mapping[str, object], ranks: Sequence[Mapping[str, objec
             _text(r["phase"]),
             _text(r["step"]),
             f"{_age(r['last_heard_s'])} ago",
-            "-" if not isinstance(step_time, float) else f"{step_time:.3g} s",
+            "-" if not isinstance(r["step_time_s"], float) else f"{r['step_time_s']:.3g} s",
             "yes" if r["straggling"] else "",
         )
-    console.print(table)
+        for r in ranks
+    ]
+    names = ("rank", "host", "pid", "status", "phase", "step", "heard", "step time", "slow")
+    for i, name in enumerate(names):
+        justify: JustifyMethod = "right" if name in ("rank", "pid", "step") else "left"
+        if name == "host":  # the one long value: folded in a narrow terminal
+            table.add_column(name, justify=justify, overflow="fold")
+            continue
+        # Short values at their full width: a state or phase cropped to "checkpo…" says nothing.
+        width = max(len(name), *(len(row[i]) for row in cells))
+        table.add_column(name, justify=justify, no_wrap=True, min_width=width)
+    for row in cells:
+        table.add_row(*row)
+    out.print(table)
 
 
 _PHASE_STYLE = {

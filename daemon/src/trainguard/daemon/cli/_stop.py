@@ -17,7 +17,7 @@ from trainguard.agent import AgentError
 from trainguard.agent.bus import BusConfig, BusError, TopicPartition, open_bus, partition_for
 from trainguard.agent.keys import AgentKeys, CommandGate, agent_keys_from_env
 from trainguard.agent.supervisor import encode_request, latest_command
-from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix
+from trainguard.daemon.cli._options import ConfiguredBus, ConfiguredPrefix, given_path, os_failure
 from trainguard.schemas import Abort
 
 __all__ = ["EXIT_NOT_STOPPED", "EXIT_UNCONFIRMED", "StopOutcome", "register", "stop_job"]
@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
 
 
 def stop(
-    job: Annotated[str, typer.Argument(help="The job to stop.")],
+    job: Annotated[str, typer.Argument(metavar="JOB", help="The job to stop.")],
     bus: ConfiguredBus = None,
     reason: Annotated[
         str, typer.Option(help="Why, in words: recorded in the abort and the audit trail.")
@@ -62,7 +62,10 @@ def stop(
     ] = 60.0,
     config: Annotated[
         Path | None,
-        typer.Option(help="The daemon's TOML file, for its \\[bus] table and consumer group."),
+        typer.Option(
+            parser=given_path,
+            help="The daemon's TOML file, for its \\[bus] table and consumer group.",
+        ),
     ] = None,
     topic_prefix: ConfiguredPrefix = None,
     daemon_group: Annotated[
@@ -89,7 +92,9 @@ def stop(
     try:
         settings = load_daemon_config(config, bus_url=bus)
         keys = agent_keys_from_env(os.environ)
-    except (OSError, ValueError, AgentError) as exc:
+    except OSError as exc:  # the agents' key loading words its own (AgentError)
+        _fail(os_failure(exc, "read the config file", config))
+    except (ValueError, AgentError) as exc:
         _fail(str(exc))
     bus_config = replace(settings.bus, create=False, client_id="trainguard-stop")
     if topic_prefix is not None:

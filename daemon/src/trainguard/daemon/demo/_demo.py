@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -245,7 +247,9 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
     if options.fault is None:
         ok = ok and len(record.restores()) == 1
     console.print(f"[dim]logs: {workdir}/daemon.log, {workdir}/supervisor.log[/dim]")
-    source = f"--bus {bus_url} --topic-prefix {prefix}"
+    # Quoted for the shell, escaped for rich: the command is meant to be pasted (a --workdir
+    # may hold a space or a bracket).
+    source = escape(shlex.join(["--bus", bus_url, "--topic-prefix", prefix]))
     console.print(
         f"[dim]look back: trainguard replay {JOB} {source}   (or report, status, export -o "
         f"{JOB}.tgjsonl.gz; docs/forensics.md)[/dim]",
