@@ -32,6 +32,7 @@ from trainguard.agent._errors import (
     ShardError,
     ShardMissing,
     StaleGeneration,
+    StorageUnavailable,
 )
 from trainguard.agent._exit import exit_on_config_error
 from trainguard.agent.data._cursor import (
@@ -78,6 +79,7 @@ __all__ = [
     "ShardError",
     "ShardMissing",
     "StaleGeneration",
+    "StorageUnavailable",
     "dataset_manifest",
     "dataset_version",
     "epoch_permutation",
