@@ -256,6 +256,7 @@ async def test_an_exit_report_carries_the_last_step_the_worker_completed(tmp_pat
 
         [killed] = exits(await wait_for(bus, lambda es: len(exits(es)) == 1, timeout_s=60))
         assert (killed.ranks, killed.signal, killed.step) == ((0,), signal.SIGKILL, 41)
+        assert killed.message == ""  # killed from outside: its output does not say why
         await bus.publish("commands", JOB, restore(1))
         exited = exits(await wait_for(bus, lambda es: len(exits(es)) == 2, timeout_s=60))
         assert (exited[1].generation, exited[1].exit_code, exited[1].step) == (1, 7, None)

@@ -18,6 +18,12 @@ on; if that restore fails, the daemon's next one restarts.
 Every worker runs in its own session (process group), so a restore can stop everything it
 started, grandchildren included: SIGTERM to the group, SIGKILL after ``grace_s`` seconds.
 
+Every worker's stderr reaches the supervisor's through a pipe of the supervisor (:mod:`._stderr`),
+unchanged; the exit report of a worker that failed carries what it wrote last (a traceback's
+exception), which the daemon quotes in its reasons. A worker that exits with
+:data:`~trainguard.schemas.EXIT_CONFIG` (a configuration error) is reported like any other; the
+daemon fails the job instead of restoring it (``docs/recovery.md``).
+
 In launcher mode each worker also gets a step file of its own (``TRAINGUARD_STEP_FILE``, in a
 temporary folder removed at the end): its agent records there the last step it completed,
 and the supervisor reports that step with the worker's exit (:mod:`._step_file`), also after
@@ -1182,14 +1188,15 @@ class Supervisor:
     ) -> None:
         """Queue this supervisor's lifecycle report ``kind`` of ``worker`` in its outbox
         (``then`` runs once the bus has it). The exit (``code`` given) of a worker that failed
-        carries the last words of its stderr as ``message`` (:func:`._stderr.last_words`)."""
+        carries the last words of its stderr as ``message`` (:func:`._stderr.last_words`),
+        unless a signal that comes from outside the process ended it (:data:`_SENT_SIGNALS`)."""
         exit_code = signal_no = step = None
         said = ""
         if code is not None:
             exit_code, signal_no = (None, -code) if code < 0 else (code, None)
             if worker.step_file is not None:
                 step = read_step_file(worker.step_file)
-            if code != 0 and worker.stderr is not None:
+            if code != 0 and -code not in _SENT_SIGNALS and worker.stderr is not None:
                 worker.stderr.drain()  # what it wrote just before it ended
                 said = last_words(worker.stderr.text)
         event = Lifecycle(
@@ -1449,6 +1456,11 @@ def _die_with_parent() -> None:
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+_SENT_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+"""Signals another process sends (a kill, the OOM killer, a stop): what the worker wrote last
+does not say why it ended, so its exit report quotes nothing (a ``SIGABRT`` or ``SIGSEGV`` it
+raised itself comes with its own words: ``terminate called ...``, ``Fatal Python error``)."""
 
 
 def _is_request(data: bytes) -> bool:
