@@ -54,6 +54,7 @@ from trainguard.agent import (
     AgentConfig,
     RestoreRequested,
     ResumableDistributedSampler,
+    exit_on_config_error,
     ordered_allreduce,
 )
 from trainguard.schemas import Checkpoint, Manifest, StepRange
@@ -579,4 +580,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # A bad setting exits 78, which trainguard run's daemon does not restart (docs/recovery.md).
+    with exit_on_config_error():
+        main()

@@ -67,7 +67,13 @@ from examples.charlm.data import ByteWindows
 from examples.charlm.ledger import LedgerWriter, ledger_path
 from examples.charlm.model import next_byte_loss
 from examples.charlm.train import atomic_write, derive_seed, log_checkpoint, write_final
-from trainguard.agent import Agent, AgentConfig, LoaderState, ResumableDistributedSampler
+from trainguard.agent import (
+    Agent,
+    AgentConfig,
+    LoaderState,
+    ResumableDistributedSampler,
+    exit_on_config_error,
+)
 from trainguard.schemas import Manifest
 
 from .model import LLMConfig, TinyLLM
@@ -449,4 +455,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # A bad setting exits 78, which trainguard run's daemon does not restart (docs/recovery.md).
+    with exit_on_config_error():
+        main()

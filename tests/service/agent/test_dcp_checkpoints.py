@@ -244,7 +244,8 @@ def test_object_storage_needs_the_dcp_format(make_agent: Callable[..., Any]) -> 
         make_agent(checkpoint_uri="s3://bucket/ckpt")
     with pytest.raises(ConfigError, match="is no URL"):
         make_agent(checkpoint_format="dcp", checkpoint_uri="bucket/ckpt")
-    make_agent(checkpoint_format="dcp", checkpoint_uri="s3://bucket/ckpt")
+    # The settings alone (the storage is not asked: no S3 server here).
+    make_agent(checkpoint_format="dcp", checkpoint_uri="s3://bucket/ckpt", probe_storage=False)
     with pytest.raises(ConfigError, match="no storage for nosuchscheme://"):
         make_agent(checkpoint_format="dcp", checkpoint_uri="nosuchscheme://bucket/ckpt")
 
@@ -254,11 +255,13 @@ def test_a_save_to_a_missing_bucket_fails_in_one_line(
     make_agent: Callable[..., Any], bus_url: str, s3_env: Any
 ) -> None:
     """A save the storage refuses is a failed checkpoint, reported with the storage's own
-    reason in one line (not DCP's gathered tracebacks); training goes on."""
+    reason in one line (not DCP's gathered tracebacks); training goes on. (The bucket goes
+    missing after the start: the check at start is off.)"""
     from trainguard.schemas import Lifecycle
 
     store = "s3://no-such-bucket-trainguard/ckpt"
-    with make_agent(checkpoint_format="dcp", checkpoint_uri=store) as agent:
+    agent = make_agent(checkpoint_format="dcp", checkpoint_uri=store, probe_storage=False)
+    with agent:
         agent.ready(0)
         for blocking in (True, False):
             failed = agent.checkpoint(2, state_of(5), cursor=CURSOR, blocking=blocking)
@@ -270,6 +273,68 @@ def test_a_save_to_a_missing_bucket_fails_in_one_line(
     reports = [e for e in of_type(read_events(bus_url, JOB), Lifecycle) if e.kind == "error"]
     assert len(reports) == 2
     assert all("\n" not in e.message and "bucket" in e.message for e in reports)
+
+
+@pytest.mark.s3
+def test_a_missing_bucket_is_a_config_error_at_start(
+    make_agent: Callable[..., Any], s3_env: Any
+) -> None:
+    """Found when the agent is made, before any training, with the URI and S3's reason."""
+    from trainguard.agent import ConfigError
+
+    store = "s3://no-such-bucket-trainguard/ckpt"
+    with pytest.raises(ConfigError) as raised:
+        make_agent(checkpoint_format="dcp", checkpoint_uri=store)
+    message = str(raised.value)
+    assert message.startswith(f"checkpoint_uri {store!r}: the storage refused a test write of ")
+    assert message.endswith(": FileNotFoundError: The specified bucket does not exist")
+
+
+@pytest.mark.s3
+def test_bad_credentials_are_a_config_error_at_start(
+    make_agent: Callable[..., Any], s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainguard.agent import ConfigError
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(ConfigError, match=r"refused a test write .*: PermissionError: "):
+        make_agent(checkpoint_format="dcp", checkpoint_uri=f"s3://{s3_bucket}/ckpt")
+
+
+def test_an_s3_endpoint_that_does_not_answer_is_unavailable_not_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Connection refused (nothing listens on the port): tried again, then StorageUnavailable,
+    which a restart may cure."""
+    import socket
+
+    from trainguard.agent import ConfigError, StorageUnavailable
+    from trainguard.agent.checkpoint._probe import probe_storage
+
+    with socket.socket() as s:  # a port nothing listens on once it is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with pytest.raises(StorageUnavailable) as raised:
+        probe_storage("s3://bucket/ckpt", JOB, 0, pauses_s=(0.1,))
+    assert not isinstance(raised.value, ConfigError)
+    assert "in 2 attempts" in str(raised.value)
+    assert f'Could not connect to the endpoint URL: "http://127.0.0.1:{port}/' in str(raised.value)
+
+
+@pytest.mark.s3
+def test_the_check_at_start_leaves_no_object_behind(
+    make_agent: Callable[..., Any], s3_bucket: str
+) -> None:
+    import fsspec
+
+    make_agent(
+        checkpoint_format="dcp", checkpoint_uri=f"s3://{s3_bucket}/ckpt", rank=1, world_size=2
+    )
+    assert fsspec.filesystem("s3").find(s3_bucket) == []
 
 
 @pytest.mark.s3

@@ -32,6 +32,7 @@ from trainguard.agent.supervisor._supervisor import (
 from trainguard.daemon.core._audit_entry import decision_entry
 from trainguard.daemon.core._decisions import Anomaly
 from trainguard.schemas import (
+    EXIT_CONFIG,
     Abort,
     AbortOutcome,
     DataCursor,
@@ -76,6 +77,16 @@ if mode == "agent-kill" and gen == "0":
             agent.step(step)
 if mode == "agent-kill":
     sys.exit(7)  # before any step: no step to report
+if mode == "bad-setting":
+    from trainguard.agent import AgentConfig, exit_on_config_error
+    with exit_on_config_error():
+        AgentConfig.resolve()
+if mode == "orphan":
+    # A child that outlives it, holding its stderr (as a DataLoader worker would).
+    import subprocess
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print("giving up", file=sys.stderr)
+    sys.exit(5)
 """
 
 
@@ -245,6 +256,7 @@ async def test_an_exit_report_carries_the_last_step_the_worker_completed(tmp_pat
 
         [killed] = exits(await wait_for(bus, lambda es: len(exits(es)) == 1, timeout_s=60))
         assert (killed.ranks, killed.signal, killed.step) == ((0,), signal.SIGKILL, 41)
+        assert killed.message == ""  # killed from outside: its output does not say why
         await bus.publish("commands", JOB, restore(1))
         exited = exits(await wait_for(bus, lambda es: len(exits(es)) == 2, timeout_s=60))
         assert (exited[1].generation, exited[1].exit_code, exited[1].step) == (1, 7, None)
@@ -254,6 +266,42 @@ async def test_an_exit_report_carries_the_last_step_the_worker_completed(tmp_pat
     assert Path(env0["TRAINGUARD_STEP_FILE"]).parent.name.startswith("trainguard-steps-")
     # Removed with the supervisor.
     assert not await asyncio.to_thread(Path(env0["TRAINGUARD_STEP_FILE"]).exists)
+
+
+async def test_a_failed_workers_exit_report_carries_its_last_words(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A worker whose setting is bad exits with EXIT_CONFIG (``exit_on_config_error``); its
+    exit report says why, in the line its traceback ended with, and its stderr still reached
+    the supervisor's."""
+    cfg = config(tmp_path, "bad-setting", nproc_per_node=1, env={"TRAINGUARD_CHECKSUM_EVERY": "-1"})
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        events = await wait_for(bus, lambda es: any(e.kind == "exited" for e in es))
+        [exited] = [e for e in events if e.kind == "exited"]
+        assert (exited.ranks, exited.exit_code) == ((0,), EXIT_CONFIG)
+        assert exited.message == (
+            "trainguard.agent._errors.ConfigError: agent setting checksum_every must be >= 0 "
+            "steps, got -1"
+        )
+        await bus.publish("commands", JOB, abort_at(0))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+    err = capfd.readouterr().err
+    assert "Traceback (most recent call last):" in err
+    assert "AgentConfig.resolve()" in err  # the whole traceback, not just the last words
+
+
+async def test_a_child_holding_the_workers_stderr_does_not_delay_its_exit_report(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "orphan", nproc_per_node=1)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        events = await wait_for(bus, lambda es: any(e.kind == "exited" for e in es), timeout_s=20)
+        [exited] = [e for e in events if e.kind == "exited"]
+        assert (exited.exit_code, exited.message) == (5, "giving up")
+        await bus.publish("commands", JOB, abort_at(0))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
 
 
 def abort_at(generation: int, outcome: AbortOutcome = "failed", seq: int = 99) -> bytes:

@@ -37,6 +37,7 @@ from trainguard.daemon.core._machine import decide, next_deadline
 from trainguard.daemon.core._machine_config import MachineConfig
 from trainguard.daemon.core._state import new_job
 from trainguard.schemas import (
+    EXIT_CONFIG,
     Abort,
     Checkpoint,
     Lifecycle,
@@ -660,6 +661,57 @@ def test_exit_before_every_rank_was_heard_is_an_incident() -> None:
         "(reported by the supervisor, pid 50002)"
     )
     assert of_type(decisions, Transition)[0].old == "starting"
+
+
+def test_an_exit_report_names_what_the_worker_said_last() -> None:
+    sim = Sim()
+    state, _ = running_job(sim, 12)
+    said = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    exit_report = sim.supervisor((1,), "exited", T0 + 13 * S, exit_code=1, message=said)
+    state, decisions = run([exit_report], state)
+    [opened] = of_type(decisions, IncidentOpened)
+    assert opened.reason.endswith(f"(reported by the supervisor, pid 50001): {said}")
+    [restore] = issued(decisions, Restore)  # a crash: restored as ever
+    assert restore.reason.endswith(said)
+
+
+def test_a_worker_that_exited_with_a_configuration_error_fails_the_job_at_once() -> None:
+    """Exit status 78 (EXIT_CONFIG): no restore, the job fails with the worker's last words,
+    whether the job was starting (nothing heard yet), running or restoring."""
+    said = "trainguard.agent._errors.ConfigError: checksum_every must be >= 0 steps, got -1"
+    sim = Sim()
+    state, _ = run([sim.supervisor((0, 1), "started", T0)])  # no rank spoke yet
+    exit_report = sim.supervisor((0,), "exited", T0 + S, exit_code=EXIT_CONFIG, message=said)
+    state, decisions = run([exit_report], state)
+    assert issued(decisions, Restore) == []
+    [opened] = of_type(decisions, IncidentOpened)
+    [abort] = issued(decisions, Abort)
+    [failed] = of_type(decisions, JobFailed)
+    assert state.phase == "failed"
+    assert (
+        abort.reason
+        == failed.reason
+        == (
+            "incident job/i1: rank 0 on host h0 exited with exit code 78 (a configuration error) "
+            f"in generation 0 (reported by the supervisor, pid 50000): {said}; not restarted: a "
+            "restarted worker would find the same configuration"
+        )
+    )
+    [closed] = of_type(decisions, IncidentClosed)
+    assert (closed.incident_id, closed.outcome) == (opened.incident_id, "failed")
+
+    # While restoring, the open incident fails with it: no further attempt.
+    sim, state, restore = killed_job()
+    sim.generation = restore.generation
+    exit_report = sim.supervisor((2,), "exited", T0 + 44 * S, exit_code=EXIT_CONFIG, message=said)
+    state, decisions = run([exit_report], state)
+    assert issued(decisions, Restore) == []
+    assert of_type(decisions, IncidentOpened) == []
+    [closed] = of_type(decisions, IncidentClosed)
+    assert (closed.incident_id, closed.outcome) == ("job/i1", "failed")
+    assert state.phase == "failed"
+    assert state.failure is not None
+    assert said in state.failure
 
 
 # -- decisions, config, purity -----------------------------------------------------------------

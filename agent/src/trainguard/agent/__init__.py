@@ -2,6 +2,8 @@
 
 ``from trainguard.agent import Agent`` is the entry point for training code; see
 :class:`Agent` (and :class:`RestoreRequested`, the one exception a training loop catches).
+:func:`exit_on_config_error` around a script's entry point makes a :class:`ConfigError` exit
+with :data:`EXIT_CONFIG`, which ``trainguard run`` and the daemon do not restart.
 The data cursor (:class:`GlobalOrder`, :class:`ResumableDistributedSampler`) makes a restore
 resume with no sample skipped or repeated; :class:`LoaderState` checkpoints a torchdata
 ``StatefulDataLoader`` with workers, and its consumed cursor; :func:`dataset_version` binds a
@@ -30,7 +32,9 @@ from trainguard.agent._errors import (
     ShardError,
     ShardMissing,
     StaleGeneration,
+    StorageUnavailable,
 )
+from trainguard.agent._exit import exit_on_config_error
 from trainguard.agent.data._cursor import (
     MAX_DATASET_LEN,
     CursorMismatch,
@@ -41,6 +45,7 @@ from trainguard.agent.data._cursor import (
 )
 from trainguard.agent.data._dataset_version import ManifestEntry, dataset_manifest, dataset_version
 from trainguard.agent.faults._plan import Fault, FaultKind, parse_faults
+from trainguard.schemas import EXIT_CONFIG
 
 if TYPE_CHECKING:
     from trainguard.agent._ddp import ordered_allreduce, ordered_allreduce_hook
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BUS_URL",
+    "EXIT_CONFIG",
     "MAX_DATASET_LEN",
     "RESERVED_KEY",
     "Agent",
@@ -73,9 +79,11 @@ __all__ = [
     "ShardError",
     "ShardMissing",
     "StaleGeneration",
+    "StorageUnavailable",
     "dataset_manifest",
     "dataset_version",
     "epoch_permutation",
+    "exit_on_config_error",
     "ordered_allreduce",
     "ordered_allreduce_hook",
     "parse_faults",

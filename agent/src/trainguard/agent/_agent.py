@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -35,6 +36,7 @@ from trainguard.agent.checkpoint._dcp import (
     storage_writer,
 )
 from trainguard.agent.checkpoint._manifests import fetch_manifest
+from trainguard.agent.checkpoint._probe import probe_storage
 from trainguard.agent.checkpoint._shards import (
     HostStager,
     capture_rng,
@@ -191,8 +193,11 @@ class Agent:
         **settings: :class:`AgentConfig` fields, e.g. ``job_id=...``, ``bus_url=...``.
 
     Raises:
-        ConfigError: a setting is missing or invalid, or both ``config`` and ``settings`` were
-            given.
+        ConfigError: a setting is missing or invalid, both ``config`` and ``settings`` were
+            given, or the storage of ``checkpoint_uri`` refused a test write (with
+            ``probe_storage``; the message names the URI and the storage's reason).
+        StorageUnavailable: the storage of ``checkpoint_uri`` did not answer the test write
+            (with ``probe_storage``, after a few attempts, at most about a minute).
     """
 
     def __init__(self, config: AgentConfig | None = None, **settings: Any) -> None:
@@ -200,11 +205,23 @@ class Agent:
             raise ConfigError("pass either config or settings, not both")
         self.config = config if config is not None else AgentConfig.resolve(**settings)
         c = self.config
-        self._pid = os.getpid()
-        self._root = c.checkpoint_dir.resolve()
         self._log = structlog.get_logger("trainguard.agent").bind(
             job_id=c.job_id, rank=c.rank, generation=c.generation
         )
+        uri = c.checkpoint_uri
+        if c.probe_storage and uri is not None and urlsplit(uri).scheme != "file":
+            # Before anything starts: a wrong bucket is found now, not at the first
+            # checkpoint of a job that may run for hours without one.
+            undeleted = probe_storage(uri, c.job_id, c.rank)
+            if undeleted is not None:
+                self._log.warning(
+                    "checkpoint storage took a test write but refused its delete: an empty "
+                    ".trainguard-probe object stays in the job's folder",
+                    checkpoint_uri=uri,
+                    error=undeleted,
+                )
+        self._pid = os.getpid()
+        self._root = c.checkpoint_dir.resolve()
         self._phase: Phase = "init"
         # (step, loss, samples so far, step time in s, monotonic time the step completed in
         # this process): replaced as a whole, so the loop thread never sees a step with another

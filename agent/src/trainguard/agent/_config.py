@@ -49,6 +49,7 @@ _ENVIRONMENT: Mapping[str, tuple[str, ...]] = {
     "checkpoint_dir": ("TRAINGUARD_CHECKPOINT_DIR",),
     "checkpoint_format": ("TRAINGUARD_CHECKPOINT_FORMAT",),
     "checkpoint_uri": ("TRAINGUARD_CHECKPOINT_URI",),
+    "probe_storage": ("TRAINGUARD_PROBE_STORAGE",),
     "heartbeat_interval_s": ("TRAINGUARD_HEARTBEAT_INTERVAL",),
     "restore_timeout_s": ("TRAINGUARD_RESTORE_TIMEOUT",),
     "resume_timeout_s": ("TRAINGUARD_RESUME_TIMEOUT",),
@@ -95,6 +96,12 @@ class AgentConfig:
             fsspec URL such as ``s3://bucket/prefix`` (credentials from the storage library's
             usual environment and configuration) or ``file:///shared/ckpt``; default
             ``checkpoint_dir``. Only for ``dcp``.
+        probe_storage: check at start that the storage of a ``checkpoint_uri`` other than
+            ``file://`` takes a write (``TRAINGUARD_PROBE_STORAGE``: ``1``/``true`` or
+            ``0``/``false``), default True: constructing the :class:`Agent` writes and deletes
+            an empty object under the job's folder, and raises ``ConfigError`` when the
+            storage refuses (no such bucket, access denied) or ``StorageUnavailable`` when it
+            does not answer a few attempts (``docs/checkpoints.md``, "Object storage").
         heartbeat_interval_s: seconds between heartbeats (``TRAINGUARD_HEARTBEAT_INTERVAL``),
             default 1.
         restore_timeout_s: seconds :meth:`Agent.restore_target` waits for the daemon's
@@ -154,6 +161,7 @@ class AgentConfig:
     checkpoint_dir: Path = Path("checkpoints")
     checkpoint_format: CheckpointFormat = "torch"
     checkpoint_uri: str | None = None
+    probe_storage: bool = True
     heartbeat_interval_s: float = 1.0
     restore_timeout_s: float = 300.0
     resume_timeout_s: float = 300.0

@@ -15,6 +15,7 @@ __all__ = [
     "ShardError",
     "ShardMissing",
     "StaleGeneration",
+    "StorageUnavailable",
 ]
 
 
@@ -24,6 +25,13 @@ class AgentError(Exception):
 
 class ConfigError(AgentError, ValueError):
     """A setting is missing or invalid; the message names the setting or environment variable."""
+
+
+class StorageUnavailable(AgentError, ConnectionError):
+    """Checkpoint storage did not answer the agent's check at start (connection refused, timed
+    out, busy) in any of a few attempts; the message names the URI and the last error. Not a
+    :class:`ConfigError`: an outage may end, so the process exits as after a crash, and is
+    restarted (``docs/checkpoints.md``, "Object storage")."""
 
 
 class ShardError(AgentError):

@@ -47,6 +47,7 @@ from trainguard.schemas._errors import (
     UnknownSchema,
 )
 from trainguard.schemas._messages import (
+    EXIT_CONFIG,
     MESSAGE_TYPES,
     Abort,
     AbortOutcome,
@@ -84,6 +85,7 @@ from trainguard.schemas._wire_types import JSONValue
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "EXIT_CONFIG",
     "MAX_FREEFORM_DEPTH",
     "MESSAGE_TYPES",
     "SCHEMA_BASE_URI",

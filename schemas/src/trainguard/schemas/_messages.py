@@ -493,6 +493,14 @@ class Lifecycle:
     auth: Annotated[Mac | None, _auth("HMAC", since="1.2"), OmittedWhenNone] = None
 
 
+EXIT_CONFIG: Final = 78
+"""The exit status of a worker that cannot start because of its configuration (``EX_CONFIG``
+of BSD's ``sysexits.h``): a setting is missing or invalid, or names storage that refuses it, so
+starting it again cannot help. A ``lifecycle exited`` with this ``exit_code`` makes the daemon
+fail the job at once, with the report's ``message`` (the worker's last words) in the reason,
+instead of restoring (``docs/recovery.md``, "A configuration error is not restarted")."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoredFile:
     """One file of a rank's DCP checkpoint, as written.

@@ -18,6 +18,12 @@ on; if that restore fails, the daemon's next one restarts.
 Every worker runs in its own session (process group), so a restore can stop everything it
 started, grandchildren included: SIGTERM to the group, SIGKILL after ``grace_s`` seconds.
 
+Every worker's stderr reaches the supervisor's through a pipe of the supervisor (:mod:`._stderr`),
+unchanged; the exit report of a worker that failed carries what it wrote last (a traceback's
+exception), which the daemon quotes in its reasons. A worker that exits with
+:data:`~trainguard.schemas.EXIT_CONFIG` (a configuration error) is reported like any other; the
+daemon fails the job instead of restoring it (``docs/recovery.md``).
+
 In launcher mode each worker also gets a step file of its own (``TRAINGUARD_STEP_FILE``, in a
 temporary folder removed at the end): its agent records there the last step it completed,
 and the supervisor reports that step with the worker's exit (:mod:`._step_file`), also after
@@ -136,7 +142,9 @@ from trainguard.agent.supervisor._spool import (
     read_journal,
     read_spool,
 )
+from trainguard.agent.supervisor._stderr import StderrTail, last_words
 from trainguard.schemas import (
+    EXIT_CONFIG,
     Abort,
     Checkpoint,
     DataCursorEvent,
@@ -315,6 +323,7 @@ class _Worker:
     watcher: asyncio.Task[None] | None = None
     step_file: Path | None = None
     spool: Path | None = None
+    stderr: StderrTail | None = None
 
 
 class Supervisor:
@@ -1096,10 +1105,20 @@ class Supervisor:
             spool = self._spool_dir(ranks)
             if spool is not None:
                 env[SPOOL_DIR_ENV] = str(spool)
-            proc = await asyncio.create_subprocess_exec(
-                *self._c.command, env=env, start_new_session=True, preexec_fn=_die_with_parent
-            )
-            worker = _Worker(ranks, proc, step_file=step_file, spool=spool)
+            stderr = StderrTail()
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self._c.command,
+                    env=env,
+                    stderr=stderr.write_fd,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            except BaseException:
+                stderr.close()
+                raise
+            stderr.start(asyncio.get_running_loop())
+            worker = _Worker(ranks, proc, step_file=step_file, spool=spool, stderr=stderr)
             self._workers.append(worker)
             self._report("started", worker)
             worker.watcher = asyncio.ensure_future(self._watch(worker))
@@ -1168,12 +1187,18 @@ class Supervisor:
         then: Callable[[], None] | None = None,
     ) -> None:
         """Queue this supervisor's lifecycle report ``kind`` of ``worker`` in its outbox
-        (``then`` runs once the bus has it)."""
+        (``then`` runs once the bus has it). The exit (``code`` given) of a worker that failed
+        carries the last words of its stderr as ``message`` (:func:`._stderr.last_words`),
+        unless a signal that comes from outside the process ended it (:data:`_SENT_SIGNALS`)."""
         exit_code = signal_no = step = None
+        said = ""
         if code is not None:
             exit_code, signal_no = (None, -code) if code < 0 else (code, None)
             if worker.step_file is not None:
                 step = read_step_file(worker.step_file)
+            if code != 0 and -code not in _SENT_SIGNALS and worker.stderr is not None:
+                worker.stderr.drain()  # what it wrote just before it ended
+                said = last_words(worker.stderr.text)
         event = Lifecycle(
             job_id=self._c.job_id,
             generation=self._generation,
@@ -1187,6 +1212,7 @@ class Supervisor:
             exit_code=exit_code,
             signal=signal_no,
             step=step,
+            message=said,
         )
         key = self._c.keys.event
         if key is not None:
@@ -1200,7 +1226,15 @@ class Supervisor:
             exit_code=exit_code,
             signal=signal.Signals(signal_no).name if signal_no else None,
             step=step,
+            last_words=said or None,
         )
+        if exit_code == EXIT_CONFIG:
+            log.error(
+                f"worker exited with status {EXIT_CONFIG}, a configuration error: the daemon "
+                "fails the job instead of restarting it (docs/recovery.md)",
+                ranks=worker.ranks,
+                last_words=said or None,
+            )
 
     async def _stop_workers(
         self, *, report: bool, hurry: asyncio.Future[Any] | None = None
@@ -1234,6 +1268,8 @@ class Supervisor:
         for w, code in zip(workers, codes, strict=True):
             if w not in reported:
                 self._gone(w, code, report=report)
+            if w.stderr is not None:
+                w.stderr.close()  # its process group is gone: nothing more to read
 
 
 async def _job_records(
@@ -1420,6 +1456,11 @@ def _die_with_parent() -> None:
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+_SENT_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+"""Signals another process sends (a kill, the OOM killer, a stop): what the worker wrote last
+does not say why it ended, so its exit report quotes nothing (a ``SIGABRT`` or ``SIGSEGV`` it
+raised itself comes with its own words: ``terminate called ...``, ``Fatal Python error``)."""
 
 
 def _is_request(data: bytes) -> bool:

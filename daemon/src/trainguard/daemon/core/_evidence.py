@@ -10,6 +10,8 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TypeAlias
 
+from trainguard.schemas import EXIT_CONFIG
+
 # Numbers that are the same on Linux, macOS and the BSDs (those marked XSI in POSIX's `kill`
 # utility are fixed by the standard); others are reported by number only.
 _SIGNAL_NAMES = {
@@ -32,13 +34,31 @@ _LISTED = 8
 
 
 def exit_status(exit_code: int | None, signal: int | None) -> str:
-    """``"with signal 9 (SIGKILL)"``, ``"with exit code 1"`` or ``"without an exit status"``."""
+    """``"with signal 9 (SIGKILL)"``, ``"with exit code 1"``, ``"with exit code 78 (a
+    configuration error)"`` (:data:`~trainguard.schemas.EXIT_CONFIG`) or ``"without an exit
+    status"``."""
     if signal is not None:
         name = _SIGNAL_NAMES.get(signal)
         return f"with signal {signal} ({name})" if name else f"with signal {signal}"
+    if exit_code == EXIT_CONFIG:
+        return f"with exit code {exit_code} (a configuration error)"
     if exit_code is not None:
         return f"with exit code {exit_code}"
     return "without an exit status"
+
+
+def said_text(message: str) -> str:
+    """``": <message>"``, the detail a report gave, for the end of a reason (at most
+    :data:`_SAID_CHARS` characters of it, its start cut: the end says why), or ``""``."""
+    if not message:
+        return ""
+    if len(message) > _SAID_CHARS:
+        message = "..." + message[-(_SAID_CHARS - 3) :]
+    return f": {message}"
+
+
+_SAID_CHARS = 1024
+"""Most characters of a report's message quoted in a reason (reasons are at most 4096)."""
 
 
 def ranks_text(ranks: Iterable[int]) -> str:

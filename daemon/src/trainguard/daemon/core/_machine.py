@@ -57,6 +57,7 @@ from trainguard.daemon.core._evidence import (
     exit_status,
     hosts_text,
     ranks_text,
+    said_text,
     seconds_text,
     steps_text,
 )
@@ -76,6 +77,7 @@ from trainguard.daemon.core._recovery import (
     cut_arrived,
     fail_now,
     fail_over,
+    fail_unrepairable,
     give_up,
     next_command_seq,
     release,
@@ -109,6 +111,7 @@ from trainguard.daemon.core.detectors._stall import (
 )
 from trainguard.daemon.core.detectors._trend import advance
 from trainguard.schemas import (
+    EXIT_CONFIG,
     Checkpoint,
     DataCursorEvent,
     Event,
@@ -942,13 +945,19 @@ def _on_exited(
         else f" after its last completed step {event.step}"
     )
     who = f"{ranks_text(dead)} on host {event.host}"
+    said = said_text(event.message)  # the worker's last words, as its supervisor heard them
     if event.rank is not None:
-        reason = f"{who} (pid {event.pid}) exited {status} in generation {generation}{steps}"
+        reason = f"{who} (pid {event.pid}) exited {status} in generation {generation}{steps}{said}"
     else:
         reason = (
             f"{who} exited {status} in generation {generation}{steps} "
-            f"(reported by the supervisor, pid {event.pid})"
+            f"(reported by the supervisor, pid {event.pid}){said}"
         )
+    if event.exit_code == EXIT_CONFIG and event.signal is None:
+        # The process found its configuration unusable: a restarted one would find the same.
+        reason += "; not restarted: a restarted worker would find the same configuration"
+        failure = Failure("exited", reason, tuple(dead), (event.host,), step=event.step)
+        return fail_unrepairable(state, failure, config)
     failure = Failure("exited", reason, tuple(dead), (event.host,), step=event.step)
     return fail_over(state, failure, config)
 

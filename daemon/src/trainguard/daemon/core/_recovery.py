@@ -632,11 +632,16 @@ def _opened(state: JobState, incident_id: str, failure: Failure) -> IncidentOpen
 
 
 def fail_now(
-    state: JobState, failure: Failure, config: MachineConfig
+    state: JobState,
+    failure: Failure,
+    config: MachineConfig,
+    *,
+    dead: tuple[int, ...] = (),
 ) -> tuple[JobState, tuple[Decision, ...]]:
     """Open an incident for ``failure`` and fail the job at once, without a restore: for a
     failure no restore can repair (ranks whose data orders disagree rebuild the same
-    disagreement from their own settings after any restore).
+    disagreement from their own settings after any restore). The ranks ``dead`` are marked
+    dead.
 
     Returns:
         The ``failed`` state and :func:`give_up`'s decisions, the incident's opening first.
@@ -645,7 +650,28 @@ def fail_now(
     incident_id = f"{state.job_id}/i{number}"
     opened = _opened(state, incident_id, failure)
     state = structs.replace(state, incidents_opened=number)
-    return give_up(state, f"incident {incident_id}: {failure.reason}", config, opened=opened)
+    return give_up(
+        state, f"incident {incident_id}: {failure.reason}", config, dead=dead, opened=opened
+    )
+
+
+def fail_unrepairable(
+    state: JobState, failure: Failure, config: MachineConfig
+) -> tuple[JobState, tuple[Decision, ...]]:
+    """Fail the job for ``failure`` of the ranks it names, which no restore can repair (a
+    worker that exited with :data:`~trainguard.schemas.EXIT_CONFIG`: a restarted one would
+    find the same configuration). The incident that is open (restoring) or held fails with it;
+    without one, one opens for ``failure`` and fails at once (:func:`fail_now`). The ranks are
+    marked dead.
+
+    Returns:
+        The ``failed`` state and :func:`give_up`'s decisions.
+    """
+    current = state.incident or state.held
+    if current is None:
+        return fail_now(state, failure, config, dead=failure.ranks)
+    reason = f"incident {current.incident_id}: {failure.reason}"
+    return give_up(state, reason, config, dead=failure.ranks)
 
 
 def _open(
