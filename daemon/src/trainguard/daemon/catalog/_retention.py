@@ -3,8 +3,9 @@
 
 Pure: a verdict for every committed snapshot of the catalog and every step folder found in
 storage, from the catalog (manifests, with the snapshots restores abandoned), the jobs' audit
-trails digested and the policy; no I/O, no clock. The command lists storage, applies the
-deletions and prints the verdicts.
+trails digested and the policy; no I/O, no clock. :func:`trainguard.daemon.catalog.prune`
+lists storage and applies the deletions, for the command (which prints the verdicts) and the
+daemon's own retention.
 
 **What is never deleted** (each a reason a verdict keeps its snapshot):
 
