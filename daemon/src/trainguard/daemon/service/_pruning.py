@@ -105,6 +105,7 @@ class Pruning:
         began = time.monotonic()
         try:
             pruned, jobs = await asyncio.to_thread(self._prune, partitions, keys)
+            self._report(pruned, jobs, time.monotonic() - began)
         except Exception as exc:  # whatever it is, the daemon goes on; the next run retries
             duration_s = time.monotonic() - began
             self._metrics.prune_failed(duration_s)
@@ -116,8 +117,6 @@ class Pruning:
                 interval_s=self._interval_s,
             )
             return None
-        duration_s = time.monotonic() - began
-        self._report(pruned, jobs, duration_s)
         return pruned
 
     def _prune(
