@@ -32,13 +32,27 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "trainguard.daemon": frozenset({"trainguard.daemon.core", "trainguard.daemon.service"}),
     "trainguard.daemon.core": frozenset({"trainguard.schemas"}),
     "trainguard.daemon.service": frozenset(
-        {"trainguard.schemas", "trainguard.agent", "trainguard.agent.bus", "trainguard.daemon.core"}
+        {
+            "trainguard.schemas",
+            "trainguard.agent",
+            "trainguard.agent.bus",
+            "trainguard.daemon.core",
+            # the daemon's own retention prunes as ``trainguard checkpoints prune`` does
+            "trainguard.daemon.catalog",
+        }
     ),
     "trainguard.daemon.forensics": frozenset(
         {"trainguard.schemas", "trainguard.agent.bus", "trainguard.daemon.core"}
     ),
     "trainguard.daemon.catalog": frozenset(
-        {"trainguard.schemas", "trainguard.daemon.core", "trainguard.daemon.forensics"}
+        {
+            "trainguard.schemas",
+            "trainguard.daemon.core",
+            "trainguard.daemon.forensics",
+            # pruning reads the manifests topic and lists and deletes the agent's step folders
+            "trainguard.agent",
+            "trainguard.agent.bus",
+        }
     ),
     "trainguard.daemon.admin": frozenset({"trainguard.agent"}),
     "trainguard.daemon.demo": frozenset(

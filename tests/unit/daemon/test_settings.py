@@ -25,15 +25,21 @@ from trainguard.agent.bus import (
     TopicSpec,
 )
 from trainguard.daemon import MachineConfig
-from trainguard.daemon.service._settings import DaemonConfig, SecurityConfig, load_daemon_config
+from trainguard.daemon.service._settings import (
+    DaemonConfig,
+    RetentionConfig,
+    SecurityConfig,
+    load_daemon_config,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "deploy" / "daemon.example.toml"
 
 
 def test_the_example_names_every_setting() -> None:
     keys = set(re.findall(r"^#?\s*([a-z_]+)\s*=", EXAMPLE.read_text(), re.MULTILINE))
-    for cls in (BusConfig, KafkaSecurity, MachineConfig, DaemonConfig):
-        names = {f.name for f in fields(cls) if f.init} - {"bus", "machine", "topics", "security"}
+    for cls in (BusConfig, KafkaSecurity, MachineConfig, DaemonConfig, RetentionConfig):
+        tables = {"bus", "machine", "topics", "security", "retention"}
+        names = {f.name for f in fields(cls) if f.init} - tables
         names -= {"create"}  # BusConfig.create is set by commands, not by a configuration file
         assert names <= keys, f"{cls.__name__}: {sorted(names - keys)} missing from {EXAMPLE}"
 
@@ -44,6 +50,7 @@ def test_the_example_loads_to_the_defaults() -> None:
     assert config.bus == defaults.bus
     assert config.bus.topics == DEFAULT_TOPICS
     assert config.machine == MachineConfig(daemon_id=config.machine.daemon_id)
+    assert config.retention == RetentionConfig() == defaults.retention
     assert (config.poll_s, config.group) == (defaults.poll_s, "trainguard.daemon")
 
 
@@ -159,6 +166,13 @@ BAD_VALUES = [
         '[bus.security]\nsasl_password_file = "~no-such-user-tg/pw"',
         "[bus.security] sasl_password_file: cannot expand '~no-such-user-tg/pw'",
     ),
+    (
+        "[retention]\ninterval_s = 0",
+        "[retention] interval_s must be a finite number of seconds > 0",
+    ),
+    ("[retention]\nkeep_last = 0", "[retention] keep_last must be >= 1, not 0"),
+    ('[retention]\nenabled = "yes"', "[retention] enabled: expected true or false, got 'yes'"),
+    ("[retention]\nkeep = 3", "[retention]: unknown key(s) ['keep']"),
     ("[machine]\nheartbeat_timeout_s = ", "not valid TOML: Invalid value (at line 2, column 23)"),
 ]
 

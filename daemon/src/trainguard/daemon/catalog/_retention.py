@@ -3,8 +3,9 @@
 
 Pure: a verdict for every committed snapshot of the catalog and every step folder found in
 storage, from the catalog (manifests, with the snapshots restores abandoned), the jobs' audit
-trails digested and the policy; no I/O, no clock. The command lists storage, applies the
-deletions and prints the verdicts.
+trails digested and the policy; no I/O, no clock. :func:`trainguard.daemon.catalog.prune`
+lists storage and applies the deletions, for the command (which prints the verdicts) and the
+daemon's own retention.
 
 **What is never deleted** (each a reason a verdict keeps its snapshot):
 
@@ -35,6 +36,7 @@ and is kept.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 from trainguard.daemon.catalog._catalog import Catalog
@@ -144,13 +146,13 @@ def plan_retention(
     policy: RetentionPolicy,
     stored: Iterable[StoredStep] = (),
     *,
-    job: str | None = None,
+    jobs: AbstractSet[str] | None = None,
     unverified: Iterable[str] = (),
     complete: bool = True,
     listed: Iterable[str] = (),
     incomplete: Iterable[str] = (),
 ) -> RetentionPlan:
-    """The verdict of every committed snapshot of ``job`` (every job: ``None``) and of every
+    """The verdict of every committed snapshot of ``jobs`` (every job: ``None``) and of every
     step folder of ``stored`` that holds no committed snapshot (module docstring).
 
     Args:
@@ -159,7 +161,10 @@ def plan_retention(
         policy: what to keep.
         stored: the step folders found in storage (committed ones included: they are matched
             to their snapshots by job, generation and step).
-        job: only this job's snapshots and leftovers.
+        jobs: only these jobs' snapshots and leftovers (one job for ``trainguard checkpoints
+            prune --job``; the jobs of its partitions for a daemon). The rest of the catalog
+            still counts: a snapshot of one of them another job started from keeps its
+            reason.
         unverified: ids of snapshots the manifests topic names but the catalog left out (their
             signature did not verify): their step folders are kept, never taken for leftovers.
         complete: the manifests topic was read whole (no undecodable record); ``False`` keeps
@@ -176,7 +181,7 @@ def plan_retention(
     committed = {*catalog.snapshots, *unverified}
     by_job: dict[str, list[Manifest]] = {}
     for manifest in catalog.snapshots.values():
-        if job is None or manifest.job_id == job:
+        if jobs is None or manifest.job_id in jobs:
             by_job.setdefault(manifest.job_id, []).append(manifest)
     stored = list(stored)
     found = {(s.job_id, s.generation, s.step) for s in stored}
@@ -201,7 +206,7 @@ def plan_retention(
         key=lambda s: (s.job_id, s.generation, s.step, s.location),
     )
     for leftover in leftovers:
-        if job is None or leftover.job_id == job:
+        if jobs is None or leftover.job_id in jobs:
             verdicts.append(_leftover_verdict(leftover, audits.get(leftover.job_id), complete))
     return RetentionPlan(tuple(verdicts))
 

@@ -46,15 +46,14 @@ if TYPE_CHECKING:
     from trainguard.agent.checkpoint import ManifestLog
     from trainguard.daemon.catalog import (
         Abandoned,
+        BusCatalog,
         Catalog,
         Compat,
         DescendantJob,
         Lineage,
         RetentionPlan,
-        StoredStep,
         Verdict,
     )
-    from trainguard.daemon.forensics import AuditDigest
     from trainguard.daemon.service import DaemonConfig
     from trainguard.schemas import JSONValue, Manifest
 
@@ -463,7 +462,8 @@ def prune(
     folders of checkpoints that never committed and never will. Never deleted: a job's newest
     KEEP_LAST snapshots, a running job's possible restore targets, a restore's target while it
     is in progress, and the snapshots other jobs started from (docs/catalog.md, "Retention")."""
-    from trainguard.daemon.catalog import RetentionPolicy, plan_retention
+    from trainguard.daemon.catalog import RetentionPolicy, StorageUnreadable
+    from trainguard.daemon.catalog import prune as prune_catalog
 
     read = _read(bus, config, topic_prefix, keys)
     policy = RetentionPolicy(
@@ -474,19 +474,13 @@ def prune(
     )
     if job is not None and not read.catalog.select(job=job):
         _fail(f"no committed snapshot of job {job!r} on {read.where}")
-    stored, listed = _stored_steps(read.catalog, job)
-    plan = plan_retention(
-        read.catalog,
-        read.audits,
-        policy,
-        stored,
-        job=job,
-        unverified=read.refused,
-        complete=read.skipped == 0,
-        listed=listed,
-        incomplete=_incomplete(read.catalog, stored, job),
-    )
-    failures = {} if dry_run else _apply(plan)
+    try:
+        pruned = prune_catalog(
+            read.found, policy, jobs=None if job is None else {job}, dry_run=dry_run
+        )
+    except StorageUnreadable as exc:
+        _fail(str(exc))
+    plan, failures = pruned.plan, pruned.failures
     if output is OutputFormat.json:
         _echo_json(
             {
@@ -511,48 +505,6 @@ def prune(
         raise typer.Exit(1)
 
 
-def _stored_steps(catalog: Catalog, job: str | None) -> tuple[list[StoredStep], set[str]]:
-    """The step folders under the job folders of the catalog's snapshots (of ``job`` only,
-    if given), on a file system or object storage, and the jobs whose folders were listed;
-    exits 2 when a folder cannot be listed."""
-    from trainguard.agent.checkpoint import job_folder, step_folders
-    from trainguard.daemon.catalog import StoredStep
-
-    folders: dict[str, str] = {}
-    for manifest in catalog.snapshots.values():
-        if job is not None and manifest.job_id != job:
-            continue
-        for shard in manifest.shards:
-            folder = job_folder(shard, manifest.job_id)
-            if folder is not None:
-                folders.setdefault(folder, manifest.job_id)
-    stored: list[StoredStep] = []
-    for folder, job_id in folders.items():
-        try:
-            found = step_folders(folder)
-        except OSError as exc:
-            _fail(f"cannot list the checkpoints of job {job_id!r} in {folder}: {exc}")
-        stored += [StoredStep(job_id, f.generation, f.step, f.uri) for f in found]
-    return stored, set(folders.values())
-
-
-def _incomplete(catalog: Catalog, stored: Sequence[StoredStep], job: str | None) -> list[str]:
-    """The committed snapshots whose step folder is there but lacks one of their files
-    (lost: no restore point)."""
-    from trainguard.agent.checkpoint import files_present
-
-    there = {(s.job_id, s.generation, s.step) for s in stored}
-    out: list[str] = []
-    for m in catalog.snapshots.values():
-        if (job is None or m.job_id == job) and (m.job_id, m.generation, m.step) in there:
-            try:
-                if not files_present(m.shards):
-                    out.append(m.snapshot_id)
-            except OSError as exc:
-                _fail(f"cannot check the files of {m.snapshot_id}: {exc}")
-    return out
-
-
 def _action(verdict: Verdict, dry_run: bool, failed: Mapping[str, str]) -> str:
     """``keep``, ``would delete``/``deleted``, ``failed`` (the deletion failed: stderr says
     why), or ``gone`` (its folder was already deleted); ``keep (files missing)`` for a kept
@@ -564,25 +516,6 @@ def _action(verdict: Verdict, dry_run: bool, failed: Mapping[str, str]) -> str:
     if dry_run:
         return "would delete"
     return "failed" if verdict.name in failed else "deleted"
-
-
-def _apply(plan: RetentionPlan) -> dict[str, str]:
-    """Delete the step folder of each verdict ``plan`` deletes (a committed snapshot's only
-    where its shards lie in its own folder of the agent's layout: never a path a manifest
-    names elsewhere); return why, for each deletion that failed."""
-    from trainguard.agent.checkpoint import remove_step_folder, snapshot_folder
-
-    failures: dict[str, str] = {}
-    for v in plan.deleted:
-        try:
-            if v.manifest is not None:
-                shards = v.manifest.shards
-                remove_step_folder(snapshot_folder(shards, v.job_id, v.generation, v.step))
-            elif v.location is not None:
-                remove_step_folder(v.location)
-        except (OSError, ValueError) as exc:
-            failures[v.name] = str(exc)
-    return failures
 
 
 def _print_plan(plan: RetentionPlan, dry_run: bool, failures: Mapping[str, str]) -> None:
@@ -617,24 +550,29 @@ class _Read:
     """What the commands read: the catalog, where from, and how its signatures were checked.
 
     Attributes:
-        catalog: the catalog (with keys, of the manifests whose signature verifies).
+        found: the catalog (with keys, of the manifests whose signature verifies), the jobs'
+            audit trails, the manifests refused and the records skipped.
         where: the bus and topic prefix, for messages.
         keys: the daemon public keys the signatures were checked with, ``None``: unchecked.
         signatures: one line on how the signatures were checked (or why not).
-        refused: snapshot id -> why its manifest's signature does not verify (with keys).
-        audits: job id -> its audit trail digested (the jobs with snapshots).
-        skipped: records of the manifests topic that were undecodable or inconsistent.
         keep_snapshots: the daemon's ``[machine] keep_snapshots`` (restore targets per job).
     """
 
-    catalog: Catalog
+    found: BusCatalog
     where: str
     keys: Mapping[str, Ed25519PublicKey] | None
     signatures: str
-    refused: Mapping[str, str]
-    audits: Mapping[str, AuditDigest]
-    skipped: int
     keep_snapshots: int
+
+    @property
+    def catalog(self) -> Catalog:
+        """The catalog (with keys, of the manifests whose signature verifies)."""
+        return self.found.catalog
+
+    @property
+    def refused(self) -> Mapping[str, str]:
+        """Snapshot id -> why its manifest's signature does not verify (with keys)."""
+        return self.found.unverified
 
     @property
     def signature_state(self) -> str:
@@ -648,9 +586,9 @@ def _read(bus: str | None, config: Path | None, prefix: str | None, keys: Path |
     2 on a bad config file, unreadable keys, a malformed audit trail or an unreachable bus."""
     from trainguard.agent.bus import open_bus
     from trainguard.agent.checkpoint import read_manifests
-    from trainguard.daemon.catalog import Catalog
-    from trainguard.daemon.core import MalformedAudit, entries_by_job
-    from trainguard.daemon.forensics import read_audit, read_topic
+    from trainguard.daemon.catalog import BusCatalog, JobAuditMalformed
+    from trainguard.daemon.core import MalformedAudit
+    from trainguard.daemon.forensics import read_topic
     from trainguard.daemon.service import load_daemon_config
 
     try:
@@ -688,24 +626,19 @@ def _read(bus: str | None, config: Path | None, prefix: str | None, keys: Path |
             fg=typer.colors.YELLOW,
             err=True,
         )
-    jobs = {m.job_id for m in log.manifests}
-    audits: dict[str, AuditDigest] = {}
     try:
-        for job, entries in entries_by_job(audit).items():
-            if job in jobs:
-                audits[job] = read_audit(entries)
+        found = BusCatalog.of(log, audit)
     except MalformedAudit as exc:
         _fail(f"the audit trail on {bus_config.url} is malformed: {exc}")
-    except (KeyError, TypeError, ValueError) as exc:
-        _fail(f"the audit trail of job {job!r} on {bus_config.url} is malformed: {exc!r}")
+    except JobAuditMalformed as exc:
+        _fail(
+            f"the audit trail of job {exc.job_id!r} on {bus_config.url} is malformed: {exc.cause!r}"
+        )
     return _Read(
-        catalog=Catalog.of(log.manifests, audits),
+        found=found,
         where=f"{bus_config.url} (topic prefix {bus_config.prefix!r})",
         keys=public,
         signatures=signatures,
-        refused=log.unauthenticated,
-        audits=audits,
-        skipped=skipped,
         keep_snapshots=settings.machine.keep_snapshots,
     )
 

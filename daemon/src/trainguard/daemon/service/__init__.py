@@ -7,7 +7,8 @@ job's records through :func:`trainguard.daemon.core.decide`, and writes what the
 :mod:`trainguard.schemas.settings`), keys and authentication (:mod:`._security`), state snapshots (the
 signed and encrypted envelope :mod:`._snapshot_envelope`, the topic's reader and writer
 :mod:`._snapshot_store`), pulse ticks (:mod:`._pulse`), the bus probe (:mod:`._bus_watch`),
-metrics and HTTP endpoints (:mod:`._metrics`, :mod:`._http`) and log set-up (:mod:`._logging`).
+the daemon's own pruning of checkpoints (:mod:`._pruning`), metrics and HTTP endpoints
+(:mod:`._metrics`, :mod:`._http`) and log set-up (:mod:`._logging`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from trainguard.daemon.service._logging import configure_logging as configure_logging
     from trainguard.daemon.service._security import load_keys as load_keys
     from trainguard.daemon.service._settings import DaemonConfig as DaemonConfig
+    from trainguard.daemon.service._settings import RetentionConfig as RetentionConfig
     from trainguard.daemon.service._settings import load_daemon_config as load_daemon_config
     from trainguard.daemon.service._snapshot_envelope import SnapshotRefused as SnapshotRefused
     from trainguard.daemon.service._snapshot_envelope import fold_config_id as fold_config_id
@@ -39,7 +41,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         "_http": ["HealthServer"],
         "_logging": ["configure_logging"],
         "_security": ["load_keys"],
-        "_settings": ["DaemonConfig", "load_daemon_config"],
+        "_settings": ["DaemonConfig", "RetentionConfig", "load_daemon_config"],
         "_snapshot_envelope": ["SnapshotRefused", "fold_config_id", "open_snapshot", "read_header"],
         "_snapshot_store": ["Fallback", "plan_partition"],
     },

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import itertools
 import time
@@ -126,6 +127,7 @@ from trainguard.daemon.core import (
 from trainguard.daemon.service._bus_watch import BusWatch
 from trainguard.daemon.service._metrics import DaemonMetrics
 from trainguard.daemon.service._partitions import Books, CommitFailures, Owned
+from trainguard.daemon.service._pruning import Pruning
 from trainguard.daemon.service._pulse import Pulse
 from trainguard.daemon.service._security import EventAuth
 from trainguard.daemon.service._settings import DaemonConfig
@@ -267,6 +269,7 @@ class DaemonService:
         )
         self._pulse = Pulse(config.pulse_s)
         self._commit_failures = CommitFailures()
+        self._pruning = Pruning(config, self.metrics) if config.retention.enabled else None
         self.metrics.follow_readiness(self.not_ready_reason)
         self.metrics.follow_commit_age(self._commit_failures.since_commit_s)
 
@@ -297,6 +300,10 @@ class DaemonService:
         instance is not ready: :data:`COMMIT_FAILING_MIN_S`, or three ``commit_interval_s``
         if that is longer."""
         return max(COMMIT_FAILING_MIN_S, 3 * self._c.commit_interval_s)
+
+    def _owned(self) -> frozenset[int]:
+        """The partitions of ``events`` this instance owns now (a fenced one no longer)."""
+        return frozenset(p for p, part in self._partitions.items() if part.writer is not None)
 
     def _positions(self) -> dict[int, int]:
         """Owned partition of ``events`` -> next offset to process."""
@@ -419,6 +426,7 @@ class DaemonService:
             self._consumer = consumer
             self._watch.start(bus)
             log.info("daemon started", group=self._c.group, bus=self._c.bus.url)
+            pruning = self._start_pruning()
             if self._snapshots is None or self._keys is None:
                 log.info(
                     "snapshots off: every start folds the events log from offset 0",
@@ -454,6 +462,11 @@ class DaemonService:
                     self._watch.unreachable(f"{type(exc).__name__}: {exc}")
                 raise
             finally:
+                if pruning is not None:
+                    pruning.cancel()
+                    # A prune's worker thread runs on to its end; nothing waits for it here.
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await pruning
                 await self._watch.close()
                 await self._commit(force=True)
                 if stop.is_set():  # a clean stop: the next start reads little of the log
@@ -465,6 +478,20 @@ class DaemonService:
                     log.info("daemon stopped", folded=self.counters["folded"])
         finally:
             await bus.close()
+
+    def _start_pruning(self) -> asyncio.Task[None] | None:
+        """With ``[retention] enabled``: the task that prunes the checkpoints of the jobs this
+        instance owns every ``interval_s`` (:class:`~trainguard.daemon.service._pruning.Pruning`),
+        while the instance serves."""
+        if self._pruning is None:
+            return None
+        log.info(
+            "retention on: pruning the checkpoints of this instance's jobs",
+            interval_s=self._c.retention.interval_s,
+        )
+        return asyncio.ensure_future(
+            self._pruning.run(self.not_ready_reason, self._owned, lambda: self._keys)
+        )
 
     # -- partitions --------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from typing import Final, Literal, TypeAlias, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from trainguard.daemon.catalog import Pruned
 from trainguard.daemon.core import (
     Anomaly,
     Decision,
@@ -135,6 +136,11 @@ _EVENT_TYPES: Final = (
 _PHASES: Final[tuple[JobPhase, ...]] = get_args(JobPhase)
 _CAUSES: Final[tuple[IncidentCause, ...]] = get_args(IncidentCause)
 _COMMANDS: Final = ("restore", "resume", "abort")
+_PRUNE_RESULTS: Final = ("done", "failed")
+"""A retention run that planned and deleted what it could, or failed as a whole."""
+_PRUNED_KINDS: Final = ("snapshot", "leftover")
+_PRUNE_ERRORS: Final = ("delete", "storage")
+"""A step folder that could not be deleted, or a job whose storage could not be listed."""
 _NOT_COMMITTED: Final = ("cursor_mismatch", "checkpoint_mismatch")
 """Why a step never commits: ranks disagreeing on the data order (an incident that fails the
 job), or shards disagreeing otherwise (an anomaly: data version, origin)."""
@@ -353,6 +359,45 @@ class DaemonMetrics:
             buckets=DURATION_BUCKETS_S,
             registry=r,
         )
+        self._prune_runs = Counter(
+            "trainguard_retention_runs",
+            "Runs of the daemon's own retention ([retention]), by result: done (planned, and "
+            "deleted what it could), failed (nothing done: the bus or the catalog could not "
+            "be read; logged as 'retention run failed').",
+            ["result"],
+            registry=r,
+        )
+        self._pruned = Counter(
+            "trainguard_retention_deleted_folders",
+            "Step folders the daemon's retention deleted, by kind: snapshot (a committed one "
+            "no longer needed) or leftover (a checkpoint that never committed and never will).",
+            ["kind"],
+            registry=r,
+        )
+        self._prune_errors = Counter(
+            "trainguard_retention_errors",
+            "Failures within retention runs, by kind: delete (a step folder could not be "
+            "deleted), storage (a job's checkpoint folder could not be listed: nothing of it "
+            "was deleted).",
+            ["kind"],
+            registry=r,
+        )
+        self._freed = Counter(
+            "trainguard_retention_freed_bytes",
+            "Bytes of the step folders the daemon's retention deleted.",
+            registry=r,
+        )
+        self._prune_duration = Gauge(
+            "trainguard_retention_last_duration_seconds",
+            "Seconds the last retention run took (reading the catalog, listing and deleting), "
+            "failed or not.",
+            registry=r,
+        )
+        self._prune_success = Gauge(
+            "trainguard_retention_last_success_timestamp_seconds",
+            "Unix time the last retention run that did not fail ended; 0 before the first.",
+            registry=r,
+        )
         self._lag_partitions: set[str] = set()
         # Children resolved once: folding is the hot path.
         self._folded_by_type = {t: self._folded.labels(name) for t, name in _EVENT_TYPES}
@@ -366,6 +411,12 @@ class DaemonMetrics:
             self._commands.labels(command)
         for reason in _NOT_COMMITTED:
             self._not_committed.labels(reason)
+        for result in _PRUNE_RESULTS:
+            self._prune_runs.labels(result)
+        for kind in _PRUNED_KINDS:
+            self._pruned.labels(kind)
+        for kind in _PRUNE_ERRORS:
+            self._prune_errors.labels(kind)
         for reason in REJECT_CLASSES:
             self._rejected.labels(reason)
         for phase in _PHASES:
@@ -460,6 +511,31 @@ class DaemonMetrics:
     def snapshot_fallback(self, reason: FallbackReason) -> None:
         """Count one partition folded from offset 0 because its snapshots were unusable."""
         self._snapshot_fallbacks.labels(reason).inc()
+
+    # -- retention ----------------------------------------------------------------------------
+
+    def pruned(self, pruned: Pruned, duration_s: float) -> None:
+        """Count one retention run that was done: its deletions by kind, the bytes they freed,
+        the deletions that failed and the jobs whose storage could not be listed.
+
+        Args:
+            pruned: what the run decided and did.
+            duration_s: seconds it took.
+        """
+        self._prune_runs.labels("done").inc()
+        for v in pruned.plan.deleted:
+            if v.name in pruned.freed:
+                self._pruned.labels("leftover" if v.manifest is None else "snapshot").inc()
+        self._freed.inc(sum(pruned.freed.values()))
+        self._prune_errors.labels("delete").inc(len(pruned.failures))
+        self._prune_errors.labels("storage").inc(len(pruned.unreadable))
+        self._prune_duration.set(duration_s)
+        self._prune_success.set_to_current_time()
+
+    def prune_failed(self, duration_s: float) -> None:
+        """Count one retention run that failed as a whole, after ``duration_s`` seconds."""
+        self._prune_runs.labels("failed").inc()
+        self._prune_duration.set(duration_s)
 
     # -- gauges -------------------------------------------------------------------------------
 

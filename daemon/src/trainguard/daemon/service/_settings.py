@@ -2,10 +2,11 @@
 
 Precedence, highest first: explicit overrides (command-line options), the TOML file
 (``trainguard daemon --config daemon.toml``), defaults; the ``TRAINGUARD_KAFKA_*`` variables
-beat ``[bus.security]`` key by key. The file has up to four tables,
+beat ``[bus.security]`` key by key. The file has up to five tables,
 ``[bus]`` (``BusConfig`` fields, with ``[bus.security]`` for Kafka TLS/SASL), ``[machine]``
 (``MachineConfig`` fields, seconds as floats), ``[service]`` (``DaemonConfig`` loop
-settings) and ``[security]`` (:class:`SecurityConfig`: keys and authentication);
+settings), ``[security]`` (:class:`SecurityConfig`: keys and authentication) and
+``[retention]`` (:class:`RetentionConfig`: the daemon's own pruning of checkpoints);
 ``deploy/daemon.example.toml`` lists every key with its default. Every value is checked
 against its field's type and range (:mod:`trainguard.schemas.settings`); errors name the
 file, the table and the key.
@@ -26,7 +27,13 @@ from trainguard.agent.bus import DEFAULT_BUS_URL, BusConfig, load_kafka_security
 from trainguard.daemon.core import MachineConfig
 from trainguard.schemas.settings import build, check, expand_user
 
-__all__ = ["MAX_COMMIT_INTERVAL_S", "DaemonConfig", "SecurityConfig", "load_daemon_config"]
+__all__ = [
+    "MAX_COMMIT_INTERVAL_S",
+    "DaemonConfig",
+    "RetentionConfig",
+    "SecurityConfig",
+    "load_daemon_config",
+]
 
 MAX_COMMIT_INTERVAL_S = 10.0
 """Longest ``[service] commit_interval_s``: a third of the daemon's Kafka transaction timeout
@@ -61,6 +68,47 @@ class SecurityConfig:
     def __post_init__(self) -> None:
         if not 0 < self.key_reload_s < math.inf:
             raise ValueError(f"key_reload_s must be > 0 seconds, not {self.key_reload_s!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetentionConfig:
+    """The daemon's own pruning of checkpoint step folders (``[retention]``;
+    ``docs/catalog.md``, "Retention by the daemon"): what ``trainguard checkpoints prune``
+    does, every ``interval_s``, for the jobs of the partitions this instance owns.
+
+    Attributes:
+        enabled: prune at all. Off by default: pruning deletes files, and a daemon upgraded
+            in place must not start deleting checkpoints its operators meant to keep (a
+            ``--keep-every`` they give the command by hand, say) without being told to.
+        interval_s: seconds between the end of one prune and the start of the next (the
+            first comes one interval after the daemon is ready), > 0.
+        keep_last: snapshots kept per job, the newest of its timeline, >= 1; ``None``: the
+            machine's ``keep_snapshots`` (a running job keeps those anyway, as its possible
+            restore targets).
+        keep_every_steps: also keep every snapshot whose step is a multiple of this, >= 1;
+            ``None``: none.
+        delete_parents: also delete a snapshot another job started from, once that job has
+            finished.
+
+    Raises:
+        ValueError: ``interval_s`` not a positive finite number, or a count below 1.
+    """
+
+    enabled: bool = False
+    interval_s: float = 600.0
+    keep_last: int | None = None
+    keep_every_steps: int | None = None
+    delete_parents: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval_s < math.inf:
+            raise ValueError(
+                f"interval_s must be a finite number of seconds > 0, not {self.interval_s!r}"
+            )
+        for name in ("keep_last", "keep_every_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, not {value}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +162,7 @@ class DaemonConfig:
             daemon rebuilds instead of folding the whole log; 0 turns snapshots off. They are
             off without keys anyway.
         security: keys and authentication (:class:`SecurityConfig`).
+        retention: the daemon's own pruning of checkpoints (:class:`RetentionConfig`).
 
     Raises:
         ValueError: ``metrics_port`` outside -1..65535, ``poll_s``, ``pulse_s``,
@@ -140,6 +189,7 @@ class DaemonConfig:
     metrics_port: int = 9464
     snapshot_interval_s: float = 60.0
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
     def __post_init__(self) -> None:
         for name in ("poll_s", "pulse_s", "probe_interval_s", "probe_timeout_s", "warn_every_s"):
@@ -200,7 +250,8 @@ def load_daemon_config(
     """Build a :class:`DaemonConfig` from an optional TOML file and overrides.
 
     Args:
-        path: TOML file with ``[bus]``, ``[machine]`` and ``[service]`` tables, or ``None``.
+        path: TOML file with ``[bus]``, ``[machine]``, ``[service]``, ``[security]`` and
+            ``[retention]`` tables, or ``None``.
         bus_url: overrides ``[bus] url``.
         machine: overrides of ``[machine]`` keys (``MachineConfig`` field names).
         env: environment for the ``TRAINGUARD_KAFKA_*`` security variables, which beat
@@ -231,7 +282,7 @@ def load_daemon_config(
             except tomllib.TOMLDecodeError as exc:  # its message says where, not in which file
                 raise ValueError(f"{path}: not valid TOML: {exc}") from None
     source = "" if path is None else f"{path}: "
-    unknown = data.keys() - {"bus", "machine", "service", "security"}
+    unknown = data.keys() - set(_TABLES)
     if unknown:
         raise ValueError(f"{source}unknown table(s) {sorted(unknown)}")
     tables = {name: _table(source, name, data.get(name, {})) for name in _TABLES}
@@ -277,10 +328,11 @@ def load_daemon_config(
         bus=bus_config,
         machine=build(f"{source}[machine]", MachineConfig, machine_table),
         security=security_config,
+        retention=build(f"{source}[retention]", RetentionConfig, tables["retention"]),
     )
 
 
-_TABLES = ("bus", "machine", "service", "security")
+_TABLES = ("bus", "machine", "service", "security", "retention")
 
 
 def _table(source: str, name: str, value: Any) -> dict[str, Any]:
