@@ -393,7 +393,7 @@ def test_a_write_that_fails_records_nothing_and_ends_its_hashing_thread(tmp_path
 
     def fill_then_fail() -> None:
         with fs.create_stream(tmp_path / "f", "wb") as out:
-            out.write(b"x" * (9 << 20))  # two full chunks queued, one partly filled
+            out.write(b"x" * ((9 << 20) + 5))  # nine full chunks queued, one partly filled
             raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
@@ -410,7 +410,7 @@ def test_a_write_that_fails_records_nothing_and_ends_its_hashing_thread(tmp_path
 def test_the_digest_is_the_sha256_of_the_bytes_whatever_the_sizes_of_the_writes(
     tmp_path: Path,
 ) -> None:
-    """Writes of every size, straddling the 4 MiB chunks the helper thread hashes, from
+    """Writes of every size, straddling the 1 MiB chunks the helper thread hashes, from
     buffers the caller reuses at once (as DCP does): the digest is ``sha256sum``'s."""
     import hashlib
 
@@ -424,7 +424,7 @@ def test_the_digest_is_the_sha256_of_the_bytes_whatever_the_sizes_of_the_writes(
     buffer = bytearray(9 << 20)
     expected = hashlib.sha256()
     with fs.create_stream(tmp_path / "f", "wb") as out:
-        for size in [0, 1, 4095, (4 << 20) - 3, 5, 4 << 20, 9 << 20, 17] * 2:
+        for size in [0, 1, 4095, (1 << 20) - 3, 5, 1 << 20, 9 << 20, 17] * 2:
             buffer[:size] = rng.randbytes(size)
             out.write(memoryview(buffer)[:size])
             expected.update(memoryview(buffer)[:size])
