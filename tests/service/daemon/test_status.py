@@ -217,6 +217,10 @@ async def test_a_job_that_cannot_commit_says_so_in_status_metrics_and_logs(
     [line] = [line for line in status(sqlite_bus).stdout.splitlines() if OTHER in line]
     assert "blocked" in line
     assert "not committing: shards of step 10" in status(sqlite_bus, OTHER).stdout
+    # A failed job would fail again as it is: the hint to continue it says so.
+    assert "once the cause is fixed, continue it from committed step" in " ".join(
+        status(sqlite_bus, JOB).stdout.split()
+    )
 
 
 @pytest.mark.parametrize("columns", ["60", None])

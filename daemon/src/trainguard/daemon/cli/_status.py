@@ -161,8 +161,10 @@ def _print_job(summary: Mapping[str, object], ranks: Sequence[Mapping[str, objec
     if summary["failure"]:
         out.print(f"[red]failed:[/red] {summary['failure']}", highlight=False)
     if summary["phase"] in ("stopped", "failed"):
+        # A failed job fails again unless its cause (a configuration error, say) is fixed.
+        first = "once the cause is fixed, continue" if summary["phase"] == "failed" else "continue"
         out.print(
-            f"continue it from committed step {_text(summary['committed_step'])} with the same "
+            f"{first} it from committed step {_text(summary['committed_step'])} with the same "
             "trainguard run command and --continue, on every node (docs/operations.md)",
             highlight=False,
         )
