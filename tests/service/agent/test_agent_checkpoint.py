@@ -140,6 +140,24 @@ def test_a_failed_write_is_counted_not_raised(
     assert "No space left on device" in report.message
 
 
+def test_state_the_async_copy_refuses_is_counted_not_raised(make_agent, bus_url):
+    """The host copy of an async checkpoint fails (here: a leaf that cannot be deep-copied):
+    the future holds the error, and it is counted and reported, as a failed write is."""
+
+    class Uncopyable:
+        def __deepcopy__(self, memo: Any) -> Any:
+            raise TypeError("cannot copy this")
+
+    with make_agent() as agent:
+        future = agent.checkpoint(5, {"o": Uncopyable()}, cursor=CURSOR, blocking=False)
+        with pytest.raises(TypeError, match="cannot copy this"):
+            future.result(timeout=10.0)
+        agent.step(6)  # training goes on
+    assert agent.stats.checkpoint_failures == 1
+    [report] = [e for e in of_type(read_events(bus_url, JOB), Lifecycle) if e.kind == "error"]
+    assert "checkpoint write failed at step 5" in report.message
+
+
 def test_caller_mistakes_raise_at_once(make_agent):
     agent = make_agent()
     with agent:

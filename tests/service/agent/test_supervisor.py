@@ -390,6 +390,20 @@ async def test_the_stop_timeout_bounds_the_workers_grace(tmp_path: Path) -> None
         os.kill(started.pid, 0)
 
 
+async def test_a_paused_worker_is_stopped_without_waiting_for_the_grace(tmp_path: Path) -> None:
+    """A worker paused by SIGSTOP (a hang) acts on the SIGTERM at once: it is continued too,
+    instead of being SIGKILLed at the end of the grace."""
+    cfg = config(tmp_path, "sleep", nproc_per_node=1, grace_s=120.0)
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        [started] = await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        os.kill(started.pid, signal.SIGSTOP)
+        await bus.publish("commands", JOB, abort_at(0, "stopped"))
+        assert await asyncio.wait_for(task, 30) == EXIT_STOPPED  # not after the 120 s grace
+    with pytest.raises(ProcessLookupError):
+        os.kill(started.pid, 0)
+
+
 async def test_a_second_signal_does_not_wait_for_the_workers_grace(tmp_path: Path) -> None:
     """The old supervisor heard a second signal only once its workers had ended: one that
     ignores SIGTERM held it for the whole grace."""

@@ -169,3 +169,20 @@ def test_leaves_that_can_change_are_copied_and_scalars_are_kept():
 
 class _Marked(torch.Tensor):
     """A tensor subclass the stager knows nothing of (cloned)."""
+
+
+def test_namedtuples_and_sparse_tensors_are_staged_too():
+    from collections import namedtuple
+
+    pair = namedtuple("pair", "a b")
+    dense, sparse = torch.ones(2), torch.eye(3).to_sparse()
+    top = torch.max(torch.tensor([[1.0, 3.0], [2.0, 0.0]]), dim=1)  # a torch.return_types
+    copy = HostStager().stage({"p": pair(dense, 5), "s": sparse, "top": top})
+    dense.add_(1.0)
+    sparse.values().add_(1.0)
+    assert type(copy["p"]) is pair
+    assert torch.equal(copy["p"].a, torch.ones(2))
+    assert copy["p"].b == 5
+    assert torch.equal(copy["s"].to_dense(), torch.eye(3))
+    assert type(copy["top"]) is type(top)
+    assert torch.equal(copy["top"].values, torch.tensor([3.0, 2.0]))

@@ -650,6 +650,20 @@ def test_errors_without_consequence_are_reported_as_anomalies() -> None:
     assert state.phase == "running"
 
 
+def test_an_error_about_an_earlier_step_never_moves_a_ranks_step_back() -> None:
+    """A background checkpoint write of step 5 that failed is reported after the rank went on
+    to step 11: the rank stays at 11; an error naming a later step shows that step."""
+    sim = Sim()
+    state, _ = running_job(sim, 12)
+    assert state.ranks[1].step == 11
+    failed = sim.lifecycle(1, "error", T0 + 13 * S, step=5, message="checkpoint write failed")
+    state, _ = run([failed], state)
+    assert state.ranks[1].step == 11
+    ahead = sim.lifecycle(1, "error", T0 + 13 * S, step=12, message="checkpoint write failed")
+    state, _ = run([ahead], state)
+    assert state.ranks[1].step == 12
+
+
 def test_exit_before_every_rank_was_heard_is_an_incident() -> None:
     sim = Sim()
     state, _ = run(sim.start(T0)[:2])

@@ -879,7 +879,13 @@ class Agent:
         if self.config.checkpoint_format == "dcp":
             return self._checkpoint_dcp(template, state, own, blocking=blocking)
         if not blocking:
-            staged = {**self._stager.stage(state), RESERVED_KEY: own}
+            try:
+                staged = {**self._stager.stage(state), RESERVED_KEY: own}
+            except Exception as exc:  # what the copy refuses, as the write would: no raise
+                self._write_failed(step, exc)
+                failed: Future[Checkpoint] = Future()
+                failed.set_exception(exc)
+                return failed
             self._pending = self._writer.submit(self._write_and_announce, template, staged)
             return self._pending
         full = {**state, RESERVED_KEY: own}

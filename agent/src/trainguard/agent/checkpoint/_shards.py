@@ -199,13 +199,14 @@ class HostStager:
     takes about half as long again (``bench/checkpoint.py``, part 1). Buffers are pinned when
     CUDA is present (faster device-to-host copies).
 
-    What a staged copy holds: plain tensors (and parameters) as buffers; a ``DTensor`` (FSDP2,
+    What a staged copy holds: dense tensors (and parameters) as buffers; a ``DTensor`` (FSDP2,
     tensor parallel) as a ``DTensor`` of the same mesh, placements, shape and stride whose
-    local tensor is a buffer (no communication); any other tensor subclass cloned; any leaf that
-    is not an immutable scalar (``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
-    ``bytes``, ``torch.dtype``, ``torch.device``) deep-copied; dicts, lists and tuples
-    rebuilt (mappings as ``dict``). So once :meth:`stage` returns, the caller may change
-    anything in its state.
+    local tensor is a buffer (no communication); sparse, quantized or nested tensors and any
+    other tensor subclass cloned; any leaf that is not an immutable scalar (``None``,
+    ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, ``torch.dtype``,
+    ``torch.device``) deep-copied; dicts, lists and tuples (namedtuples too) rebuilt, mappings
+    as ``dict``, parameters as plain tensors. So once :meth:`stage` returns, the caller may
+    change anything in its state.
 
     Reusing buffers is safe because the agent stages a checkpoint only after the previous
     write finished. Not thread-safe.
@@ -268,7 +269,7 @@ def _rebuild(state: Any, tensors: list[Any]) -> Any:
     import torch
 
     if isinstance(state, torch.Tensor):
-        if type(state) in (torch.Tensor, torch.nn.Parameter):
+        if type(state) in (torch.Tensor, torch.nn.Parameter) and _plain_layout(state):
             tensors.append(state)
             return _Slot()
         dtensor = _dtensor_type()
@@ -279,7 +280,7 @@ def _rebuild(state: Any, tensors: list[Any]) -> Any:
     if isinstance(state, Mapping):
         return {key: _rebuild(value, tensors) for key, value in state.items()}
     if isinstance(state, list | tuple):
-        return type(state)(_rebuild(value, tensors) for value in state)
+        return _same_sequence(state, [_rebuild(value, tensors) for value in state])
     if isinstance(state, (*_IMMUTABLE, torch.dtype, torch.device)):
         return state
     return copy.deepcopy(state)
@@ -297,8 +298,24 @@ def _fill(rebuilt: Any, buffers: Any) -> Any:
     if isinstance(rebuilt, dict):
         return {key: _fill(value, buffers) for key, value in rebuilt.items()}
     if isinstance(rebuilt, list | tuple):
-        return type(rebuilt)(_fill(value, buffers) for value in rebuilt)
+        return _same_sequence(rebuilt, [_fill(value, buffers) for value in rebuilt])
     return rebuilt
+
+
+def _plain_layout(tensor: Any) -> bool:
+    """A dense tensor a host buffer of its shape and dtype can hold (not sparse, quantized or
+    nested: those are cloned)."""
+    import torch
+
+    return bool(tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_nested)
+
+
+def _same_sequence(like: Any, items: list[Any]) -> Any:
+    """``items`` in a sequence of ``like``'s type: a namedtuple takes them as arguments, a
+    list, tuple or ``torch.return_types`` result as one iterable."""
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return type(like)(*items)
+    return type(like)(items)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -1239,8 +1239,8 @@ class Supervisor:
     async def _stop_workers(
         self, *, report: bool, hurry: asyncio.Future[Any] | None = None
     ) -> None:
-        """SIGTERM every worker's process group, SIGKILL after the grace period, reap them,
-        forward what their agents never delivered.
+        """SIGTERM (and SIGCONT) every worker's process group, SIGKILL after the grace period,
+        reap them, forward what their agents never delivered.
 
         With ``report``, report each worker's exit (a restore order does not: the daemon
         already moved on to a new generation). The grace period ends early at the stop's
@@ -1251,6 +1251,9 @@ class Supervisor:
             if w.watcher is not None:
                 w.watcher.cancel()
             _signal_group(w.proc.pid, signal.SIGTERM)
+            # A stopped process (SIGSTOP: a hang trainguard restores from) acts on the SIGTERM
+            # only once continued, else it would take the whole grace (as systemd does too).
+            _signal_group(w.proc.pid, signal.SIGCONT)
         grace = self._c.grace_s
         if self._stop_by is not None:
             grace = max(0.0, min(grace, self._stop_by - time.monotonic()))

@@ -970,8 +970,23 @@ def _on_error(
     its own); one saying a rank missed the current in-process restore's step falls back to a
     restart."""
     if event.rank is not None:
+        # An error is about the step it names (a background write of step 50 that failed
+        # after the rank went on to 60): it never moves the rank's step back.
+        known = state.ranks.get(event.rank)
+        behind = (
+            known is not None
+            and known.step is not None
+            and event.step is not None
+            and event.step < known.step
+        )
         state = _touch(
-            state, event.rank, event.host, event.pid, config, ts=event.ts, step=event.step
+            state,
+            event.rank,
+            event.host,
+            event.pid,
+            config,
+            ts=event.ts,
+            step=None if behind else event.step,
         )
         who = f"rank {event.rank} on host {event.host}"
     else:
