@@ -186,3 +186,12 @@ def test_namedtuples_and_sparse_tensors_are_staged_too():
     assert torch.equal(copy["s"].to_dense(), torch.eye(3))
     assert type(copy["top"]) is type(top)
     assert torch.equal(copy["top"].values, torch.tensor([3.0, 2.0]))
+
+
+def test_state_a_restore_could_not_load_is_refused_at_the_write(tmp_path):
+
+    with pytest.raises(ShardError, match=r"cannot load .*numpy"):
+        write_shard(tmp_path / "s.pt", {"a": np.zeros(2)})
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+    written = write_shard(tmp_path / "t.pt", {"w": torch.ones(2), "n": [1, "x", {"k": 2.0}]})
+    assert load_shard(written.uri, written.digest)["n"] == [1, "x", {"k": 2.0}]

@@ -92,6 +92,8 @@ def write_shard(path: Path, state: Mapping[str, Any]) -> WrittenShard:
             file is removed.
         pickle.PicklingError, TypeError, RuntimeError: ``torch.save`` cannot serialize
             ``state``; same clean-up.
+        ShardError: ``state`` holds objects a restore could not load (``weights_only``);
+            same clean-up.
     """
     import torch
 
@@ -104,12 +106,31 @@ def write_shard(path: Path, state: Mapping[str, Any]) -> WrittenShard:
             torch.save(dict(state), cast(IO[bytes], sink))
             raw.flush()
             os.fsync(raw.fileno())
+        _check_loadable(tmp_name)
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
     return WrittenShard(path.resolve().as_uri(), sink.size, f"sha256:{sink.sha.hexdigest()}")
+
+
+def _check_loadable(written: str) -> None:
+    """Raise :class:`ShardError` when the shard at ``written`` holds objects a restore's
+    ``torch.load(weights_only=True)`` refuses (numpy arrays, user classes, namedtuples, ...),
+    so a job learns at its first checkpoint, not at its first restore, that its snapshots
+    cannot be loaded. A static scan of the shard's pickle (``data.pkl`` only, no tensor data):
+    ``torch.serialization.get_unsafe_globals_in_checkpoint``, which counts what
+    ``add_safe_globals`` allowed."""
+    import torch
+
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(written)
+    if unsafe:
+        raise ShardError(
+            "the state holds objects a restore cannot load (torch.load with weights_only=True "
+            f"refuses {', '.join(sorted(unsafe))}): store tensors, numbers, strings, lists and "
+            "dicts, or allow the classes with torch.serialization.add_safe_globals"
+        )
 
 
 def _fsync_dir(directory: Path) -> None:
