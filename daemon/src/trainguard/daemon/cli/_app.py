@@ -296,7 +296,6 @@ def daemon(
         load_keys,
     )
 
-    configure_logging(json=not console)
     machine = {
         k: v
         for k, v in {
@@ -318,6 +317,9 @@ def daemon(
         _fail(os_failure(exc, "read the config file", config))
     except (ValueError, KeyStoreError) as exc:
         _fail(str(exc))
+    # After the settings: a daemon that cannot start says why in one line on stderr, and
+    # leaves the process's logging as it found it.
+    configure_logging(json=not console)
     if topic_prefix is not None:
         settings = replace(settings, bus=replace(settings.bus, prefix=topic_prefix))
     service = DaemonService(settings, keys=daemon_keys)
