@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from trainguard.agent import RESERVED_KEY, Agent, AgentConfig
+from trainguard.agent import RESERVED_KEY, Agent, AgentConfig, Snapshot
 from trainguard.schemas import Checkpoint, CheckpointMeta, DataCursor, Manifest, Shard
 
 __all__ = [
@@ -110,11 +110,12 @@ class LocalResumeAgent(Agent):
     """The real agent whose restore target, after a torchrun restart, is the newest complete
     local checkpoint (:func:`latest_local_snapshot`) instead of a daemon's restore command."""
 
-    def restore_target(self, timeout_s: float | None = None) -> Manifest | None:
+    def restore_target(self, timeout_s: float | None = None) -> Snapshot | None:
         """``None`` in torchrun's first run, else the newest complete local checkpoint."""
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
             return None
-        return latest_local_snapshot(self.config)
+        manifest = latest_local_snapshot(self.config)
+        return None if manifest is None else Snapshot.of(manifest)
 
 
 # -- no-agent --------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class NullAgent:
     ) -> None:
         return None
 
-    def restore_target(self, timeout_s: float | None = None) -> Manifest | None:
+    def restore_target(self, timeout_s: float | None = None) -> Snapshot | None:
         """Always a fresh start."""
         return None
 

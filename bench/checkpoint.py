@@ -62,9 +62,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from trainguard.agent import Agent, AgentConfig
+from trainguard.agent import Agent, AgentConfig, Snapshot
 from trainguard.agent.checkpoint._dcp import load_dcp, storage_writer
-from trainguard.schemas import DataCursor, Shard, StoredFile, files_digest
+from trainguard.schemas import DataCursor, Manifest, Shard, StoredFile, files_digest
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -178,16 +178,22 @@ def evict(folder: Path) -> None:
             os.close(fd)
 
 
-def shards_of(uri: str, files: tuple[StoredFile, ...]) -> tuple[Shard, ...]:
-    """The manifest shards of a one-rank DCP folder, as the daemon would commit them."""
-    return (
-        Shard(
-            rank=0,
-            uri=uri,
-            size_bytes=sum(f.size_bytes for f in files),
-            digest=files_digest(files),
-            files=files,
-        ),
+def snapshot_of(uri: str, files: tuple[StoredFile, ...]) -> Snapshot:
+    """The snapshot of a one-rank DCP folder, with the manifest the daemon would commit."""
+    size = sum(f.size_bytes for f in files)
+    shard = Shard(rank=0, uri=uri, size_bytes=size, digest=files_digest(files), files=files)
+    cursor = DataCursor(data_version="bench", seed=0, epoch=0, offset=0, world_size=1)
+    return Snapshot.of(
+        Manifest(
+            job_id="bench",
+            snapshot_id="bench/g0/s1",
+            generation=0,
+            ts=0,
+            step=1,
+            world_size=1,
+            shards=(shard,),
+            cursor=cursor,
+        )
     )
 
 
@@ -365,7 +371,7 @@ def part_digest(state: dict[str, Any], root: Path, repeat: int, table: Table) ->
             dcp_save(state, storage_writer=FileSystemWriter(b), no_dist=True)
 
         def read_ours(a: Path = a, written: dict[str, Any] = written) -> None:
-            load_dcp(shards_of(a.as_uri(), written["files"]), target, 0, process_group=None)
+            load_dcp(snapshot_of(a.as_uri(), written["files"]), target, 0, process_group=None)
 
         def read_plain(b: Path = b) -> None:
             dcp_load(target, storage_reader=FileSystemReader(b), no_dist=True)
@@ -489,7 +495,7 @@ def part_s3(
                 dcp_save(state, storage_writer=FsspecWriter(uri), no_dist=True)
 
             def read_ours(uri: str = ours_uri, written: dict[str, Any] = written) -> None:
-                load_dcp(shards_of(uri, written["files"]), target, 0, process_group=None)
+                load_dcp(snapshot_of(uri, written["files"]), target, 0, process_group=None)
 
             def read_raw(prefix: str = raw_prefix) -> None:
                 for name in payload:

@@ -136,6 +136,7 @@ from trainguard.schemas import (
     decode_maced,
     encode,
     sign,
+    snapshot_ref,
     split_mac,
     verify_mac,
     verify_raw_mac,
@@ -481,8 +482,9 @@ def signed(label: str, message: Restore | Resume, keys: DaemonKeys) -> Signed:
 
 
 def commands(manifest: Manifest, config: MachineConfig, keys: DaemonKeys) -> list[Signed]:
-    """A Restore to ``manifest`` (the fold's first committed checkpoint: 64 shards) and the
-    Resume that follows it, as the daemon issues them."""
+    """A Restore to ``manifest`` (the fold's first committed checkpoint: 64 shards; named by
+    reference, as since ``restore/2``) and the Resume that follows it, as the daemon issues
+    them."""
     restore = Restore(
         job_id=JOB,
         generation=manifest.generation + 1,
@@ -491,7 +493,7 @@ def commands(manifest: Manifest, config: MachineConfig, keys: DaemonKeys) -> lis
         daemon_id=config.daemon_id,
         incident_id=f"{JOB}/g{manifest.generation}/i1",
         reason="rank 17 exited (signal 9)",
-        target=manifest,
+        target=snapshot_ref(manifest),
     )
     resume = Resume(
         job_id=JOB,

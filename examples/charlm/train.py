@@ -54,10 +54,11 @@ from trainguard.agent import (
     AgentConfig,
     RestoreRequested,
     ResumableDistributedSampler,
+    Snapshot,
     exit_on_config_error,
     ordered_allreduce,
 )
-from trainguard.schemas import Checkpoint, Manifest, StepRange
+from trainguard.schemas import Checkpoint, StepRange
 
 from .data import ByteWindows
 from .ledger import LedgerWriter, ledger_path
@@ -223,7 +224,7 @@ def capture_state(run: Run) -> dict[str, Any]:
     return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()}
 
 
-def restore(agent: Agent, run: Run, config: TrainConfig, target: Manifest) -> int:
+def restore(agent: Agent, run: Run, config: TrainConfig, target: Snapshot) -> int:
     """Load ``target`` into ``run`` (the agent verifies the shard and restores the RNG
     streams); return its step.
 

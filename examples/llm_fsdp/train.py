@@ -72,9 +72,9 @@ from trainguard.agent import (
     AgentConfig,
     LoaderState,
     ResumableDistributedSampler,
+    Snapshot,
     exit_on_config_error,
 )
-from trainguard.schemas import Manifest
 
 from .model import LLMConfig, TinyLLM
 
@@ -227,7 +227,7 @@ def capture_state(run: Run, rank: int) -> dict[str, Any]:
     return {"model": model, "optim": optimizer, "loader": {loader_key(rank): blob.getvalue()}}
 
 
-def restore(agent: Agent, run: Run, config: TrainConfig, target: Manifest) -> int:
+def restore(agent: Agent, run: Run, config: TrainConfig, target: Snapshot) -> int:
     """Load ``target`` into ``run`` and return its step. Every rank calls it together.
 
     The model and optimizer states are resharded by DCP onto this world size. The loader

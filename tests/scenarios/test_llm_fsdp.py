@@ -35,6 +35,7 @@ from tests.scenarios.harness import (
     only,
 )
 from tests.support.buses import BusFactory
+from trainguard.agent import Snapshot
 from trainguard.agent.bus import sqlite_url
 from trainguard.agent.checkpoint._shards import uri_to_path
 from trainguard.daemon.demo._harness import charlm_env, stop_process, supervise
@@ -201,12 +202,14 @@ def _kill_at_a_random_step(
     assert target is not None, f"restored from scratch {llm_run.describe()}"
     assert target.generation == 0, f"{target} {llm_run.describe()}"
     assert target.step <= step, f"{target} {llm_run.describe()}"
-    # A DCP snapshot: one folder, each rank's .distcp file, the coordinator's .metadata.
-    names = {f.name for s in target.shards for f in s.files or ()}
+    # A DCP snapshot: one folder, each rank's .distcp file, the coordinator's .metadata; its
+    # manifest stored beside it, as the restore command's reference names it.
+    manifest = Snapshot.open(target, lambda: ()).manifest()
+    names = {f.name for s in manifest.shards for f in s.files or ()}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= names, llm_run.describe()
     assert [r.generation for r in record.resumes()] == [1], llm_run.describe()
     assert_exact(llm_run, code, record)
-    return target
+    return manifest
 
 
 @pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)  # the rule is bus-blind

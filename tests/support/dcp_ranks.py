@@ -31,7 +31,8 @@ from torch.distributed.fsdp import fully_shard
 
 from trainguard.agent.checkpoint._dcp import load_dcp, storage_writer
 from trainguard.agent.checkpoint._shards import HostStager
-from trainguard.schemas import Shard, StoredFile, files_digest
+from trainguard.agent.checkpoint._snapshot import Snapshot
+from trainguard.schemas import DataCursor, Manifest, Shard, StoredFile, files_digest
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -120,6 +121,22 @@ def shards_of(root: Path, uri: str, world_size: int) -> tuple[Shard, ...]:
     return tuple(shards)
 
 
+def snapshot_of(shards: tuple[Shard, ...]) -> Snapshot:
+    """A snapshot whose manifest lists ``shards`` (ranks 0..n-1; the other fields made up)."""
+    return Snapshot.of(
+        Manifest(
+            job_id="dcp",
+            snapshot_id="dcp/g0/s1",
+            generation=0,
+            ts=0,
+            step=1,
+            world_size=len(shards),
+            shards=shards,
+            cursor=DataCursor(data_version="v", seed=0, epoch=0, offset=0, world_size=len(shards)),
+        )
+    )
+
+
 def load_rank(rank: int, world_size: int, root: str, uri: str, saved_by: int, tag: str) -> None:
     """Load the snapshot onto ``world_size`` ranks; rank 0 writes the full state it got, and
     every rank what it found of its own agent state (or its error)."""
@@ -132,7 +149,10 @@ def load_rank(rank: int, world_size: int, root: str, uri: str, saved_by: int, ta
         outcome: dict[str, Any]
         try:
             own = load_dcp(
-                shards_of(where, uri, saved_by), state, rank, process_group=dist.group.WORLD
+                snapshot_of(shards_of(where, uri, saved_by)),
+                state,
+                rank,
+                process_group=dist.group.WORLD,
             )
         except Exception as exc:
             outcome = {"error": type(exc).__name__, "message": str(exc)}

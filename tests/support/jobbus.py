@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar, cast
 
 from trainguard.agent.bus import BusConfig, Record, open_bus
+from trainguard.agent.checkpoint import store_manifest
 from trainguard.schemas import (
     Abort,
     Checkpoint,
@@ -28,6 +29,7 @@ from trainguard.schemas import (
     StepRange,
     decode,
     encode,
+    split_manifest,
 )
 
 E = TypeVar("E", bound=Event)
@@ -108,12 +110,14 @@ def after_acks(
     return thread
 
 
-def publish(url: str, command: Command) -> None:
-    """Publish ``command`` on the ``commands`` topic, keyed by its job id."""
+def publish(url: str, message: Command | Manifest) -> None:
+    """Publish a command on the ``commands`` topic, or a manifest on ``manifests``, keyed by
+    its job id."""
+    topic = "manifests" if isinstance(message, Manifest) else "commands"
 
     async def _publish() -> None:
         async with open_bus(BusConfig(url=url)) as bus:
-            await bus.publish("commands", command.job_id, encode(command))
+            await bus.publish(topic, message.job_id, encode(message))
 
     asyncio.run(_publish())
 
@@ -127,7 +131,14 @@ def restore(
     skip: StepRange | None = None,
 ) -> Restore:
     """A restore command establishing ``generation`` with ``target``: in process at
-    ``at_step`` when it is given, else a restart; skipping the batches of ``skip``."""
+    ``at_step`` when it is given, else a restart; skipping the batches of ``skip``. As the
+    daemon does, ``target``'s manifest is stored beside its checkpoint and the command names
+    it by reference."""
+    ref = None
+    if target is not None:
+        split = split_manifest(target)
+        store_manifest(split)
+        ref = split.ref
     return Restore(
         job_id=job_id,
         generation=generation,
@@ -136,7 +147,7 @@ def restore(
         daemon_id=DAEMON_ID,
         incident_id=f"{job_id}/i{generation}",
         reason="test",
-        target=target,
+        target=ref,
         mode="restart" if at_step is None else "in_process",
         at_step=at_step,
         skip=skip,

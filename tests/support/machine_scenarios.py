@@ -29,10 +29,10 @@ from trainguard.schemas import (
     Heartbeat,
     JobRequest,
     Lifecycle,
-    Manifest,
     Phase,
     RequestKind,
     Restore,
+    SnapshotRef,
 )
 
 S = 1_000_000_000
@@ -489,7 +489,7 @@ def play(
     return state, trace
 
 
-def _ack(sim: Sim, rank: int, target: Manifest | None, at: int) -> Observed:
+def _ack(sim: Sim, rank: int, target: SnapshotRef | None, at: int) -> Observed:
     return sim.lifecycle(
         rank,
         "restored",

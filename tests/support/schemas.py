@@ -30,6 +30,9 @@ from trainguard.schemas import (
     Lifecycle,
     LifecycleKind,
     Manifest,
+    ManifestHead,
+    ManifestPart,
+    ManifestPartRef,
     Message,
     Phase,
     RequestKind,
@@ -39,6 +42,7 @@ from trainguard.schemas import (
     SchemaError,
     SchemaViolation,
     Shard,
+    SnapshotRef,
     StepRange,
     UnknownSchema,
     _schema_files,
@@ -153,6 +157,43 @@ manifests = st.builds(
     parent=st.none() | snapshot_ids,
 )
 
+part_refs = st.builds(
+    ManifestPartRef, first_rank=ranks, ranks=world_sizes, size_bytes=counts, digest=digests
+)
+manifest_heads = st.builds(
+    ManifestHead,
+    job_id=job_ids,
+    snapshot_id=snapshot_ids,
+    generation=counts,
+    ts=counts,
+    step=counts,
+    world_size=world_sizes,
+    cursor=cursors,
+    metadata=metadatas,
+    parent=st.none() | snapshot_ids,
+    folder=uris,
+    size_bytes=counts,
+    parts=st.lists(part_refs, min_size=1, max_size=3).map(tuple),
+)
+manifest_parts = st.builds(
+    ManifestPart,
+    snapshot_id=snapshot_ids,
+    first_rank=ranks,
+    shards=st.lists(shards, min_size=1, max_size=3).map(tuple),
+)
+snapshot_refs = st.builds(
+    SnapshotRef,
+    job_id=job_ids,
+    snapshot_id=snapshot_ids,
+    generation=counts,
+    step=counts,
+    world_size=world_sizes,
+    cursor=cursors,
+    parent=st.none() | snapshot_ids,
+    folder=uris,
+    manifest_digest=digests,
+)
+
 
 @st.composite
 def lifecycles(draw: st.DrawFn) -> Lifecycle:
@@ -197,7 +238,7 @@ def restores(draw: st.DrawFn) -> Restore:
         **{name: draw(strategy) for name, strategy in _command.items()},
         incident_id=draw(text(1, 60)),
         reason=draw(text(1, 60)),
-        target=draw(st.none() | manifests),
+        target=draw(st.none() | snapshot_refs),
         mode=mode,
         attempt=draw(st.integers(1, INT64_MAX)),
         at_step=draw(counts if mode == "in_process" else st.none() | counts),
@@ -226,6 +267,8 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
     Resume: resumes,
     Abort: aborts,
     Manifest: manifests,
+    ManifestHead: manifest_heads,
+    ManifestPart: manifest_parts,
     ClockTick: ticks,
     JobRequest: job_requests,
 }
@@ -318,7 +361,7 @@ class BadCase:
     @property
     def schema_name(self) -> str:
         """The schema file the case is judged by (its base's, whatever the mutation did)."""
-        return f"{self.base[0]}.v1"
+        return schema_name_of(example(self.base[0], **self.base[1]))
 
     def wire(self) -> dict[str, Any]:
         wire = example(self.base[0], **self.base[1])
@@ -404,13 +447,22 @@ BAD_CASES = [
     BadCase("target missing", RES, drop("target"), "target"),
     BadCase("target step negative", RES, put("target", "step", value=-1), "target.step"),
     BadCase(
-        "target of another type", RES, put("target", "schema", value="abort/1.0"), "target.schema"
+        "target with a manifest's schema",
+        RES,
+        put("target", "schema", value="manifest/1.2"),
+        "target.schema",
     ),
     BadCase(
-        "target shard unknown property",
+        "target bad manifest digest",
         RES,
-        put("target", "shards", 0, "x", value=1),
-        "target.shards[0].x",
+        put("target", "manifest_digest", value="sha256:00"),
+        "target.manifest_digest",
+    ),
+    BadCase(
+        "target cursor unknown property",
+        RES,
+        put("target", "cursor", "x", value=1),
+        "target.cursor.x",
     ),
     BadCase("unknown mode", RES, put("mode", value="reboot"), "mode"),
     BadCase("in_process without at_step", RES, put("mode", value="in_process"), "at_step"),

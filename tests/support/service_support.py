@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -26,6 +26,7 @@ from trainguard.daemon.core._state import JobState
 from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import (
     Checkpoint,
+    Command,
     DataCursor,
     Event,
     Heartbeat,
@@ -185,7 +186,8 @@ def issued(audit: list[bytes]) -> Counter[tuple[str, int]]:
 async def assert_once_each(bus: Bus, jobs: tuple[str, ...]) -> None:
     """Exactly one command per job, a generation-1 restore, on ``commands`` and in ``audit``."""
     commands = Counter(
-        (c.job_id, c.generation) for c in map(decode, await read_all(bus, "commands"))
+        (c.job_id, c.generation)
+        for c in (cast(Command, decode(v, expect=Command)) for v in await read_all(bus, "commands"))
     )
     expected = Counter({(job, 1): 1 for job in jobs})
     assert commands == expected

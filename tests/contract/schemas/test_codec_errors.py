@@ -170,13 +170,13 @@ def test_a_trailing_newline_does_not_match_a_pattern(field: str, value: str) -> 
 
 
 def test_free_form_objects_nest_at_most_the_documented_depth() -> None:
-    wire = example("restore")
-    wire["target"]["metadata"]["hyperparameters"] = deep_object(MAX_FREEFORM_DEPTH)
+    wire = example("manifest")
+    wire["metadata"]["hyperparameters"] = deep_object(MAX_FREEFORM_DEPTH)
     assert decode(raw(wire))
-    wire["target"]["metadata"]["hyperparameters"] = deep_object(MAX_FREEFORM_DEPTH + 1)
+    wire["metadata"]["hyperparameters"] = deep_object(MAX_FREEFORM_DEPTH + 1)
     with pytest.raises(NestingTooDeep) as info:
         decode(raw(wire))
-    assert info.value.field == "target.metadata.hyperparameters"
+    assert info.value.field == "metadata.hyperparameters"
 
 
 @pytest.mark.parametrize("wire", doc_examples(), ids=lambda w: w["schema"])

@@ -18,11 +18,13 @@ from trainguard.schemas import (
     Checkpoint,
     CheckpointMeta,
     Command,
+    DataCursor,
     Event,
     Heartbeat,
     Lifecycle,
     Manifest,
     Restore,
+    SnapshotRef,
     decode,
     encode,
 )
@@ -106,10 +108,12 @@ def test_absent_optional_properties_take_the_dataclass_defaults() -> None:
 
 def test_arrays_become_tuples_and_nested_objects_dataclasses() -> None:
     restore = decode(orjson.dumps(example("restore")), expect=Restore)
-    assert isinstance(restore.target, Manifest)
-    assert isinstance(restore.target.shards, tuple)
-    assert [s.rank for s in restore.target.shards] == [0, 1]
-    assert restore.target.metadata.hyperparameters == {"lr": 0.0003}
+    assert isinstance(restore.target, SnapshotRef)
+    assert isinstance(restore.target.cursor, DataCursor)
+    manifest = decode(orjson.dumps(example("manifest")), expect=Manifest)
+    assert isinstance(manifest.shards, tuple)
+    assert [s.rank for s in manifest.shards] == [0, 1]
+    assert manifest.metadata.hyperparameters == {"lr": 0.0003}
     assert restore.target.data_version == restore.target.cursor.data_version
 
 

@@ -73,7 +73,9 @@ def wire_default(value: Any) -> Any:
 
 def test_the_package_ships_one_file_per_message_type_and_the_common_definitions() -> None:
     names = {f.name for f in schema_files()}
-    expected = {f"{cls.SCHEMA.partition('/')[0]}.v1.json" for cls in MESSAGE_TYPES}
+    expected = {
+        "{}.v{}.json".format(*cls.SCHEMA.replace(".", "/").split("/")[:2]) for cls in MESSAGE_TYPES
+    }
     assert names == expected | {"common.v1.json"}
 
 

@@ -6,9 +6,11 @@ the daemon would."""
 from __future__ import annotations
 
 import random
+import shutil
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +28,16 @@ from trainguard.agent import (
     ShardMissing,
     StaleGeneration,
 )
+from trainguard.agent.checkpoint import store_manifest
 from trainguard.agent.checkpoint._shards import uri_to_path
-from trainguard.schemas import DataCursor, Manifest
+from trainguard.schemas import (
+    MANIFEST_DIR,
+    DataCursor,
+    Manifest,
+    sha256_digest,
+    snapshot_ref,
+    split_manifest,
+)
 
 CURSOR = DataCursor(data_version="v1", seed=5, epoch=0, offset=80, world_size=1)
 
@@ -77,7 +87,8 @@ def test_restore_verifies_the_shard_and_puts_back_every_rng_stream(make_agent, b
     scramble_rng()
     with make_agent(generation=1) as agent:
         target = agent.restore_target()
-        assert target == saved.manifest
+        assert target is not None
+        assert target.manifest() == saved.manifest
         state = agent.load(target)
         assert torch.rand(3).equal(saved.torch_draw)
         assert random.random() == saved.python_draw
@@ -98,7 +109,9 @@ def test_older_generations_are_ignored_while_waiting(make_agent, bus_url, saved)
         daemon.publish(bus_url, daemon.restore(JOB, 1, None))
         later = daemon.restore(JOB, 2, saved.manifest)
         threading.Timer(0.3, daemon.publish, (bus_url, later)).start()
-        assert agent.restore_target(timeout_s=10.0) == saved.manifest
+        target = agent.restore_target(timeout_s=10.0)
+        assert target is not None
+        assert target.manifest() == saved.manifest
         # At least once: a command published while the link connects may be read twice.
         assert agent.stats.commands_ignored >= 1
 
@@ -189,3 +202,98 @@ def test_restore_calls_need_an_entered_agent(make_agent, saved):
     for call in (agent.restore_target, lambda: agent.load(saved.manifest), lambda: agent.ready(0)):
         with pytest.raises(AgentError, match="inside 'with Agent"):
             call()
+
+
+# -- the target's manifest: named by digest, stored beside the checkpoint -----------------------
+
+
+def manifest_dir(saved: Saved) -> Path:
+    """The ``trainguard/`` folder holding the stored manifest of ``saved``'s snapshot."""
+    return uri_to_path(saved.manifest.shards[0].uri).parent / MANIFEST_DIR
+
+
+def test_the_command_names_the_stored_manifest_by_digest(make_agent, bus_url, saved):
+    command = daemon.restore(JOB, 1, saved.manifest)
+    assert command.target == snapshot_ref(saved.manifest)
+    head = manifest_dir(saved) / "manifest.json"
+    assert command.target is not None
+    assert sha256_digest(head.read_bytes()) == command.target.manifest_digest
+    assert sorted(p.name for p in manifest_dir(saved).iterdir()) == [
+        "manifest.json",
+        "part-00000.json",
+    ]
+
+
+def refused_restore(make_agent, bus_url, error: type[Exception], match: str) -> str:
+    """Start generation 1, whose ``restore_target`` must raise ``error``; return the message of
+    the lifecycle error it reported (naming the snapshot, so the daemon restores an older
+    one), having checked that ``torch.load`` never ran."""
+    with pytest.MonkeyPatch.context() as patch, make_agent(generation=1) as agent:
+        patch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load ran"))
+        with pytest.raises(error, match=match):
+            agent.restore_target()
+    (reported,) = lifecycles(read_events(bus_url, JOB), "error")
+    assert (reported.generation, reported.step) == (1, 10)
+    assert reported.snapshot_id == f"{JOB}/g0/s10"
+    return reported.message or ""
+
+
+def test_a_forged_head_is_refused_before_it_is_decoded(make_agent, bus_url, saved):
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    head = manifest_dir(saved) / "manifest.json"
+    forged = head.read_bytes().replace(b'"step":10', b'"step":11')
+    assert forged != head.read_bytes()
+    head.write_bytes(forged)
+    message = refused_restore(make_agent, bus_url, ShardCorrupt, r"manifest of .* has digest")
+    assert message.startswith("ShardCorrupt: manifest of")
+
+
+def test_a_stale_head_at_the_snapshots_place_is_refused(make_agent, bus_url, saved):
+    """The command names one manifest; the folder holds another of the same snapshot (written
+    later, or left by an earlier commit): its digest is not the one named."""
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    store_manifest(split_manifest(replace(saved.manifest, ts=saved.manifest.ts + 1)))
+    refused_restore(make_agent, bus_url, ShardCorrupt, "has digest")
+
+
+def test_a_part_swapped_in_from_another_snapshot_is_refused(make_agent, bus_url, saved):
+    other = replace(
+        saved.manifest,
+        shards=(replace(saved.manifest.shards[0], digest="sha256:" + "0" * 64),),
+    )
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    swapped = split_manifest(other).parts[0]
+    (manifest_dir(saved) / "part-00000.json").write_bytes(swapped)
+    with make_agent(generation=1) as agent:
+        target = agent.restore_target()  # the head is right: only the part is wrong
+        assert target is not None
+        with pytest.raises(ShardCorrupt, match=r"manifest part .* has digest"):
+            agent.load(target)
+    (reported,) = lifecycles(read_events(bus_url, JOB), "error")
+    assert reported.snapshot_id == saved.manifest.snapshot_id
+
+
+def test_without_a_stored_head_the_whole_manifest_on_the_bus_is_used(make_agent, bus_url, saved):
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    shutil.rmtree(manifest_dir(saved))
+    daemon.publish(bus_url, replace(saved.manifest, ts=1))  # another manifest: not taken
+    daemon.publish(bus_url, saved.manifest)
+    with make_agent(generation=1) as agent:
+        target = agent.restore_target()
+        assert target is not None
+        assert target.manifest() == saved.manifest
+        assert torch.equal(agent.load(target)["w"], torch.arange(3.0))
+
+
+def test_a_bus_manifest_that_is_not_the_named_one_is_refused(make_agent, bus_url, saved):
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    shutil.rmtree(manifest_dir(saved))
+    daemon.publish(bus_url, replace(saved.manifest, ts=1))
+    refused_restore(make_agent, bus_url, ShardCorrupt, "on the bus is not the one")
+
+
+def test_a_manifest_found_nowhere_is_reported_missing(make_agent, bus_url, saved):
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    shutil.rmtree(manifest_dir(saved))
+    message = refused_restore(make_agent, bus_url, ShardMissing, "does not exist")
+    assert "manifest.json" in message

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save
 
 from tests.support import dcp_ranks
+from tests.support.dcp_ranks import snapshot_of
 from tests.support.jobbus import JOB, of_type, read_events
 from trainguard.agent import AgentError, ShardCorrupt, ShardError, ShardMissing
 from trainguard.agent.checkpoint import dcp_problems
@@ -82,7 +83,7 @@ def test_every_file_is_listed_with_the_digest_of_its_bytes(tmp_path: Path) -> No
         data = (tmp_path / "s" / f.name).read_bytes()
         assert (f.size_bytes, f.digest) == (len(data), f"sha256:{hashlib.sha256(data).hexdigest()}")
     loaded = zeros_like(state_of(0))
-    assert load_dcp((shard,), loaded, 0, process_group=None) == {"rng": {}, "step": 3}
+    assert load_dcp(snapshot_of((shard,)), loaded, 0, process_group=None) == {"rng": {}, "step": 3}
     assert_equal(loaded, state_of(0))
     assert dcp_problems((shard,), verify=True) == []
 
@@ -126,7 +127,7 @@ def test_damage_is_caught_before_deserialization(tmp_path: Path, case: str) -> N
     damage(tmp_path / "s" / name)
     loaded = zeros_like(state_of(1))
     with pytest.raises(error, match=name.replace(".", r"\.")):
-        load_dcp((shard,), loaded, 0, process_group=None)
+        load_dcp(snapshot_of((shard,)), loaded, 0, process_group=None)
     assert not (tmp_path / "s" / "PWNED").exists()
     problems = dcp_problems((shard,), verify=True)
     assert len(problems) == 1
@@ -139,10 +140,10 @@ def test_a_file_the_manifest_does_not_list_is_refused(tmp_path: Path) -> None:
     # A manifest that leaves out .metadata is no DCP snapshot the daemon would commit.
     bare = dataclasses.replace(shard, files=tuple(f for f in shard.files if f.name != ".metadata"))
     with pytest.raises(ShardCorrupt, match="digest does not match its file list"):
-        load_dcp((bare,), zeros_like(state_of(2)), 0, process_group=None)
+        load_dcp(snapshot_of((bare,)), zeros_like(state_of(2)), 0, process_group=None)
     signed = dataclasses.replace(bare, digest=files_digest(bare.files or ()))
     with pytest.raises(ShardCorrupt, match=r"lists no \.metadata"):
-        load_dcp((signed,), zeros_like(state_of(2)), 0, process_group=None)
+        load_dcp(snapshot_of((signed,)), zeros_like(state_of(2)), 0, process_group=None)
 
 
 def spawn(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
@@ -365,7 +366,7 @@ def test_a_dcp_checkpoint_on_object_storage_round_trips_and_is_verified(
         ),
     )
     loaded = zeros_like(state_of(4))
-    assert load_dcp(shards, loaded, 0, process_group=None) is not None
+    assert load_dcp(snapshot_of(shards), loaded, 0, process_group=None) is not None
     assert_equal(loaded, state_of(4))
     assert dcp_problems(shards, verify=True) == []
 
@@ -374,10 +375,10 @@ def test_a_dcp_checkpoint_on_object_storage_round_trips_and_is_verified(
     data[len(data) // 2] ^= 0x01
     fs.pipe_file(distcp, bytes(data))
     with pytest.raises(ShardCorrupt, match=r"__0_0\.distcp has digest"):
-        load_dcp(shards, zeros_like(state_of(4)), 0, process_group=None)
+        load_dcp(snapshot_of(shards), zeros_like(state_of(4)), 0, process_group=None)
     fs.rm_file(distcp)
     with pytest.raises(ShardMissing, match=r"__0_0\.distcp"):
-        load_dcp(shards, zeros_like(state_of(4)), 0, process_group=None)
+        load_dcp(snapshot_of(shards), zeros_like(state_of(4)), 0, process_group=None)
     assert dcp_problems(shards, verify=True) == [f"{distcp} is missing"]
 
 

@@ -45,6 +45,7 @@ from trainguard.schemas import (
     Resume,
     StoredFile,
     files_digest,
+    snapshot_ref,
 )
 
 CFG = config()
@@ -85,7 +86,7 @@ def test_step_commits_when_every_rank_reported_its_shard() -> None:
     assert manifest.cursor.offset == 10 * 4 * 8
     assert manifest.metadata.hyperparameters == {"lr": 0.1}
     assert manifest.ts == T0 + S + 3  # the daemon clock: the latest input time so far
-    assert state.committed == (manifest,)
+    assert state.committed == (committed.snapshot,) == (snapshot_ref(manifest),)
     assert state.pending.get(10) is None
 
 

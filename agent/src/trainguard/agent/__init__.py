@@ -35,6 +35,7 @@ from trainguard.agent._errors import (
     StorageUnavailable,
 )
 from trainguard.agent._exit import exit_on_config_error
+from trainguard.agent.checkpoint._snapshot import Snapshot
 from trainguard.agent.data._cursor import (
     MAX_DATASET_LEN,
     CursorMismatch,
@@ -78,6 +79,7 @@ __all__ = [
     "ShardCorrupt",
     "ShardError",
     "ShardMissing",
+    "Snapshot",
     "StaleGeneration",
     "StorageUnavailable",
     "dataset_manifest",

@@ -35,7 +35,7 @@ from trainguard.agent.checkpoint._dcp import (
     step_folder_uri,
     storage_writer,
 )
-from trainguard.agent.checkpoint._manifests import fetch_manifest
+from trainguard.agent.checkpoint._manifests import fetch_manifest, read_job_manifests
 from trainguard.agent.checkpoint._probe import probe_storage
 from trainguard.agent.checkpoint._shards import (
     HostStager,
@@ -45,6 +45,7 @@ from trainguard.agent.checkpoint._shards import (
     shard_path,
     write_shard,
 )
+from trainguard.agent.checkpoint._snapshot import Snapshot
 from trainguard.agent.checkpoint._step_file import StepRecorder
 from trainguard.agent.faults._injector import FaultInjector, Scalable
 from trainguard.agent.faults._plan import parse_faults
@@ -59,6 +60,7 @@ from trainguard.schemas import (
     Phase,
     Restore,
     Resume,
+    SnapshotRef,
     StepRange,
     encode,
     files_digest,
@@ -246,7 +248,7 @@ class Agent:
         # DCP only, made at the first DCP checkpoint or load (see _dcp_group).
         self._dcp_pg: tuple[ProcessGroup | None] | None = None
         self._restore: Restore | None = None
-        self._initial: Manifest | None = None  # init_from's manifest, once read
+        self._initial: Snapshot | None = None  # init_from's snapshot, once read
         self._skip: StepRange | None = None
         self._reported: BaseException | None = None
         self._state = "new"
@@ -369,7 +371,7 @@ class Agent:
 
     # -- restore -----------------------------------------------------------------------------
 
-    def restore_target(self, timeout_s: float | None = None) -> Manifest | None:
+    def restore_target(self, timeout_s: float | None = None) -> Snapshot | None:
         """The snapshot this process must resume from, or ``None`` for a fresh start.
 
         Generation 0 starts from the job's initial state and returns at once: ``None``, or
@@ -379,6 +381,11 @@ class Agent:
         command of g on the ``commands`` topic and returns its target; when that is ``None``
         (no step of the job committed yet), the job's initial state again.
 
+        The command names the target by id and manifest digest; the manifest's head is read
+        from beside the checkpoint (or, for a manifest small enough to be published whole,
+        from the bus) and checked against the digest here, and the shards' list part by part
+        as :meth:`load` needs them (``docs/checkpoints.md``, "Manifests").
+
         Args:
             timeout_s: seconds to wait for the command, and for reading ``init_from``'s
                 manifest; default ``config.restore_timeout_s``.
@@ -386,6 +393,9 @@ class Agent:
         Raises:
             RestoreTimeout: the command did not arrive in time, or the bus could not be read.
             ConfigError: ``init_from`` names no committed snapshot on the bus.
+            ShardError: the target's manifest is missing or is not the one the command names
+                (reported to the daemon first, as :meth:`load` does: it restores an older
+                snapshot).
             JobAborted: the daemon aborted the job.
             StaleGeneration: the daemon has already moved on to a newer generation.
             AgentError: called outside the ``with`` block.
@@ -402,21 +412,47 @@ class Agent:
         )
         self._skip = self._restore.skip
         target = self._restore.target
-        return target if target is not None else self._initial_target(wait_s)
+        return self._open(target) if target is not None else self._initial_target(wait_s)
 
-    def _initial_target(self, timeout_s: float) -> Manifest | None:
-        """The job's initial state: ``init_from``'s manifest (read once), or ``None``."""
+    def _open(self, ref: SnapshotRef) -> Snapshot:
+        """The snapshot ``ref`` names, its manifest checked (:meth:`Snapshot.open`); a failure
+        is reported like a shard's (:meth:`_failed_load`) and raised."""
+        try:
+            return Snapshot.open(ref, lambda: self._manifest_on_bus(ref.snapshot_id))
+        except ShardError as exc:
+            self._failed_load(ref.job_id, ref.snapshot_id, ref.step, exc)
+            raise
+
+    def _manifest_on_bus(self, snapshot_id: str) -> list[Manifest]:
+        """The whole (signed, with keys) manifests of ``snapshot_id`` on the bus; none when the
+        bus cannot be read."""
+        c = self.config
+        try:
+            job = snapshot_id.partition("/")[0]
+            log = read_job_manifests(self._bus_config(), job, c.restore_timeout_s, c.keys.verify)
+        except RestoreTimeout:
+            return []
+        return [m for m in log.manifests if m.snapshot_id == snapshot_id]
+
+    def _bus_config(self) -> BusConfig:
+        """A bus connection's settings for reading ``manifests`` outside the link."""
+        c = self.config
+        return BusConfig(
+            url=c.bus_url,
+            prefix=c.topic_prefix,
+            client_id=f"agent-{c.rank}",
+            security=c.kafka_security,
+        )
+
+    def _initial_target(self, timeout_s: float) -> Snapshot | None:
+        """The job's initial state: ``init_from``'s snapshot (read once), or ``None``."""
         c = self.config
         if c.init_from is None:
             return None
         if self._initial is None:
-            bus = BusConfig(
-                url=c.bus_url,
-                prefix=c.topic_prefix,
-                client_id=f"agent-{c.rank}",
-                security=c.kafka_security,
+            self._initial = Snapshot.of(
+                fetch_manifest(self._bus_config(), c.init_from, timeout_s, c.keys.verify)
             )
-            self._initial = fetch_manifest(bus, c.init_from, timeout_s, c.keys.verify)
             self._log.info("init_from", snapshot_id=c.init_from, step=self._initial.step)
         return self._initial
 
@@ -434,8 +470,14 @@ class Agent:
         """
         return self._skip
 
-    def load(self, target: Manifest, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    def load(
+        self, target: Snapshot | SnapshotRef | Manifest, state: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Verify and load this rank's part of ``target``; put back the RNG states it holds.
+
+        ``target`` is what :meth:`restore_target` returned (or a :class:`RestoreRequested`'s
+        ``target``), a restore command's reference (its manifest is read and checked first),
+        or a whole manifest.
 
         Call it last before the training loop: anything drawing random numbers after it changes
         the streams that resumed training sees.
@@ -473,18 +515,24 @@ class Agent:
         self._require_open()
         rank = self.config.rank
         into = state
-        if any(s.files is not None for s in target.shards) and into is None:
-            raise AgentError(
-                f"snapshot {target.snapshot_id} is a DCP checkpoint: it loads in place into a "
-                "state dict, so pass state= (e.g. get_state_dict(model, optimizer)'s)"
-            )
+        if isinstance(target, SnapshotRef):
+            target = self._open(target)
+        elif isinstance(target, Manifest):
+            target = Snapshot.of(target)
         try:
-            if into is not None and target.shards[0].files is not None:
-                own = load_dcp(target.shards, into, rank, process_group=self._dcp_group())
+            first = target.shard(0)
+            if first is not None and first.files is not None:
+                if into is None:
+                    raise AgentError(
+                        f"snapshot {target.snapshot_id} is a DCP checkpoint: it loads in place "
+                        "into a state dict, so pass state= (e.g. get_state_dict(model, "
+                        "optimizer)'s)"
+                    )
+                own = load_dcp(target, into, rank, process_group=self._dcp_group())
                 if own is not None:
                     restore_rng(own["rng"])
                 return into
-            shard = next((s for s in target.shards if s.rank == rank), None)
+            shard = target.shard(rank)
             if shard is None:
                 raise ShardMissing(
                     f"snapshot {target.snapshot_id} has no shard for rank {rank}: it was taken "
@@ -498,25 +546,25 @@ class Agent:
                 raise ShardError(f"shard {shard.uri} was not written by a trainguard agent")
             restore_rng(own["rng"])
         except ShardError as exc:
-            self._reported = exc
-            if target.job_id == self.config.job_id:
-                self._lifecycle(
-                    "error",
-                    step=target.step,
-                    snapshot_id=target.snapshot_id,
-                    message=_describe(exc),
-                )
-            else:
-                initial = target.snapshot_id == self.config.init_from
-                self._lifecycle(
-                    "error",
-                    step=self._progress[0],
-                    snapshot_id=target.snapshot_id if initial else None,
-                    message=_describe_init(target.snapshot_id, exc),
-                )
-            self._link.flush(_FLUSH_S)
+            self._failed_load(target.job_id, target.snapshot_id, target.step, exc)
             raise
         return state
+
+    def _failed_load(self, job_id: str, snapshot_id: str, step: int, exc: ShardError) -> None:
+        """Report that this rank cannot load snapshot ``snapshot_id`` (of job ``job_id``, at
+        ``step``), as :meth:`load` says, and give the report up to 30 s to reach the bus."""
+        self._reported = exc
+        if job_id == self.config.job_id:
+            self._lifecycle("error", step=step, snapshot_id=snapshot_id, message=_describe(exc))
+        else:
+            initial = snapshot_id == self.config.init_from
+            self._lifecycle(
+                "error",
+                step=self._progress[0],
+                snapshot_id=snapshot_id if initial else None,
+                message=_describe_init(snapshot_id, exc),
+            )
+        self._link.flush(_FLUSH_S)
 
     def ready(self, step: int, cursor: DataCursor | None = None) -> None:
         """Declare this rank ready to train from ``step`` (the next step is ``step + 1``).
@@ -781,10 +829,11 @@ class Agent:
         self._skip = restore.skip
         # A write of the abandoned timeline must not land after the reload.
         self.wait_checkpoints()
-        initial = None
         if restore.target is None:
-            initial = self._initial_target(self.config.restore_timeout_s)
-        raise RestoreRequested(restore, initial)
+            target = self._initial_target(self.config.restore_timeout_s)
+        else:
+            target = self._open(restore.target)
+        raise RestoreRequested(restore, target)
 
     def phase(self, phase: Phase) -> None:
         """Declare what this rank is doing (``train``, ``checkpoint``, ``eval``, ``data``,

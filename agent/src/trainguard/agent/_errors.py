@@ -3,7 +3,12 @@ control-flow signal a training loop catches, :class:`RestoreRequested`."""
 
 from __future__ import annotations
 
-from trainguard.schemas import Manifest, Restore, StepRange
+from typing import TYPE_CHECKING
+
+from trainguard.schemas import Restore, StepRange
+
+if TYPE_CHECKING:
+    from trainguard.agent.checkpoint._snapshot import Snapshot
 
 __all__ = [
     "AgentError",
@@ -75,25 +80,19 @@ class RestoreRequested(Exception):
 
     Attributes:
         restore: the daemon's command (its ``generation`` is already the agent's).
-        initial: the snapshot of another job this job started from (the agent's
-            ``init_from``), or ``None``; what :attr:`target` is when the command's is ``None``.
+        target: the snapshot to load (its manifest read and checked): the command's target,
+            or when that is ``None`` (the job's initial state), the snapshot of another job
+            this job started from (the agent's ``init_from``), or ``None``: start from scratch.
     """
 
-    def __init__(self, restore: Restore, initial: Manifest | None = None) -> None:
+    def __init__(self, restore: Restore, target: Snapshot | None = None) -> None:
         self.restore = restore
-        self.initial = initial
-        target = self.target
+        self.target = target
         where = "scratch" if target is None else target.snapshot_id
         super().__init__(
             f"in-process restore to {where} at step {restore.at_step} "
             f"(generation {restore.generation}): {restore.reason}"
         )
-
-    @property
-    def target(self) -> Manifest | None:
-        """The snapshot to load: the command's target; when that is ``None`` (the job's
-        initial state), :attr:`initial`, or ``None``: start from scratch."""
-        return self.restore.target if self.restore.target is not None else self.initial
 
     @property
     def step(self) -> int:

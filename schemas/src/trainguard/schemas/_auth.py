@@ -58,7 +58,7 @@ from trainguard.schemas._messages import (
     Lifecycle,
     Mac,
     Manifest,
-    Message,
+    ManifestHead,
     Restore,
     Resume,
     Signature,
@@ -94,7 +94,23 @@ _MACED_TYPES: Final = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockT
 """The message types whose ``auth`` is a MAC."""
 
 _Mac = TypeVar("_Mac", bound=_Maced)
-_Signed = TypeVar("_Signed", bound=Restore | Resume | Abort | Manifest)
+_Authenticated: TypeAlias = (
+    Heartbeat
+    | Checkpoint
+    | DataCursorEvent
+    | Lifecycle
+    | Restore
+    | Resume
+    | Abort
+    | Manifest
+    | ManifestHead
+    | ClockTick
+    | JobRequest
+)
+"""The messages that carry ``auth`` (every one but a manifest's part, which its head's digest
+vouches for)."""
+
+_Signed = TypeVar("_Signed", bound=Restore | Resume | Abort | Manifest | ManifestHead)
 
 
 class Unauthenticated(SchemaError):
@@ -117,7 +133,7 @@ class Unauthenticated(SchemaError):
         self.kid = kid
 
 
-def canonical_bytes(message: Message) -> bytes:
+def canonical_bytes(message: _Authenticated) -> bytes:
     """The bytes a MAC or signature of ``message`` covers: ``encode`` of the message without
     ``auth`` (module docstring).
 

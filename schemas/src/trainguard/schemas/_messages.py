@@ -580,6 +580,12 @@ class Shard:
         """``"dcp"`` when the shard lists DCP files, else ``"torch"``."""
         return "torch" if self.files is None else "dcp"
 
+    @property
+    def folder(self) -> str:
+        """The step folder the shard lies in: the DCP folder itself, or the ``torch.save``
+        file's folder (its URI without the last path segment)."""
+        return self.uri.rstrip("/") if self.files is not None else self.uri.rsplit("/", 1)[0]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Manifest:
@@ -626,6 +632,143 @@ class Manifest:
         return self.cursor.data_version
 
 
+MANIFEST_PART_RANKS: Final = 1024
+"""Ranks per :class:`ManifestPart`: at about 190 bytes per ``torch.save`` shard a part is
+about 190 KiB, so a 16,384-rank manifest is 16 parts and a rank reads one of them."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManifestPartRef:
+    """Where one :class:`ManifestPart` of a snapshot's manifest is, and what its bytes are.
+
+    Attributes:
+        first_rank: the first rank whose shard the part lists.
+        ranks: how many consecutive ranks it lists (>= 1).
+        size_bytes: length of the part's stored bytes (its ``encode``).
+        digest: SHA-256 of those bytes.
+    """
+
+    WIRE: ClassVar[Shared] = Shared(
+        "manifest_part_ref",
+        "One part of a manifest too large for a message: its ranks and the SHA-256 of its bytes.",
+    )
+    first_rank: Rank
+    ranks: Annotated[WorldSize, Wire("How many consecutive ranks the part lists.")]
+    size_bytes: Annotated[Count, Wire("Length of the part's stored bytes.")]
+    digest: Digest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManifestHead:
+    """A committed snapshot's manifest without its shards (``manifest-head/1``): everything a
+    :class:`Manifest` says except the shard list, which lies in :class:`ManifestPart` files
+    beside the checkpoint, each named with its digest here.
+
+    The daemon writes it (unsigned, ``canonical_bytes``) to ``<step folder>/trainguard/
+    manifest.json``, and publishes it signed on ``manifests`` when the whole manifest would not
+    fit a record. A :class:`SnapshotRef`'s ``manifest_digest`` is the SHA-256 of those stored
+    bytes, so a signed restore command authenticates the head, and the head every part.
+
+    Attributes:
+        job_id, snapshot_id, generation, ts, step, world_size, cursor, metadata, parent: as in
+            the :class:`Manifest`.
+        folder: the step folder the head and parts lie in (rank 0's shard's).
+        size_bytes: bytes of all shards together.
+        parts: the parts, in rank order, covering ranks ``0..world_size-1`` once each.
+    """
+
+    SCHEMA: ClassVar[str] = "manifest-head/1.0"
+    WIRE: ClassVar[Wire] = Wire(
+        "A committed snapshot's manifest without its shard list, which lies in parts beside the"
+        " checkpoint, each named with its SHA-256."
+    )
+    job_id: JobId
+    snapshot_id: SnapshotId
+    generation: Annotated[Generation, Wire("Generation in which the shards were written.")]
+    ts: Annotated[Timestamp, Wire("When the step was committed, nanoseconds since the Unix epoch.")]
+    step: Annotated[Step, Wire("Training step captured.")]
+    world_size: Annotated[WorldSize, Wire("World size the snapshot was written with.")]
+    cursor: Annotated[DataCursor, Wire("Data cursor at step.")]
+    metadata: Annotated[CheckpointMeta, Wire("Hyperparameters, topology and code version.")] = (
+        field(default_factory=CheckpointMeta)
+    )
+    parent: Annotated[
+        SnapshotId | None,
+        Wire("snapshot_id this job started from (fine-tune lineage), or null."),
+    ] = None
+    folder: Annotated[Uri, Wire("The step folder the head and its parts lie in.")]
+    size_bytes: Annotated[Count, Wire("Bytes of all shards together.")]
+    parts: Annotated[
+        tuple[ManifestPartRef, ...],
+        Wire("The parts in rank order, covering every rank once.", minItems=1, maxItems=65536),
+    ]
+    auth: Annotated[Signature | None, _auth("signature", since=None), OmittedWhenNone] = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManifestPart:
+    """The shards of ranks ``first_rank`` .. ``first_rank + len(shards) - 1`` of a snapshot
+    (``manifest-part/1``), stored beside the checkpoint as ``trainguard/part-<first_rank>.json``
+    and checked against its :class:`ManifestPartRef` before use.
+
+    Attributes:
+        snapshot_id: the snapshot it belongs to.
+        first_rank: the rank of its first shard.
+        shards: consecutive ranks' shards, ordered by rank.
+    """
+
+    SCHEMA: ClassVar[str] = "manifest-part/1.0"
+    WIRE: ClassVar[Wire] = Wire("Consecutive ranks' shards of a committed snapshot's manifest.")
+    snapshot_id: SnapshotId
+    first_rank: Rank
+    shards: Annotated[
+        tuple[Shard, ...],
+        Wire("Consecutive ranks' shards, ordered by rank.", minItems=1, maxItems=65536),
+    ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotRef:
+    """A committed snapshot named by id and by the digest of its manifest: what a restore
+    command carries, whatever the number of ranks.
+
+    Attributes:
+        job_id: the job whose snapshot it is.
+        snapshot_id: ``<job_id>/g<generation>/s<step>``.
+        generation: generation in which the shards were written.
+        step: training step captured.
+        world_size: world size the snapshot was written with.
+        cursor: data cursor at ``step``.
+        parent: ``snapshot_id`` the job started from (lineage), or ``None``.
+        folder: the step folder; its manifest is ``<folder>/trainguard/manifest.json``.
+        manifest_digest: SHA-256 of that file's bytes (:class:`ManifestHead`'s
+            ``canonical_bytes``).
+    """
+
+    WIRE: ClassVar[Shared] = Shared(
+        "snapshot_ref", "A committed snapshot, named by id and by the SHA-256 of its manifest."
+    )
+    job_id: JobId
+    snapshot_id: SnapshotId
+    generation: Annotated[Generation, Wire("Generation in which the shards were written.")]
+    step: Annotated[Step, Wire("Training step captured.")]
+    world_size: Annotated[WorldSize, Wire("World size the snapshot was written with.")]
+    cursor: Annotated[DataCursor, Wire("Data cursor at step.")]
+    parent: Annotated[
+        SnapshotId | None,
+        Wire("snapshot_id this job started from (fine-tune lineage), or null."),
+    ]
+    folder: Annotated[Uri, Wire("The step folder; its manifest is trainguard/manifest.json in it.")]
+    manifest_digest: Annotated[
+        Digest, Wire("SHA-256 of the manifest head's stored bytes (its canonical form, unsigned).")
+    ]
+
+    @property
+    def data_version(self) -> str:
+        """The dataset version every shard was trained on."""
+        return self.cursor.data_version
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepRange:
     """Training steps ``from_step`` to ``to_step``, both included.
@@ -661,15 +804,17 @@ class StepRange:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Restore:
-    """Command: roll every rank back to a committed snapshot (``restore/1``).
+    """Command: roll every rank back to a committed snapshot (``restore/2``).
 
     Attributes:
         generation: the new fencing generation the ranks run in after the restore.
         incident_id: identifies the incident that caused the restore (one restore per incident).
         reason: human-readable evidence, e.g. ``"rank 1 exited (signal 9)"``.
-        target: the snapshot to load, or ``None`` to start from the job's initial state (no
-            step committed yet): from scratch, or from the snapshot of another job the job
-            started from (``Checkpoint.parent``), which the agent loads again.
+        target: the snapshot to load, named by id and manifest digest (since 2.0; 1.x
+            carried the whole manifest, one shard per rank, which outgrew a record at a few
+            thousand ranks), or ``None`` to start from the job's initial state (no step
+            committed yet): from scratch, or from the snapshot of another job the job started
+            from (``Checkpoint.parent``), which the agent loads again.
         mode: ``restart`` (supervisors restart the processes) or ``in_process`` (agents reload
             at a step boundary without exiting).
         attempt: 1 for the first try of this incident's restore, 2 for the first retry, ...
@@ -685,7 +830,7 @@ class Restore:
             ``None`` to replay the data exactly (since 1.1).
     """
 
-    SCHEMA: ClassVar[str] = "restore/1.2"
+    SCHEMA: ClassVar[str] = "restore/2.0"
     WIRE: ClassVar[Wire] = Wire(
         "Command: roll every rank back to a committed snapshot.",
         allOf=[_when("mode", "in_process", "mode in_process needs at_step", _present("at_step"))],
@@ -703,8 +848,11 @@ class Restore:
     ]
     reason: Reason
     target: Annotated[
-        Manifest | None,
-        Wire("The manifest of the snapshot to load, or null to start from scratch."),
+        SnapshotRef | None,
+        Wire(
+            "The snapshot to load, by id and manifest digest, or null to start from the job's"
+            " initial state."
+        ),
     ]
     mode: Annotated[
         RestoreMode,
@@ -735,7 +883,7 @@ class Restore:
             " it reaches from_step), or null to replay the data exactly."
         ),
     ] = None
-    auth: Annotated[Signature | None, _auth("signature", since="1.2"), OmittedWhenNone] = None
+    auth: Annotated[Signature | None, _auth("signature", since=None), OmittedWhenNone] = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -897,7 +1045,9 @@ carries :class:`JobRequest` and the daemon's :class:`ClockTick`)."""
 Command: TypeAlias = Restore | Resume | Abort
 """Messages sent by the daemon on the ``commands`` topic."""
 
-Message: TypeAlias = Event | Command | Manifest | ClockTick | JobRequest
+Message: TypeAlias = (
+    Event | Command | Manifest | ManifestHead | ManifestPart | ClockTick | JobRequest
+)
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Heartbeat,
@@ -908,6 +1058,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     Resume,
     Abort,
     Manifest,
+    ManifestHead,
+    ManifestPart,
     ClockTick,
     JobRequest,
 )
@@ -938,6 +1090,8 @@ SHARED_TYPES: tuple[object, ...] = (
     CheckpointMeta,
     StoredFile,
     Shard,
+    ManifestPartRef,
+    SnapshotRef,
     StepRange,
     Kid,
     Mac,

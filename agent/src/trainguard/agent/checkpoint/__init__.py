@@ -27,9 +27,11 @@ from trainguard.agent.checkpoint._manifests import (
 from trainguard.agent.checkpoint._shards import (
     uri_to_path,
 )
+from trainguard.agent.checkpoint._snapshot import Snapshot, store_manifest
 
 __all__ = [
     "ManifestLog",
+    "Snapshot",
     "StepFolder",
     "dcp_problems",
     "fetch_manifest",
@@ -39,5 +41,6 @@ __all__ = [
     "remove_step_folder",
     "snapshot_folder",
     "step_folders",
+    "store_manifest",
     "uri_to_path",
 ]

@@ -35,6 +35,7 @@ import hashlib
 import io
 import os
 import queue
+import re
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +47,7 @@ from urllib.parse import unquote, urlsplit
 
 from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
 from trainguard.agent.checkpoint._shards import load_verified_dict
+from trainguard.agent.checkpoint._snapshot import Snapshot
 from trainguard.schemas import Shard, StoredFile, files_digest
 
 if TYPE_CHECKING:
@@ -440,8 +442,61 @@ def dcp_files(shards: tuple[Shard, ...]) -> tuple[str, dict[str, StoredFile]]:
     return folder, files
 
 
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp|trainguard\.rank(\d{5})\.pt")
+"""The names DCP's file-per-rank writer and the agent give a rank's files: the rank in them."""
+
+
+class _SnapshotFiles(Mapping[str, StoredFile]):
+    """A DCP snapshot's files by name, for :class:`DigestingFileSystem`, read from the
+    snapshot's manifest as they are asked for: a name is looked up in the shard of the rank
+    that writes such a name (``.metadata``: rank 0), so a rank that reads its own files reads
+    one part of the manifest; any other name makes every part read.
+
+    Raises (from lookups): as :meth:`Snapshot.shard`, and :class:`ShardCorrupt` for a shard
+    that is not part of the snapshot's DCP folder or whose digest is not its file list's.
+    """
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+        self._folder: str | None = None
+        self._all: dict[str, StoredFile] | None = None
+
+    def _files_of(self, rank: int) -> tuple[StoredFile, ...]:
+        shard = self._snapshot.shard(rank)
+        if shard is None:
+            return ()
+        if self._folder is None:
+            self._folder = shard.uri
+        if shard.files is None or shard.uri != self._folder:
+            raise ShardCorrupt(f"rank {rank}'s shard is not part of the DCP folder {self._folder}")
+        if shard.digest != files_digest(shard.files):
+            raise ShardCorrupt(f"rank {rank}'s digest does not match its file list")
+        return shard.files
+
+    def __getitem__(self, name: str) -> StoredFile:
+        match = _WRITER.fullmatch(name)
+        rank = 0 if name == METADATA else int(match[1] or match[2]) if match else None
+        if rank is not None:
+            found = next((f for f in self._files_of(rank) if f.name == name), None)
+            if found is not None:
+                return found
+            if rank >= self._snapshot.world_size:
+                raise KeyError(name)  # a rank the snapshot did not have wrote nothing
+        if self._all is None:
+            self._all = dcp_files(self._snapshot.shards())[1]
+        return self._all[name]
+
+    def __iter__(self) -> Iterator[str]:
+        if self._all is None:
+            self._all = dcp_files(self._snapshot.shards())[1]
+        return iter(self._all)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def load_dcp(
-    shards: tuple[Shard, ...],
+    snapshot: Snapshot,
     state: dict[str, Any],
     rank: int,
     *,
@@ -454,7 +509,8 @@ def load_dcp(
     DCP sees a byte; a failure on any rank fails the load on every rank.
 
     Args:
-        shards: the manifest's shards (all ranks'; their ``files`` say what the folder holds).
+        snapshot: the snapshot; the shards' ``files`` say what the folder holds, and a rank
+            reads the manifest's parts of the ranks whose files it reads.
         state: the state dict to fill, e.g. ``get_state_dict(model, optimizer)``'s, with
             tensors (DTensors) of the current mesh's shapes.
         rank: this process's rank: its agent state file is read if the snapshot has one.
@@ -474,7 +530,11 @@ def load_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    folder, expected = dcp_files(shards)
+    first = snapshot.shard(0)
+    if first is None or first.files is None:
+        raise ShardCorrupt(f"snapshot {snapshot.snapshot_id} is not a DCP checkpoint")
+    folder = first.uri
+    expected = _SnapshotFiles(snapshot)
     reader = _reader_for(folder)
     fs = DigestingFileSystem(reader.fs, expected=expected)
     reader.fs = fs

@@ -73,7 +73,7 @@ def _folder(shard: Shard) -> str:
     return shard.uri.rstrip("/") if shard.files is not None else _parent(shard.uri)
 
 
-def _fs(uri: str) -> tuple[Any, str]:
+def fs_of(uri: str) -> tuple[Any, str]:
     """fsspec's file system and path of a non-local URI.
 
     Raises:
@@ -133,7 +133,7 @@ def _subfolders(uri: str) -> list[tuple[str, str]]:
             return []
         # The agent writes real folders: a link leads elsewhere and is not retention's.
         return [(p.name, p.as_uri()) for p in path.iterdir() if p.is_dir() and not p.is_symlink()]
-    fs, root = _fs(uri)
+    fs, root = fs_of(uri)
     try:
         entries = fs.ls(root, detail=True)
     except FileNotFoundError:
@@ -189,7 +189,7 @@ def files_present(shards: Iterable[Shard]) -> bool:
             if not uri_to_path(uri).is_file():
                 return False
             continue
-        fs, path = _fs(uri)
+        fs, path = fs_of(uri)
         if not fs.exists(path):
             return False
     return True
@@ -209,7 +209,7 @@ def remove_step_folder(folder: str) -> int:
     if not (_STEP.fullmatch(_name(folder)) and _GENERATION.fullmatch(_name(_parent(folder)))):
         raise ValueError(f"{folder} is not a step folder (g<generation>/s<step>)")
     if not _local(folder):
-        fs, root = _fs(folder)
+        fs, root = fs_of(folder)
         objects = fs.find(root, detail=True)
         # The objects themselves, not the prefix: stores that model folders may retry a
         # "folder" delete at length (S3Proxy's filesystem backend: 10 s).

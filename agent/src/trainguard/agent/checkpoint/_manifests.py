@@ -7,6 +7,10 @@ find the snapshot its ``init_from`` setting names; ``trainguard checkpoints`` re
 Given the daemon's public keys, a reader keeps only manifests whose signature verifies (the
 daemon signs every manifest it commits when it holds keys): a manifest planted on the bus
 cannot make a job start from the wrong weights.
+
+A manifest too large for a record (thousands of ranks) is published as its signed head
+(``manifest-head``); the reader reads its parts from beside the checkpoint, each checked
+against the digest the signed head gives it (:mod:`trainguard.agent.checkpoint._snapshot`).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from trainguard.agent._errors import ConfigError, RestoreTimeout
+from trainguard.agent._errors import ConfigError, RestoreTimeout, ShardError
 from trainguard.agent.bus import (
     Bus,
     BusConfig,
@@ -29,9 +34,17 @@ from trainguard.agent.bus import (
     open_bus,
     partition_for,
 )
-from trainguard.schemas import Manifest, SchemaError, Unauthenticated, decode, verify_signature
+from trainguard.agent.checkpoint._snapshot import Snapshot
+from trainguard.schemas import (
+    Manifest,
+    ManifestHead,
+    SchemaError,
+    Unauthenticated,
+    decode,
+    verify_signature,
+)
 
-__all__ = ["ManifestLog", "fetch_manifest", "read_manifests"]
+__all__ = ["ManifestLog", "fetch_manifest", "read_job_manifests", "read_manifests"]
 
 TOPIC = "manifests"
 
@@ -51,11 +64,14 @@ class ManifestLog:
             checks those"), or (with keys) not authentic.
         unauthenticated: snapshot id -> why its manifest was refused, for the manifests among
             ``invalid`` that decoded but whose signature did not verify.
+        unreadable: snapshot id -> why its manifest's parts could not be read, for the heads
+            among ``invalid`` (storage failed, or a part is missing or not the head's).
     """
 
     manifests: tuple[Manifest, ...]
     invalid: int
     unauthenticated: Mapping[str, str] = field(default_factory=dict)
+    unreadable: Mapping[str, str] = field(default_factory=dict)
 
 
 def _consistent(manifest: Manifest, key: str | None) -> bool:
@@ -108,25 +124,76 @@ async def read_manifests(
     manifests: list[Manifest] = []
     invalid = 0
     unauthenticated: dict[str, str] = {}
+    unreadable: dict[str, str] = {}
     for rec in records:
         if job_id is not None and rec.key != job_id:
             continue
         try:
-            manifest = decode(rec.value or b"", expect=Manifest)
+            found = cast(
+                "Manifest | ManifestHead", decode(rec.value or b"", expect=(Manifest, ManifestHead))
+            )
             if verify_keys is not None:
                 verify_signature(rec.value or b"", verify_keys)
         except Unauthenticated as exc:
             invalid += 1
-            unauthenticated[manifest.snapshot_id] = exc.reason
+            unauthenticated[found.snapshot_id] = exc.reason
             continue
         except SchemaError:
             invalid += 1
             continue
+        if isinstance(found, ManifestHead):
+            try:
+                manifest = await asyncio.to_thread(Snapshot(found).manifest)
+            except ShardError as exc:
+                invalid += 1
+                unreadable[found.snapshot_id] = str(exc)
+                continue
+        else:
+            manifest = found
         if _consistent(manifest, rec.key):
             manifests.append(manifest)
         else:
             invalid += 1
-    return ManifestLog(tuple(manifests), invalid, unauthenticated)
+    return ManifestLog(tuple(manifests), invalid, unauthenticated, unreadable)
+
+
+def read_job_manifests(
+    config: BusConfig,
+    job_id: str,
+    timeout_s: float,
+    verify_keys: Mapping[str, Ed25519PublicKey] | None = None,
+) -> ManifestLog:
+    """:func:`read_manifests` of one job over a connection of its own, from a thread that may
+    or may not run an event loop (the reading runs on one in a helper thread).
+
+    Args:
+        config: how to reach the bus (its URL and topic prefix); the connect timeout is capped
+            at ``timeout_s``.
+        job_id: the job whose manifests to read.
+        timeout_s: seconds the whole read may take.
+        verify_keys: as :func:`read_manifests`.
+
+    Raises:
+        RestoreTimeout: the bus could not be reached or read within ``timeout_s`` seconds.
+    """
+    config = replace(config, connect_timeout_s=min(config.connect_timeout_s, timeout_s))
+
+    async def _read() -> ManifestLog:
+        async def _connect_and_read() -> ManifestLog:
+            async with open_bus(config) as bus:
+                return await read_manifests(bus, job_id, verify_keys)
+
+        return await asyncio.wait_for(_connect_and_read(), timeout_s)
+
+    began = time.monotonic()
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="trainguard-manifests") as pool:
+            return pool.submit(asyncio.run, _read()).result()
+    except (BusError, TimeoutError) as exc:
+        raise RestoreTimeout(
+            f"could not read the manifests of job {job_id} from the bus's {TOPIC} topic "
+            f"(gave up after {time.monotonic() - began:.1f} s): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def fetch_manifest(
@@ -156,24 +223,7 @@ def fetch_manifest(
         RestoreTimeout: the bus could not be reached or read within ``timeout_s`` seconds.
     """
     job_id = snapshot_id.partition("/")[0]
-    config = replace(config, connect_timeout_s=min(config.connect_timeout_s, timeout_s))
-
-    async def _read() -> ManifestLog:
-        async def _connect_and_read() -> ManifestLog:
-            async with open_bus(config) as bus:
-                return await read_manifests(bus, job_id, verify_keys)
-
-        return await asyncio.wait_for(_connect_and_read(), timeout_s)
-
-    began = time.monotonic()
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="trainguard-manifests") as pool:
-            log = pool.submit(asyncio.run, _read()).result()
-    except (BusError, TimeoutError) as exc:
-        raise RestoreTimeout(
-            f"could not read snapshot {snapshot_id} from the bus's {TOPIC} topic "
-            f"(gave up after {time.monotonic() - began:.1f} s): {type(exc).__name__}: {exc}"
-        ) from exc
+    log = read_job_manifests(config, job_id, timeout_s, verify_keys)
     for manifest in log.manifests:
         if manifest.snapshot_id == snapshot_id:
             return manifest
@@ -181,6 +231,11 @@ def fetch_manifest(
         raise ConfigError(
             f"init_from: the manifest of {snapshot_id!r} on the bus {config.url} is not signed "
             f"by the daemon's keys ({log.unauthenticated[snapshot_id]}): refusing to load it"
+        )
+    if snapshot_id in log.unreadable:
+        raise ConfigError(
+            f"init_from: the manifest of {snapshot_id!r} cannot be read from beside its "
+            f"checkpoint: {log.unreadable[snapshot_id]}"
         )
     mine = sorted({m.snapshot_id for m in log.manifests}, key=_order)
     detail = (

@@ -14,7 +14,7 @@ from typing import ClassVar, Literal, TypeAlias
 
 from trainguard.daemon.core._evidence import NO_MEASURES, Measures
 from trainguard.daemon.core._state import IncidentCause, JobPhase
-from trainguard.schemas import Command, JSONValue, Manifest
+from trainguard.schemas import Command, JSONValue, Manifest, SnapshotRef, snapshot_ref
 
 RejectCode: TypeAlias = Literal[
     "wrong_job",
@@ -127,15 +127,34 @@ class Transition(_Decision):
 class Committed(_Decision):
     """Every rank's shard of a step arrived and agrees: the step is a restore target now.
 
+    Build it with :meth:`of`.
+
     Attributes:
-        manifest: the committed snapshot, as published on ``manifests`` (unsigned: the shell
-            signs it when keys are in use).
+        manifest: the committed snapshot (unsigned: the shell signs what it publishes when
+            keys are in use, and stores the manifest beside the checkpoint).
+        snapshot: its reference (id and manifest digest), what the job's state keeps and a
+            restore names.
         reason: the evidence.
     """
 
     KIND: ClassVar[str] = "committed"
     manifest: Manifest
+    snapshot: SnapshotRef
     reason: str
+
+    @classmethod
+    def of(cls, manifest: Manifest, reason: str) -> Committed:
+        """The decision committing ``manifest``, with its reference derived from it."""
+        return cls(manifest=manifest, snapshot=snapshot_ref(manifest), reason=reason)
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        """As :meth:`_Decision.to_dict`, with the reference only: the manifest (one shard per
+        rank) is on ``manifests`` and in storage, and an audit entry must fit a record."""
+        return {
+            "decision": self.KIND,
+            "snapshot": plain_value(self.snapshot),
+            "reason": self.reason,
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -875,8 +875,11 @@ def _add_shard(
         f"all {world_size} ranks reported their shard of step {event.step} in generation "
         f"{state.generation} (data version {result.data_version!r})"
     )
-    state = structs.replace(state, pending=pending).committing((result,), config.keep_snapshots)
-    return state, (Committed(manifest=result, reason=reason),)
+    decision = Committed.of(result, reason)
+    state = structs.replace(state, pending=pending).committing(
+        (decision.snapshot,), config.keep_snapshots
+    )
+    return state, (decision,)
 
 
 def _on_lifecycle(

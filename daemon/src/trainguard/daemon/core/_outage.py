@@ -220,15 +220,15 @@ def late_finish(
     # The generation the ranks finished in is the job's timeline after all: the steps it
     # completed after the restore commit now, as they would have without the outage.
     committed = tuple(
-        Committed(
-            manifest=cut,
-            reason=f"all {world_size} ranks reported their shard of step {cut.step} in "
+        Committed.of(
+            cut,
+            f"all {world_size} ranks reported their shard of step {cut.step} in "
             f"generation {left.generation} (data version {cut.data_version!r}) after {restore} "
             f"was issued; committed as the restore is void",
         )
         for cut in left.cuts
     )
-    state = state.committing(left.cuts, config.keep_snapshots)
+    state = state.committing(tuple(c.snapshot for c in committed), config.keep_snapshots)
     return structs.replace(state, phase="finished", incident=None, held=None), (
         noted,
         *committed,

@@ -81,7 +81,7 @@ from trainguard.daemon.core._state import (
     Loop,
     Watch,
 )
-from trainguard.schemas import Abort, DataCursor, Manifest, Restore, RestoreMode, StepRange
+from trainguard.schemas import Abort, DataCursor, Restore, RestoreMode, SnapshotRef, StepRange
 
 IN_PROCESS_CAUSES: frozenset[IncidentCause] = frozenset(
     {"nan_loss", "loss_spike", "checksum_mismatch"}
@@ -121,7 +121,7 @@ class Failure:
     step: int | None = None
 
 
-def target_text(target: Manifest | None) -> str:
+def target_text(target: SnapshotRef | None) -> str:
     """A restore target in words: its snapshot id, or the start from scratch."""
     return "scratch (no committed snapshot)" if target is None else target.snapshot_id
 
@@ -209,7 +209,7 @@ def give_up(
     return new, tuple(decisions)
 
 
-def _timeline(state: JobState, target: Manifest | None) -> JobState:
+def _timeline(state: JobState, target: SnapshotRef | None) -> JobState:
     """Forget the snapshots committed after ``target`` (all of them for a start from scratch):
     the restore abandons the timeline they belong to. Why those of them that failed
     verification failed is kept (``JobState.bad_snapshots``): a give-up names them."""
@@ -434,7 +434,7 @@ def _mode(
 
 
 def _refusal(
-    state: JobState, target: Manifest | None, onset_after_step: int | None, config: MachineConfig
+    state: JobState, target: SnapshotRef | None, onset_after_step: int | None, config: MachineConfig
 ) -> str | None:
     """Why restoring ``target`` is refused, or ``None``: the initial state of a job with
     committed snapshots (unless ``allow_restart_from_scratch``), or a target on another data
@@ -499,7 +499,7 @@ def _unusable(state: JobState, onset_after_step: int | None) -> str:
     return f"no committed snapshot can be restored ({'; '.join(why)})"
 
 
-def _scratch_note(state: JobState, target: Manifest | None, onset_after_step: int | None) -> str:
+def _scratch_note(state: JobState, target: SnapshotRef | None, onset_after_step: int | None) -> str:
     """For a restart from the initial state of a job with committed snapshots (allowed by
     ``allow_restart_from_scratch``): why none of them is used, loudly; else ``""``."""
     if target is not None or not state.committed:

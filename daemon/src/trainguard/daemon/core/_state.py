@@ -28,7 +28,15 @@ from msgspec.structs import replace
 from rpds import HashTrieMap
 
 from trainguard.daemon.core._window import Window
-from trainguard.schemas import Checkpoint, DataCursor, Manifest, Phase, RestoreMode, StepRange
+from trainguard.schemas import (
+    Checkpoint,
+    DataCursor,
+    Manifest,
+    Phase,
+    RestoreMode,
+    SnapshotRef,
+    StepRange,
+)
 
 JobPhase: TypeAlias = Literal["starting", "running", "restoring", "finished", "failed", "stopped"]
 """``starting -> running <-> restoring -> ... -> finished | failed | stopped``; a ``stopped``
@@ -191,7 +199,7 @@ class Incident:
     reason: str
     opened_ns: int
     attempt: int
-    target: Manifest | None
+    target: SnapshotRef | None
     issued_ns: int
     acks: HashTrieMap[int, Ack] = field(default_factory=HashTrieMap)
     onset_after_step: int | None = None
@@ -484,7 +492,7 @@ class JobState(Struct, frozen=True, gc=False):
     finished_ranks: int = 0
     senders: HashTrieMap[Sender, int] = HashTrieMap()
     pending: HashTrieMap[int, HashTrieMap[int, Checkpoint]] = HashTrieMap()
-    committed: tuple[Manifest, ...] = ()
+    committed: tuple[SnapshotRef, ...] = ()
     bad_snapshots: tuple[tuple[str, str], ...] = ()
     incident: Incident | None = None
     incidents_opened: int = 0
@@ -507,18 +515,18 @@ class JobState(Struct, frozen=True, gc=False):
         (``init_from``)."""
         return snapshot_id.partition("/")[0] == self.job_id
 
-    def committing(self, manifests: tuple[Manifest, ...], keep: int) -> JobState:
-        """This state with ``manifests`` committed after ``committed`` (the newest ``keep``
+    def committing(self, snapshots: tuple[SnapshotRef, ...], keep: int) -> JobState:
+        """This state with ``snapshots`` committed after ``committed`` (the newest ``keep``
         kept); the bad snapshots no longer committed are forgotten (they belong to an
         abandoned timeline), never the job's initial state's (another job's snapshot)."""
-        committed = (*self.committed, *manifests)[-keep:]
+        committed = (*self.committed, *snapshots)[-keep:]
         kept = {m.snapshot_id for m in committed}
         bad = tuple(
             (sid, why) for sid, why in self.bad_snapshots if sid in kept or not self.owns(sid)
         )
         return replace(self, committed=committed, bad_snapshots=bad)
 
-    def restore_target(self, onset_after_step: int | None = None) -> Manifest | None:
+    def restore_target(self, onset_after_step: int | None = None) -> SnapshotRef | None:
         """The restore target: the newest committed snapshot not known bad whose step is
         ``<= onset_after_step`` (any step when ``None``), or ``None`` (start from scratch).
 
@@ -527,11 +535,11 @@ class JobState(Struct, frozen=True, gc=False):
         re-committed in a later generation is found first.
         """
         bad = {sid for sid, _ in self.bad_snapshots}
-        for manifest in reversed(self.committed):
-            if manifest.snapshot_id in bad:
+        for snapshot in reversed(self.committed):
+            if snapshot.snapshot_id in bad:
                 continue
-            if onset_after_step is None or manifest.step <= onset_after_step:
-                return manifest
+            if onset_after_step is None or snapshot.step <= onset_after_step:
+                return snapshot
         return None
 
 

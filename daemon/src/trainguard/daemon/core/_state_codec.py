@@ -67,7 +67,14 @@ import orjson
 from rpds import HashTrieMap, HashTrieSet
 
 from trainguard.daemon.core._state import JobState
-from trainguard.schemas import MESSAGE_TYPES, JSONValue, SchemaError
+from trainguard.schemas import (
+    MESSAGE_TYPES,
+    JSONValue,
+    Manifest,
+    SchemaError,
+    SnapshotRef,
+    snapshot_ref,
+)
 from trainguard.schemas import decode as decode_message
 from trainguard.schemas import encode as encode_message
 
@@ -638,6 +645,32 @@ def _on_time(rank: dict[str, Any]) -> JSONValue:
     return 0
 
 
+def _as_ref(wire: Any, path: str) -> Any:
+    """A manifest's wire object (``None`` and anything malformed left to the decoder, which
+    refuses it) as the wire object of its :class:`~trainguard.schemas.SnapshotRef`."""
+    if type(wire) is not dict:
+        return wire
+    try:
+        manifest = _form(Manifest).decode(wire)
+    except StateFormatError as exc:
+        raise _under(path, exc) from None
+    return _form(SnapshotRef).encode(snapshot_ref(manifest))
+
+
+def _refs_from_manifests(body: dict[str, Any]) -> dict[str, Any]:
+    """Upcast a layout that kept whole manifests (one shard per rank) as the committed
+    snapshots and a restore's target: each becomes its reference (id, manifest digest), what
+    the state keeps since restores name snapshots by reference."""
+    out = dict(body)
+    committed = body.get("committed")
+    if type(committed) is list:
+        out["committed"] = [_as_ref(m, f"committed[{i}]") for i, m in enumerate(committed)]
+    incident = body.get("incident")
+    if type(incident) is dict and "target" in incident:
+        out["incident"] = {**incident, "target": _as_ref(incident["target"], "incident.target")}
+    return out
+
+
 def _then(*upcasters: _Upcaster) -> _Upcaster:
     """The upcasters applied in order (a layout that lacked the fields of each)."""
 
@@ -658,7 +691,7 @@ _awaits_added: Final = _record_added("held", "Held", awaits=None)
 # before the fields added since.
 _late_added: Final = _then(_ranks_added(late_ns=_on_time), _awaits_added)
 
-_UPCASTERS: Final[dict[str, _Upcaster]] = {
+_OLD_UPCASTERS: Final[dict[str, _Upcaster]] = {
     # Before the bus-outage rule (settle window, held restore).
     "c35900be070fb0d2": _then(
         _added(settle_until_ns=None, held=None, left=None), _done_added, _late_added
@@ -675,6 +708,12 @@ _UPCASTERS: Final[dict[str, _Upcaster]] = {
     "6fb9639cf1123afa": _late_added,
     # Before the hold for a checkpoint in flight (Held.awaits).
     "229cdba23e078b61": _awaits_added,
+    # Before references to snapshots (whole manifests kept).
+    "4249f0793ee82f05": _then(),
+}
+
+_UPCASTERS: Final[dict[str, _Upcaster]] = {
+    layout: _then(upcast, _refs_from_manifests) for layout, upcast in _OLD_UPCASTERS.items()
 }
 
 READABLE_LAYOUTS: Final = frozenset({LAYOUT, *_UPCASTERS})

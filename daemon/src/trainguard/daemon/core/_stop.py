@@ -186,16 +186,17 @@ def _stop(
         # The restore is void, as for a late finish: the steps the ranks completed in the
         # generation they ran in, whose shards arrived after the restore, are the job's
         # timeline after all, and a continue starts from the newest of them.
-        decisions.extend(
-            Committed(
-                manifest=cut,
-                reason=f"all {len(cut.shards)} ranks reported their shard of step {cut.step} in "
+        commits = tuple(
+            Committed.of(
+                cut,
+                f"all {len(cut.shards)} ranks reported their shard of step {cut.step} in "
                 f"generation {left.generation} (data version {cut.data_version!r}) after the "
                 "restore was issued; committed as a late stop voids the restore",
             )
             for cut in left.cuts
         )
-        state = state.committing(left.cuts, config.keep_snapshots)
+        decisions.extend(commits)
+        state = state.committing(tuple(c.snapshot for c in commits), config.keep_snapshots)
     decisions += [
         Transition(old=state.phase, new="stopped", generation=generation, reason=reason),
         Issue(command=abort, reason=reason),

@@ -87,6 +87,7 @@ from trainguard.daemon.core import (
     new_job,
     next_deadline,
     plain_decisions,
+    plain_value,
     take,
     unacted_command,
 )
@@ -100,8 +101,12 @@ from trainguard.schemas import (
     JobRequest,
     JSONValue,
     Lifecycle,
+    Manifest,
     Restore,
     Resume,
+    SchemaError,
+    decode,
+    snapshot_ref,
 )
 
 __all__ = [
@@ -662,7 +667,7 @@ def verify(replayed: Sequence[Group], recorded: Sequence[Group]) -> Difference |
                 got_config=None,
             )
         if got.config_id != rec.config_id or _comparable(got.decisions) != _comparable(
-            rec.decisions
+            [_with_references(d) for d in rec.decisions]
         ):
             return Difference(
                 input_id=rec.input_id,
@@ -698,6 +703,38 @@ def _unrecorded(group: Group, *, pending: bool) -> Difference:
 
 def _canonical(decisions: Iterable[Mapping[str, JSONValue]]) -> bytes:
     return orjson.dumps(list(decisions), option=orjson.OPT_SORT_KEYS)
+
+
+def _with_references(decision: Mapping[str, JSONValue]) -> Mapping[str, JSONValue]:
+    """A recorded decision as this build states it: builds before ``restore/2`` recorded a
+    commit's and a restore target's whole manifest where this build names the snapshot by
+    reference (``snapshot_ref``, derived from that manifest), so the same decision compares
+    equal. Anything else, and a manifest that does not decode, is left as it is (and shows
+    as a difference)."""
+    kind = decision.get("decision")
+    if kind == "committed" and "manifest" in decision:
+        ref = _reference(decision["manifest"])
+        if ref is not None:
+            return {"decision": kind, "snapshot": ref, "reason": decision.get("reason")}
+    command = decision.get("command")
+    if kind == "issue" and isinstance(command, Mapping):
+        schema = command.get("schema")
+        if isinstance(schema, str) and schema.startswith("restore/1."):
+            target = command.get("target")
+            ref = None if target is None else _reference(target)
+            if target is None or ref is not None:
+                upgraded = {**command, "schema": "restore/2.0", "target": ref}
+                return {**decision, "command": upgraded}
+    return decision
+
+
+def _reference(manifest: JSONValue) -> JSONValue | None:
+    """The wire form of the reference of a manifest's wire form, or ``None`` (not one)."""
+    try:
+        decoded = decode(orjson.dumps(manifest), expect=Manifest, max_bytes=2**62)
+    except (SchemaError, TypeError):
+        return None
+    return plain_value(snapshot_ref(decoded))
 
 
 def _comparable(value: object) -> JSONValue:

@@ -140,7 +140,9 @@ def read_audit(entries: Iterable[Mapping[str, Any]], commands: Iterable[Timed] =
             elif kind == "incident_closed":
                 audit.closed.setdefault(d["incident_id"], (d["outcome"], at))
             elif kind == "committed":
-                m = d["manifest"]
+                # The snapshot's reference; audit entries of builds before restore/2 held the
+                # whole manifest, with the same three fields.
+                m = d["snapshot"] if "snapshot" in d else d["manifest"]
                 audit.commits.setdefault(
                     m["snapshot_id"], (int(m["generation"]), int(m["step"]), at)
                 )

@@ -99,6 +99,7 @@ from trainguard.agent.bus import (
     serving_lock,
     started,
 )
+from trainguard.agent.checkpoint import store_manifest
 from trainguard.agent.keys import DaemonKeys, KeyStoreError
 from trainguard.daemon.core import (
     TERMINAL_PHASES,
@@ -139,6 +140,7 @@ from trainguard.schemas import (
     JobRequest,
     JSONValue,
     Manifest,
+    ManifestHead,
     Restore,
     Resume,
     SchemaError,
@@ -146,13 +148,22 @@ from trainguard.schemas import (
     decode,
     encode,
     sign,
+    split_manifest,
 )
 
 __all__ = ["DaemonService"]
 
-_Signed = TypeVar("_Signed", bound=Restore | Resume | Abort | Manifest)
+_Signed = TypeVar("_Signed", bound=Restore | Resume | Abort | Manifest | ManifestHead)
 
 log = structlog.get_logger("trainguard.daemon")
+
+_STORE_TIMEOUT_S = 10.0
+"""Longest wait for a committed manifest's write beside its checkpoint, seconds: a store that
+does not answer must not hold the partition's fold for long (its commit stands without it)."""
+
+_SIGNED_ROOM = 512
+"""Bytes a signature and the record's framing add to a manifest, at most (an Ed25519
+signature is 88 base64 characters with its key id and field names)."""
 
 _DEAD_LETTER_VALUE_BYTES = 32 * 1024
 """Most bytes of a rejected value kept in its dead-letter entry (base64 grows it by 4/3)."""
@@ -886,10 +897,7 @@ class DaemonService:
                 case Issue(command=command):
                     await self._issue(p, job, command)
                 case Committed(manifest=manifest):
-                    await self._out(p, "manifests", job, encode(self._sign(manifest)))
-                    log.info(
-                        "committed", job_id=job, snapshot=manifest.snapshot_id, step=manifest.step
-                    )
+                    await self._publish_commit(p, job, manifest)
                 case Rejected(reason=reason):
                     self.counters["rejected"] += 1
                     await self._dead_letter(record, reason)
@@ -921,6 +929,43 @@ class DaemonService:
         # In the transaction of the position past its input: a decision acted on is never
         # without its record, nor recorded without having been acted on.
         await self._out(p, "audit", job, orjson.dumps(audit))
+
+    async def _publish_commit(self, partition: int, job: str, manifest: Manifest) -> None:
+        """Store a committed snapshot's manifest beside its checkpoint (head and parts, what a
+        restore command's reference names), then publish it signed on ``manifests``: whole
+        when it fits a record, else its head (``docs/checkpoints.md``, "Manifests").
+
+        The write comes before the record joins the partition's transaction, so a committed
+        record on ``manifests`` means the manifest was stored, unless storing failed: that is
+        counted and logged (a warning when the whole manifest is on the bus for restores to
+        read, an error when only its head is), never fatal: the commit stands. The write is given :data:`_STORE_TIMEOUT_S`; a store that has not answered by
+        then is left to finish in its thread.
+        """
+        split = split_manifest(manifest)
+        # The whole manifest's size, about: its parts and head (the parts' framing aside).
+        whole = len(split.head_bytes) + sum(len(p) for p in split.parts) + _SIGNED_ROOM
+        fits = whole <= self._c.bus.max_message_bytes
+        try:
+            await asyncio.wait_for(asyncio.to_thread(store_manifest, split), _STORE_TIMEOUT_S)
+            self.metrics.manifest_stored(True)
+        except (OSError, TimeoutError) as exc:
+            self.metrics.manifest_stored(False)
+            # Published whole, the manifest still serves restores from the bus; as a head
+            # only, a restore to this snapshot fails over to an older one.
+            (log.warning if fits else log.error)(
+                "manifest not stored beside the checkpoint",
+                job_id=job,
+                snapshot=manifest.snapshot_id,
+                folder=split.ref.folder,
+                error=f"{type(exc).__name__}: {exc}",
+                restores_read="the bus" if fits else "nothing: an older snapshot is used",
+            )
+        if fits:
+            value = encode(self._sign(manifest), max_bytes=self._c.bus.max_message_bytes)
+        else:
+            value = encode(self._sign(split.head))
+        await self._out(partition, "manifests", job, value)
+        log.info("committed", job_id=job, snapshot=manifest.snapshot_id, step=manifest.step)
 
     async def _issue(self, partition: int, job: str, command: Command) -> None:
         sent = self._sent_commands.get(job)

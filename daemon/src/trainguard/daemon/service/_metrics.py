@@ -328,6 +328,15 @@ class DaemonMetrics:
             "Job-state snapshots written on the snapshots topic.",
             registry=r,
         )
+        self._manifests_stored = Counter(
+            "trainguard_manifests_stored",
+            "Committed snapshots' manifests written beside their checkpoints, by result: ok, or "
+            "failed (storage refused, failed or did not answer in time; a restore to such a "
+            "snapshot reads its manifest from the bus if it was small enough to be published "
+            "whole, else it falls back to an older snapshot).",
+            ["result"],
+            registry=r,
+        )
         self._snapshot_fallbacks = Counter(
             "trainguard_snapshot_fallbacks",
             "Partitions folded from offset 0 although snapshots of them exist, by reason (a "
@@ -503,6 +512,10 @@ class DaemonMetrics:
     def tick_written(self) -> None:
         """Count one ``ClockTick`` appended to ``events``."""
         self._ticks.inc()
+
+    def manifest_stored(self, ok: bool) -> None:
+        """A committed manifest was (``ok``) or was not written beside its checkpoint."""
+        self._manifests_stored.labels("ok" if ok else "failed").inc()
 
     def snapshots_written(self, count: int) -> None:
         """Count ``count`` job-state snapshots written."""
