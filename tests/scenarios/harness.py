@@ -329,7 +329,7 @@ def restore_decisions(record: JobRecord) -> list[tuple[dict[str, Any], list[dict
     out: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
     for decision in record.decisions():
         if decision["decision"] == "committed":
-            committed.append(decision["manifest"])
+            committed.append(decision["snapshot"])
         elif decision["decision"] == "issue" and decision["command"]["schema"].startswith(
             "restore/"
         ):
