@@ -858,7 +858,9 @@ class _KafkaPartitionWriter(PartitionWriter):
             err.retriable = True
             raise err
 
-    async def send(self, topic: str, key: str, value: bytes | None) -> None:
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> None:
         """See :meth:`PartitionWriter.send`."""
         self._check()
         if value is not None and len(value) > self._bus._config.max_message_bytes:
@@ -866,7 +868,11 @@ class _KafkaPartitionWriter(PartitionWriter):
                 f"{topic}: record of {len(value)} bytes exceeds max_message_bytes="
                 f"{self._bus._config.max_message_bytes}"
             )
-        partition = partition_for(key, await self._bus.partitions(topic))
+        count = await self._bus.partitions(topic)
+        if partition is None:
+            partition = partition_for(key, count)
+        elif not 0 <= partition < count:
+            raise errors.BusError(f"{topic} has no partition {partition} (it has {count})")
         await self._begin()
         try:
             sent = await self._producer.send(

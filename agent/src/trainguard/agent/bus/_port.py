@@ -208,16 +208,22 @@ class PartitionWriter(abc.ABC):
         writer epoch."""
 
     @abc.abstractmethod
-    async def send(self, topic: str, key: str, value: bytes | None) -> None:
-        """Add one record (to ``key``'s partition of logical ``topic``) to the open
-        transaction, opening one if none is; returns without waiting for the bus.
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> None:
+        """Add one record to the open transaction, opening one if none is; returns without
+        waiting for the bus. ``value=None`` writes a tombstone.
+
+        The record goes to ``key``'s partition of logical ``topic``, or to ``partition`` when
+        given: records under keys of their own that must sit with another key's records (a
+        job's snapshot chunks, whose keys would hash elsewhere) name that key's partition.
 
         Raises:
             DeliveryFailed: the value is over ``max_message_bytes``: nothing was added, the
                 transaction goes on.
             Fenced: the writer was fenced; it is unusable.
-            BusError: an unknown topic, the writer closed, or (retriable) the bus refused the
-                record: :meth:`abort`, then go on.
+            BusError: an unknown topic, a ``partition`` the topic does not have, the writer
+                closed, or (retriable) the bus refused the record: :meth:`abort`, then go on.
         """
 
     @abc.abstractmethod
