@@ -191,6 +191,17 @@ async def test_latest_per_key_drops_older_records_and_tombstones(
     assert gone.partition == partition_for("c", PARTITIONS)
 
 
+async def test_a_record_sent_to_a_named_partition_lands_there(bus_factory: BusFactory) -> None:
+    home = partition_for("job-a", PARTITIONS)
+    async with bus_factory.open() as bus:
+        placed = await bus.publish("commands", "job-a/part/0", b"x", partition=home)
+        assert (placed.partition, placed.offset) == (home, 0)
+        with pytest.raises(BusError):
+            await bus.publish("commands", "job-a/part/1", b"x", partition=-1)
+        latest = await bus.latest_per_key("commands")
+    assert {k: r.partition for k, r in latest.items()} == {"job-a/part/0": home}
+
+
 async def test_committed_positions_survive_a_consumer_restart(bus_factory: BusFactory) -> None:
     group = bus_factory.group("restart")
     before = await publish_all(bus_factory, [(f"job-{i % 10}", b"old") for i in range(30)])

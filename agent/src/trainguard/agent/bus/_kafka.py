@@ -325,7 +325,9 @@ class KafkaBus(Bus):
             count = self._partition_counts[topic] = len(found)
         return count
 
-    async def send(self, topic: str, key: str, value: bytes | None) -> asyncio.Future[Delivery]:
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> asyncio.Future[Delivery]:
         """Queue one record; the returned future resolves when the cluster acknowledged it.
 
         The future raises :class:`DeliveryFailed` for a value over ``max_message_bytes``
@@ -347,7 +349,11 @@ class KafkaBus(Bus):
                 )
             )
             return delivery
-        partition = partition_for(key, await self.partitions(topic))
+        count = await self.partitions(topic)
+        if partition is None:
+            partition = partition_for(key, count)
+        elif not 0 <= partition < count:
+            raise errors.BusError(f"{topic} has no partition {partition} (it has {count})")
         try:
             sent = await producer.send(
                 self._full(topic), value, key=key.encode(), partition=partition
@@ -374,7 +380,9 @@ class KafkaBus(Bus):
         sent.add_done_callback(_done)
         return delivery
 
-    async def publish(self, topic: str, key: str, value: bytes | None) -> Delivery:
+    async def publish(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> Delivery:
         """Send one record and wait for its acknowledgement, at most ``send_timeout_s + 5``
         seconds.
 
@@ -383,7 +391,7 @@ class KafkaBus(Bus):
                 record and appends it once the broker answers, so sending it again while this
                 bus lives can append it twice), or see :meth:`send`.
         """
-        delivery = await self.send(topic, key, value)
+        delivery = await self.send(topic, key, value, partition=partition)
         try:
             # aiokafka never expires a record while the broker is away (#1101: the producer
             # just waits), so the bound is ours. Shielded: a timeout must not cancel the

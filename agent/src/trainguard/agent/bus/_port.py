@@ -285,17 +285,23 @@ class Bus(abc.ABC):
         """Number of partitions of logical topic ``topic``."""
 
     @abc.abstractmethod
-    async def send(self, topic: str, key: str, value: bytes | None) -> asyncio.Future[Delivery]:
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> asyncio.Future[Delivery]:
         """Queue one record and return a future that resolves once it is durable.
 
         Returning before delivery lets callers pipeline many sends; the future raises
         :class:`~trainguard.agent.bus.BusError` if the record could not be delivered.
-        ``value=None`` writes a tombstone.
+        ``value=None`` writes a tombstone. The record goes to ``key``'s partition, or to
+        ``partition`` when given (as :meth:`PartitionWriter.send`); a partition the topic
+        does not have raises :class:`~trainguard.agent.bus.BusError`.
         """
 
-    async def publish(self, topic: str, key: str, value: bytes | None) -> Delivery:
+    async def publish(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> Delivery:
         """Send one record and wait until it is durable (bounded by the send timeout)."""
-        return await (await self.send(topic, key, value))
+        return await (await self.send(topic, key, value, partition=partition))
 
     @abc.abstractmethod
     async def subscribe(
