@@ -378,9 +378,14 @@ def seal(
     return signed + signing_key.sign(SIGNING_CONTEXT + signed)
 
 
-def frame(data: bytes, trailer: int) -> tuple[bytes, bytes]:
+def frame(data: bytes, trailer: int, max_header: int = _MAX_HEADER_BYTES) -> tuple[bytes, bytes]:
     """Cut ``header_len | header | rest`` (the framing the envelope and a chunk head share)
     into the header's bytes and ``rest``, which must hold at least ``trailer`` bytes.
+
+    Args:
+        data: the record value.
+        trailer: the least length of ``rest``, bytes.
+        max_header: the largest header accepted, bytes.
 
     Raises:
         SnapshotRefused: ``malformed``: too short, or a header length that does not fit.
@@ -389,23 +394,32 @@ def frame(data: bytes, trailer: int) -> tuple[bytes, bytes]:
         raise SnapshotRefused("malformed", f"{len(data)} bytes: too short for a snapshot")
     (size,) = _LENGTH.unpack_from(data)
     body = _LENGTH.size + size
-    if size > _MAX_HEADER_BYTES or body + trailer > len(data):
+    if size > max_header or body + trailer > len(data):
         raise SnapshotRefused("malformed", f"header length {size} does not fit the record")
     return data[_LENGTH.size : body], data[body:]
 
 
+_ENVELOPE_TRAILER: Final = NONCE_BYTES + _TAG_BYTES + _SIGNATURE_BYTES
+
+
 class _Parts:
-    """An envelope cut into its parts (framing checked, nothing verified)."""
+    """An envelope cut into its parts (framing checked, nothing verified). The header is
+    parsed before the rest's length is checked, so a record of another format is refused as
+    such."""
 
     __slots__ = ("ciphertext", "header", "header_bytes", "nonce", "signature", "signed")
 
     def __init__(self, data: bytes) -> None:
-        self.header_bytes, rest = frame(data, NONCE_BYTES + _TAG_BYTES + _SIGNATURE_BYTES)
+        self.header_bytes, rest = frame(data, 0)
+        self.header = _parse_header(self.header_bytes)
+        if len(rest) < _ENVELOPE_TRAILER:
+            raise SnapshotRefused(
+                "malformed", f"{len(rest)} bytes after the header: too short for a snapshot"
+            )
         self.nonce = rest[:NONCE_BYTES]
         self.ciphertext = rest[NONCE_BYTES:-_SIGNATURE_BYTES]
         self.signature = data[-_SIGNATURE_BYTES:]
         self.signed = data[:-_SIGNATURE_BYTES]
-        self.header = _parse_header(self.header_bytes)
 
 
 def _parse_header(raw: bytes) -> SnapshotHeader:
