@@ -5,6 +5,7 @@ first daemon whose clean stop writes a round of snapshots."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from typing import Any
@@ -84,10 +85,13 @@ def beat(job: str, rank: int, step: int) -> Heartbeat:
 
 
 def shard(job: str, rank: int, step: int) -> Checkpoint:
+    """Rank ``rank``'s checkpoint shard of ``step``; its digest, as a real one, differs from
+    every other shard's (which makes a state of many checkpoints compress as a real one)."""
+    uri = f"file:///ckpt/{job}/{step}/{rank}.pt"
     return Checkpoint(
         **_head(job), rank=rank, pid=100 + rank, world_size=2, step=step,
-        shard_uri=f"file:///ckpt/{job}/{step}/{rank}.pt", size_bytes=123,
-        digest="sha256:" + "ab" * 32, cursor=CURSOR,
+        shard_uri=uri, size_bytes=123,
+        digest="sha256:" + hashlib.sha256(uri.encode()).hexdigest(), cursor=CURSOR,
     )  # fmt: skip
 
 

@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import sqlite3
+import subprocess
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from structlog.testing import capture_logs
 
 from tests.support.buses import BusFactory
 from tests.support.machine_scenarios import JOB, config
-from tests.support.service_support import eventually, running
+from tests.support.service_support import eventually, issued, read_all, running
 from tests.support.snapshot_jobs import (
     HERE,
+    MACHINE,
     A,
     B,
     C,
@@ -29,7 +35,9 @@ from tests.support.snapshot_jobs import (
     fallbacks,
     first_daemon,
     folded,
+    killed,
     publish,
+    started,
     total_records,
     training,
 )
@@ -39,11 +47,14 @@ from trainguard.agent.bus import DEFAULT_TOPICS, Bus, Record, TopicPartition
 from trainguard.agent.bus import _sqlite_log as sqlite_log
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.daemon import DaemonService
+from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.core._state import JobState
 from trainguard.daemon.core._state_codec import encode_state
+from trainguard.daemon.demo._harness import start_daemon, stop_process
 from trainguard.daemon.service._metrics import DaemonMetrics
 from trainguard.daemon.service._snapshot_chunks import Chunk, Head, chunk_job, head_of
 from trainguard.daemon.service._snapshot_store import Rebuild, Snapshots
+from trainguard.schemas import Event, Lifecycle, Restore, Resume, decode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -319,3 +330,137 @@ def _assigned(consumer: Any) -> Any:
         return bool(consumer.assignment())
 
     return check
+
+
+# -- a daemon process killed and started again ---------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)
+async def test_a_daemon_killed_after_writing_chunks_starts_from_them_and_decides_nothing_twice(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """``trainguard daemon`` writes its rounds every 0.3 s (a job's pulse ticks move its
+    position on), A's in chunks (32 committed checkpoints kept make its state larger than a
+    record, ``max_message_bytes`` 2 kB, which its restore's audit entry still fits), restores a killed rank of A and is SIGKILLed once the
+    round after the restore is on the bus; the next daemon rebuilds the partition from those
+    chunks (no fold from offset 0, no fallback) and, when the ranks acknowledge, resumes the
+    job: one restore and one resume, on ``commands`` and in the audit trail."""
+    admin = KeyAdmin(tmp_path / "keys")
+    admin.init()
+    machine = "\n".join(f"{name} = {value!r}" for name, value in MACHINE.items())
+    machine += "\nkeep_snapshots = 32"
+    settings = tmp_path / "daemon.toml"
+    settings.write_text(
+        f"[bus]\nmax_message_bytes = 2048\n[machine]\n{machine}\n"
+        f'[service]\nsnapshot_interval_s = 0.3\n[security]\nkeys_dir = "{admin.path}"\n'
+    )
+    logs: list[Path] = []
+    daemons: list[subprocess.Popen[bytes]] = []
+
+    def start() -> Path:
+        logs.append(tmp_path / f"daemon-{len(logs) + 1}.log")
+        daemons.append(
+            start_daemon(
+                bus_factory.url,
+                prefix=bus_factory.prefix,
+                log_path=logs[-1],
+                args=["--config", str(settings)],
+            )
+        )
+        return logs[-1]
+
+    try:
+        async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+            events: list[Event] = [started(A, 0), started(A, 1)]  # seq grows from here
+            for k in range(1, 33):
+                events += training(A, range(10 * k - 9, 10 * k + 1), commit_at=10 * k)
+            await publish(bus, events)
+            first = start()
+            await publish(bus, [killed(A, 1)])
+            [restore] = await eventually(lambda: restores_of(bus, A), timeout_s=60.0)
+            # The restore and its tick are on the bus below this offset.
+            after = (await bus.end_offsets("events"))[TopicPartition("events", HERE)]
+
+            async def round_after_restore() -> bool:
+                _, head = (await heads(bus)).get(A, (None, None))
+                return head is not None and head.header.offset >= after and len(head.chunks) > 1
+
+            await eventually(round_after_restore, timeout_s=60.0)
+            assert stop_process(daemons[0], signal.SIGKILL) == -signal.SIGKILL
+
+            second = start()
+            await eventually(lambda: logged(second, "daemon ready"), timeout_s=60.0)
+            rebuilt = [
+                e for e in entries(second) if e["event"] == "partition restored from snapshots"
+            ]
+            assert HERE in {e["partition"] for e in rebuilt}
+            assert not [e for e in entries(second) if e["event"].startswith("snapshots unusable")]
+            [assigned] = [
+                e
+                for e in entries(second)
+                if e["event"] == "partition assigned" and e["partition"] == HERE
+            ]
+            assert 0 < assigned["start"] <= assigned["replay_until"], "not folded from offset 0"
+            assert await logged(first, "snapshots written")
+
+            await publish(bus, acknowledgements(restore))
+            await eventually(lambda: resumed(bus, A), timeout_s=60.0)
+            kinds = Counter(
+                (type(c).__name__, c.job_id, c.generation)
+                for c in map(decode, await read_all(bus, "commands"))
+            )
+            assert kinds == Counter({("Restore", A, 1): 1, ("Resume", A, 1): 1})
+            assert issued(await read_all(bus, "audit")) == Counter({(A, 1): 2})
+    finally:
+        for proc in daemons:
+            stop_process(proc, signal.SIGKILL)
+
+
+async def restores_of(bus: Bus, job: str) -> list[Restore]:
+    commands = map(decode, await read_all(bus, "commands"))
+    return [c for c in commands if isinstance(c, Restore) and c.job_id == job]
+
+
+async def resumed(bus: Bus, job: str) -> bool:
+    return any(
+        isinstance(c, Resume) and c.job_id == job
+        for c in map(decode, await read_all(bus, "commands"))
+    )
+
+
+def acknowledgements(restore: Restore) -> list[Event]:
+    """Both ranks' ``restored`` of ``restore``'s generation, from their new processes."""
+    assert restore.target is not None
+    return [
+        Lifecycle(
+            job_id=restore.job_id,
+            generation=restore.generation,
+            ts=time.time_ns(),
+            seq=1,
+            rank=rank,
+            host="h0",
+            pid=300 + rank,
+            kind="restored",
+            world_size=2,
+            step=restore.target.step,
+            cursor=restore.target.cursor,
+            snapshot_id=restore.target.snapshot_id,
+        )
+        for rank in (0, 1)
+    ]
+
+
+def entries(log: Path) -> list[dict[str, Any]]:
+    """The JSON log's entries (lines that are no JSON object left out)."""
+    found: list[dict[str, Any]] = []
+    for line in log.read_bytes().splitlines():
+        with contextlib.suppress(orjson.JSONDecodeError):
+            entry = orjson.loads(line)
+            if isinstance(entry, dict):
+                found.append(entry)
+    return found
+
+
+async def logged(log: Path, event: str) -> bool:
+    return any(e.get("event") == event for e in entries(log))
