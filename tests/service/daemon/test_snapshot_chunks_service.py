@@ -23,7 +23,13 @@ from structlog.testing import capture_logs
 
 from tests.support.buses import BusFactory
 from tests.support.machine_scenarios import JOB, config
-from tests.support.service_support import eventually, issued, read_all, running
+from tests.support.service_support import (
+    acknowledgements,
+    eventually,
+    issued,
+    read_all,
+    running,
+)
 from tests.support.snapshot_jobs import (
     HERE,
     MACHINE,
@@ -54,7 +60,7 @@ from trainguard.daemon.demo._harness import start_daemon, stop_process
 from trainguard.daemon.service._metrics import DaemonMetrics
 from trainguard.daemon.service._snapshot_chunks import Chunk, Head, chunk_job, head_of
 from trainguard.daemon.service._snapshot_store import Rebuild, Snapshots
-from trainguard.schemas import Event, Lifecycle, Restore, Resume, decode
+from trainguard.schemas import Event, Restore, Resume, decode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -404,7 +410,7 @@ async def test_a_daemon_killed_after_writing_chunks_starts_from_them_and_decides
             assert 0 < assigned["start"] <= assigned["replay_until"], "not folded from offset 0"
             assert await logged(first, "snapshots written")
 
-            await publish(bus, acknowledgements(restore))
+            await publish(bus, list(acknowledgements(restore)))
             await eventually(lambda: resumed(bus, A), timeout_s=60.0)
             kinds = Counter(
                 (type(c).__name__, c.job_id, c.generation)
@@ -427,28 +433,6 @@ async def resumed(bus: Bus, job: str) -> bool:
         isinstance(c, Resume) and c.job_id == job
         for c in map(decode, await read_all(bus, "commands"))
     )
-
-
-def acknowledgements(restore: Restore) -> list[Event]:
-    """Both ranks' ``restored`` of ``restore``'s generation, from their new processes."""
-    assert restore.target is not None
-    return [
-        Lifecycle(
-            job_id=restore.job_id,
-            generation=restore.generation,
-            ts=time.time_ns(),
-            seq=1,
-            rank=rank,
-            host="h0",
-            pid=300 + rank,
-            kind="restored",
-            world_size=2,
-            step=restore.target.step,
-            cursor=restore.target.cursor,
-            snapshot_id=restore.target.snapshot_id,
-        )
-        for rank in (0, 1)
-    ]
 
 
 def entries(log: Path) -> list[dict[str, Any]]:
