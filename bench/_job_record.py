@@ -78,7 +78,7 @@ from trainguard.schemas import (
     encode,
 )
 
-__all__ = ["INCIDENTS", "PARTITIONS", "T0_MS", "GeneratedJob", "Plan", "generate"]
+__all__ = ["INCIDENTS", "PARTITIONS", "T0_MS", "GeneratedJob", "Plan", "generate", "running_state"]
 
 T0_MS = 1_767_225_600_000
 """The job's first record: 2026-01-01T00:00:00Z, ms since the Unix epoch."""
@@ -177,7 +177,9 @@ class _Daemon:
     """The recording daemon: folds each appended record like ``DaemonService._process`` and
     writes what ``DaemonService._act`` writes."""
 
-    def __init__(self, plan: Plan, partition: int) -> None:
+    def __init__(self, plan: Plan, partition: int, *, keep: bool = True) -> None:
+        self.keep = keep  # False: fold only (no records kept, nothing written for decisions)
+        self.appended = 0
         self.job_id = plan.job_id
         self.machine = plan.machine
         self.config_id = config_id(self.machine)
@@ -201,12 +203,17 @@ class _Daemon:
         Raises:
             RuntimeError: the record is refused by intake (the generator is wrong).
         """
-        record = self._write("events", encode(message), at_ms)
+        if self.keep:
+            record = self._write("events", encode(message), at_ms)
+        else:
+            offset = self.appended
+            record = Record("events", self.partition, offset, self.job_id, encode(message), at_ms)
+        self.appended += 1
         taken = take(record)
         if not isinstance(taken, Taken):
             raise RuntimeError(f"generated record refused: {taken.reason}")
         self.state, decisions = decide(self.state, taken.input, self.machine)
-        if decisions:
+        if decisions and self.keep:
             self._act(record, taken.input_id, decisions)
         return decisions
 
@@ -251,10 +258,10 @@ class _Simulation:
     """The job's processes as a discrete-event simulation in bus time (ms); see the module
     docstring."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, *, keep: bool = True) -> None:
         self.plan = plan
         self.rng = random.Random(plan.seed)
-        self.daemon = _Daemon(plan, partition_for(plan.job_id, PARTITIONS))
+        self.daemon = _Daemon(plan, partition_for(plan.job_id, PARTITIONS), keep=keep)
         self.queue: list[tuple[int, int, Callable[[int], None]]] = []
         self.order = itertools.count()
         self.seqs: dict[tuple[int | None, str, int], int] = {}
@@ -322,18 +329,23 @@ class _Simulation:
             elif isinstance(d, Issue):
                 self.command(d.command, at_ms)
 
+    def advance(self) -> bool:
+        """Write the next tick or run the next action; ``False`` when nothing is left."""
+        tick = self.next_tick_ms()
+        if tick is not None and (not self.queue or tick <= self.queue[0][0]):
+            self.write_tick(tick)
+            return True
+        if not self.queue:
+            return False
+        at_ms, _, action = heapq.heappop(self.queue)
+        self.now_ms = at_ms
+        action(at_ms)
+        return True
+
     def run(self) -> GeneratedJob:
         self.start()
-        while True:
-            tick = self.next_tick_ms()
-            if tick is not None and (not self.queue or tick <= self.queue[0][0]):
-                self.write_tick(tick)
-                continue
-            if not self.queue:
-                break
-            at_ms, _, action = heapq.heappop(self.queue)
-            self.now_ms = at_ms
-            action(at_ms)
+        while self.advance():
+            pass
         if self.daemon.state.phase != "finished":
             raise RuntimeError(f"the generated job ended {self.daemon.state.phase}")
         if self.incidents or len(self.opened) != len(INCIDENTS):
@@ -454,7 +466,7 @@ class _Simulation:
         checksum = None
         if step % plan.checksum_every == 0:
             checksum = hashlib.sha256(f"{generation}/{step}".encode()).hexdigest()[:16]
-        written = len(self.daemon.records["events"])
+        written = self.daemon.appended
         finishing = written + 2 * plan.world_size >= plan.events
         for rank in range(plan.world_size):
             delay = rng.randrange(2, 40)
@@ -615,3 +627,22 @@ def generate(plan: Plan) -> GeneratedJob:
             a generator bug or a state-machine change the plan no longer fits.
     """
     return _Simulation(plan).run()
+
+
+def running_state(plan: Plan, commits: int) -> tuple[JobState, int]:
+    """The daemon's state of ``plan``'s job, folded as :func:`generate` folds it, once
+    ``commits`` checkpoints are committed and no shard is pending (before any incident when
+    ``plan.events`` is large), and the number of records folded. Nothing is recorded: a
+    manifest of thousands of ranks exceeds a message, and only the state is wanted.
+
+    Raises:
+        RuntimeError: the job ended first, or the daemon refused a record.
+    """
+    simulation = _Simulation(plan, keep=False)
+    simulation.start()
+    while len(simulation.daemon.state.committed) < commits or simulation.daemon.state.pending:
+        if not simulation.advance():
+            raise RuntimeError(
+                f"the job ended with {len(simulation.daemon.state.committed)} commits"
+            )
+    return simulation.daemon.state, simulation.daemon.appended
