@@ -404,7 +404,7 @@ class Snapshots:
                 and last.kids == kids
             )
         }
-        sealed = await asyncio.to_thread(self._seal_round, todo, round, keys)
+        sealed = await asyncio.to_thread(self._seal_round, todo, round, keys) if todo else {}
         pending = _Pending()
         for job, result in sealed.items():
             if isinstance(result, str):
