@@ -279,6 +279,8 @@ class KafkaBus(Bus):
         }
         if spec.retention_ms is not None and not spec.compacted:
             configs["retention.ms"] = str(spec.retention_ms)
+        if spec.segment_ms is not None:
+            configs["segment.ms"] = str(spec.segment_ms)
         return NewTopic(self._full(spec.name), spec.partitions, replication, topic_configs=configs)
 
     async def close(self) -> None:

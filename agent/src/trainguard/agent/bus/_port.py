@@ -102,12 +102,18 @@ class TopicSpec:
             ``-1`` keeps every record forever. Set when the topic is created only (change a
             live topic with ``kafka-configs.sh --alter``). The embedded bus keeps the records of
             every topic that is not compacted forever.
+        segment_ms: Kafka's ``segment.ms`` (a segment is closed after this long), set when the
+            topic is created: ``None`` leaves the broker's default (7 days). Kafka compacts
+            only closed segments, so a compacted topic read whole at every start (``snapshots``,
+            whose large jobs write megabytes of chunks per round) keeps every superseded record
+            until its segment closes. The embedded bus compacts by age alone and ignores it.
     """
 
     name: str
     partitions: int = 1
     compacted: bool = False
     retention_ms: int | None = None
+    segment_ms: int | None = None
 
 
 class Consumer(abc.ABC):
