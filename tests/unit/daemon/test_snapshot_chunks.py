@@ -284,3 +284,30 @@ def test_a_bad_chunk_makes_the_partition_fall_back(big: JobState, drop: bool, re
     result = plan(values)
     assert isinstance(result, Fallback)
     assert (result.reason, result.job) == (reason, JOB)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=70),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=6,
+)
+HEAD, CHUNKS = split(ENVELOPE, 300, KEYS.signing)
+HEAD_FIELDS = sorted(orjson.loads(HEAD[4 : 4 + struct.unpack_from(">I", HEAD)[0]]))
+
+
+def head_with(field: str, value: Any) -> bytes:
+    """:data:`HEAD` with ``field`` set to ``value``, signed again."""
+    return resigned_head(HEAD, {field: value})
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(max_size=300) | st.builds(head_with, st.sampled_from(HEAD_FIELDS), json_values)
+)
+def test_no_record_value_breaks_the_loader(data: bytes) -> None:
+    """Whatever a job's key holds (any bytes, or a validly signed head with any field set to
+    any JSON value), opening it returns a state or refuses it: no other error escapes."""
+    try:
+        opened(data, dict(CHUNKS))
+    except SnapshotRefused:
+        return
