@@ -216,7 +216,7 @@ def test_a_forged_foreign_or_malformed_head_is_refused(
     assert refused(as_envelope, chunks).code == "bad_signature"
     assert opened(resigned_head(head, {}), chunks)[1] == big
     header = read_header(envelope).to_dict()
-    for change, code in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"chunks": []}, "malformed"),
         ({"chunks": [[0, "00" * 32]]}, "malformed"),
         ({"chunks": [["1", "00" * 32]]}, "malformed"),
@@ -230,7 +230,8 @@ def test_a_forged_foreign_or_malformed_head_is_refused(
         ({"snapshot": {**header, "format": "trainguard-snapshot/9"}}, "format"),
         ({"sha256": "00" * 32}, "chunk_corrupt"),  # each chunk right, the whole not
         ({"snapshot": {**header, "offset": 119}}, "chunk_missing"),  # keys derived from it
-    ]:
+    ]
+    for change, code in cases:
         assert refused(resigned_head(head, change), chunks).code == code, change
     # A head of another format version is no head: refused as a record of unknown format.
     assert refused(resigned_head(head, {"format": "trainguard-snapshot-head/2"}), chunks).code == (
