@@ -78,7 +78,16 @@ from trainguard.schemas import (
     encode,
 )
 
-__all__ = ["INCIDENTS", "PARTITIONS", "T0_MS", "GeneratedJob", "Plan", "generate", "running_state"]
+__all__ = [
+    "INCIDENTS",
+    "PARTITIONS",
+    "T0_MS",
+    "GeneratedJob",
+    "Plan",
+    "RunningJob",
+    "generate",
+    "running_state",
+]
 
 T0_MS = 1_767_225_600_000
 """The job's first record: 2026-01-01T00:00:00Z, ms since the Unix epoch."""
@@ -177,8 +186,11 @@ class _Daemon:
     """The recording daemon: folds each appended record like ``DaemonService._process`` and
     writes what ``DaemonService._act`` writes."""
 
-    def __init__(self, plan: Plan, partition: int, *, keep: bool = True) -> None:
-        self.keep = keep  # False: fold only (no records kept, nothing written for decisions)
+    def __init__(
+        self, plan: Plan, partition: int, *, keep_events: bool = True, act: bool = True
+    ) -> None:
+        self.keep_events = keep_events  # False: records of events folded, not kept
+        self.act = act  # False: nothing written for decisions
         self.appended = 0
         self.job_id = plan.job_id
         self.machine = plan.machine
@@ -203,7 +215,7 @@ class _Daemon:
         Raises:
             RuntimeError: the record is refused by intake (the generator is wrong).
         """
-        if self.keep:
+        if self.keep_events:
             record = self._write("events", encode(message), at_ms)
         else:
             offset = self.appended
@@ -213,7 +225,7 @@ class _Daemon:
         if not isinstance(taken, Taken):
             raise RuntimeError(f"generated record refused: {taken.reason}")
         self.state, decisions = decide(self.state, taken.input, self.machine)
-        if decisions and self.keep:
+        if decisions and self.act:
             self._act(record, taken.input_id, decisions)
         return decisions
 
@@ -258,10 +270,11 @@ class _Simulation:
     """The job's processes as a discrete-event simulation in bus time (ms); see the module
     docstring."""
 
-    def __init__(self, plan: Plan, *, keep: bool = True) -> None:
+    def __init__(self, plan: Plan, *, keep_events: bool = True, act: bool = True) -> None:
         self.plan = plan
         self.rng = random.Random(plan.seed)
-        self.daemon = _Daemon(plan, partition_for(plan.job_id, PARTITIONS), keep=keep)
+        partition = partition_for(plan.job_id, PARTITIONS)
+        self.daemon = _Daemon(plan, partition, keep_events=keep_events, act=act)
         self.queue: list[tuple[int, int, Callable[[int], None]]] = []
         self.order = itertools.count()
         self.seqs: dict[tuple[int | None, str, int], int] = {}
@@ -629,20 +642,37 @@ def generate(plan: Plan) -> GeneratedJob:
     return _Simulation(plan).run()
 
 
-def running_state(plan: Plan, commits: int) -> tuple[JobState, int]:
-    """The daemon's state of ``plan``'s job, folded as :func:`generate` folds it, once
-    ``commits`` checkpoints are committed and no shard is pending (before any incident when
-    ``plan.events`` is large), and the number of records folded. Nothing is recorded: a
-    manifest of thousands of ranks exceeds a message, and only the state is wanted.
+@dataclass
+class RunningJob:
+    """A job folded up to its ``commits``-th commit (:func:`running_state`).
+
+    Attributes:
+        state: the daemon's state of the job.
+        folded: records of ``events`` folded into it (ticks included).
+        events: those records, offsets from 0, when kept (else empty).
+    """
+
+    state: JobState
+    folded: int
+    events: list[Record]
+
+
+def running_state(
+    plan: Plan, commits: int, *, steps: int = 0, keep_events: bool = False
+) -> RunningJob:
+    """``plan``'s job folded as :func:`generate` folds it, up to the moment ``commits``
+    checkpoints are committed, no shard is pending and ``steps`` steps are trained (before any
+    incident when ``plan.events`` is large). Nothing is written for the daemon's decisions (a
+    manifest of thousands of ranks exceeds a message, and only the state is wanted); the
+    records of ``events`` are kept with ``keep_events``.
 
     Raises:
         RuntimeError: the job ended first, or the daemon refused a record.
     """
-    simulation = _Simulation(plan, keep=False)
+    simulation = _Simulation(plan, keep_events=keep_events, act=False)
     simulation.start()
-    while len(simulation.daemon.state.committed) < commits or simulation.daemon.state.pending:
+    daemon = simulation.daemon
+    while len(daemon.state.committed) < commits or daemon.state.pending or simulation.step < steps:
         if not simulation.advance():
-            raise RuntimeError(
-                f"the job ended with {len(simulation.daemon.state.committed)} commits"
-            )
-    return simulation.daemon.state, simulation.daemon.appended
+            raise RuntimeError(f"the job ended with {len(daemon.state.committed)} commits")
+    return RunningJob(daemon.state, daemon.appended, daemon.records["events"])

@@ -4,7 +4,7 @@ long writing and loading it take, at 1,024 / 4,096 / 16,384 ranks.
 Usage (from the repository root)::
 
     python bench/state_snapshot.py [--ranks 1024 4096 16384] [--commits 8] [--rounds 3]
-                                   [--markdown]
+                                   [--daemon] [--markdown]
 
 Each job's state is folded through the pure core by the replay benchmark's generator
 (``bench/_job_record.py``: 8 ranks per host named ``gpu-NNN``, one heartbeat per rank and
@@ -27,7 +27,17 @@ Measured on it, each figure the least over ``--rounds`` rounds, CPU time of this
 * **restart from the bus**: the snapshot written by :class:`Snapshots` into an embedded bus
   (one partition writer transaction) and loaded back by a fresh :class:`Snapshots`
   (``latest_per_key``, then the plan in a worker thread), wall time, as a daemon taking the
-  partition on.
+  partition on;
+* **daemon restart** (``--daemon``), on another job of the same size that trained
+  :data:`DAEMON_STEPS` steps and committed nothing (the daemon cannot publish a manifest of
+  more than a few hundred ranks yet: over the wire codec's 64 KiB, issue 16 item 1): its
+  records imported into an embedded bus with their append times, folded by a
+  :class:`DaemonService` with keys (frozen clock: it writes no tick of its own), whose clean
+  stop commits its position and writes the job's snapshot (``max_message_bytes`` 256 KiB:
+  :data:`DAEMON_MAX_MESSAGE_BYTES`); then, wall time from start to
+  ``ready`` (rebuilt up to the group's committed position), a daemon with the keys (from the
+  snapshot) against one without keys (a fold from offset 0, the baseline), and their states
+  compared.
 
 Figures are printed, never asserted; ``uptime``'s load is printed with them.
 """
@@ -54,18 +64,21 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench._job_record import PARTITIONS, Plan, running_state  # noqa: E402
+from bench._job_record import PARTITIONS, Plan, RunningJob, running_state  # noqa: E402
 from bench._report import Report, print_report  # noqa: E402
 from bench._summary import machine_notes  # noqa: E402
 
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, TopicPartition, open_bus  # noqa: E402
 from trainguard.agent.bus._partitioner import partition_for  # noqa: E402
+from trainguard.agent.bus._sqlite import SQLiteBus  # noqa: E402
 from trainguard.agent.keys._keystore import DaemonKeys, KeyStore  # noqa: E402
+from trainguard.daemon import DaemonService  # noqa: E402
 from trainguard.daemon.admin._keys import KeyAdmin  # noqa: E402
 from trainguard.daemon.core._machine_config import MachineConfig  # noqa: E402
 from trainguard.daemon.core._state import JobState  # noqa: E402
 from trainguard.daemon.core._state_codec import decode_state, encode_state  # noqa: E402
 from trainguard.daemon.service._metrics import DaemonMetrics  # noqa: E402
+from trainguard.daemon.service._settings import DaemonConfig  # noqa: E402
 from trainguard.daemon.service._snapshot_chunks import head_of, join, open_record, split  # noqa: E402
 from trainguard.daemon.service._snapshot_envelope import (  # noqa: E402
     NONCE_BYTES,
@@ -79,6 +92,12 @@ from trainguard.daemon.service._snapshot_store import Snapshots  # noqa: E402
 LIMIT = 1 << 20
 """The default ``max_message_bytes``: the chunk size."""
 MB = 1e6
+DAEMON_STEPS = 5
+"""Steps of the job the daemons restart on (after 30 s of start-up heartbeats)."""
+DAEMON_MAX_MESSAGE_BYTES = 256 * 1024
+"""``max_message_bytes`` of the daemon restart's bus: a state of heartbeats only compresses
+about tenfold, so at the default 1 MiB even the 16,384-rank one would fit one record; at
+256 KiB it is written in chunks, as a job's with committed checkpoints is."""
 _T = TypeVar("_T")
 
 
@@ -136,10 +155,92 @@ async def restart(state: JobState, keys: DaemonKeys, config: MachineConfig, fold
     return took
 
 
-def measure(ranks: int, commits: int, rounds: int, keys: DaemonKeys, folder: Path) -> Case:
+async def ready_in(service: DaemonService) -> float:
+    """Run ``service`` until it is ready, then stop it cleanly; the wall seconds to ready."""
+    stop = asyncio.Event()
+    start = time.perf_counter()
+    task = asyncio.create_task(service.run(stop))
+    await asyncio.wait_for(service.ready.wait(), 1800)
+    took = time.perf_counter() - start
+    stop.set()
+    await task
+    return took
+
+
+@dataclass
+class Restart:
+    """A daemon restart's figures (:func:`daemon_restart`): wall seconds to ready with the
+    keys (from the snapshot) and without (from offset 0), the records the latter folded, and
+    the snapshot on the bus (its envelope's bytes, its chunks: 0 for one record)."""
+
+    with_keys_s: float
+    without_s: float
+    folded: int
+    envelope: int
+    chunks: int
+
+
+async def daemon_restart(
+    job: RunningJob, machine: MachineConfig, keys: DaemonKeys, folder: Path
+) -> Restart:
+    """The job's records on a fresh embedded bus, folded by a daemon with keys whose clean stop
+    writes the snapshot; then a daemon with the keys and one without are started (module
+    docstring).
+
+    Raises:
+        RuntimeError: the daemons' states differ, or the one with keys folded records.
+    """
+    bus = BusConfig(
+        url=f"sqlite://{folder / 'daemon.db'}",
+        prefix="d.",
+        topics=DEFAULT_TOPICS,
+        max_message_bytes=DAEMON_MAX_MESSAGE_BYTES,
+    )
+    async with open_bus(bus) as opened:
+        assert isinstance(opened, SQLiteBus)
+        await opened.import_records(
+            "events", [(r.key or "", r.value, r.timestamp_ms) for r in job.events]
+        )
+    settings = DaemonConfig(
+        bus=bus, machine=machine, group_id="d.daemon", metrics_port=-1, snapshot_interval_s=3600
+    )
+    writer = DaemonService(settings, keys=keys, clock=lambda: 0)  # frozen: no tick of its own
+    stop = asyncio.Event()
+    task = asyncio.create_task(writer.run(stop))
+    while writer.counters["folded"] < len(job.events):
+        if task.done():
+            task.result()
+            raise RuntimeError("the first daemon stopped before folding every record")
+        await asyncio.sleep(0.05)
+    stop.set()
+    await task  # its clean stop commits the position and writes the round
+    async with open_bus(bus) as opened:
+        snapshot = (await opened.latest_per_key("snapshots"))[job.state.job_id].value or b""
+    head = head_of(snapshot)
+    from_snapshot = DaemonService(settings, keys=keys, clock=lambda: 0)
+    with_keys = await ready_in(from_snapshot)
+    from_log = DaemonService(settings, clock=lambda: 0)
+    without = await ready_in(from_log)
+    if from_snapshot.jobs != writer.jobs or from_log.jobs != writer.jobs:
+        raise RuntimeError("the restarted daemons' states differ from the writer's")
+    if from_snapshot.counters["folded"]:
+        raise RuntimeError(f"the daemon with keys folded {from_snapshot.counters['folded']}")
+    return Restart(
+        with_keys,
+        without,
+        from_log.counters["folded"],
+        len(snapshot) if head is None else head.size,
+        0 if head is None else len(head.chunks),
+    )
+
+
+def measure(
+    ranks: int, commits: int, rounds: int, keys: DaemonKeys, folder: Path, daemon: bool
+) -> Case:
     plan = Plan(world_size=ranks, checkpoint_every=2, events=10**9)
     start = time.perf_counter()
-    state, records = running_state(plan, commits)
+    job = running_state(plan, commits)
+    state, records = job.state, job.folded
     build_s = time.perf_counter() - start
     config = plan.machine
     fold = fold_config_id(config)
@@ -201,6 +302,17 @@ def measure(ranks: int, commits: int, rounds: int, keys: DaemonKeys, folder: Pat
         for _ in range(rounds)
     ]
     times["restart from the bus (wall)"] = min(wall)
+    if daemon:
+        beating = Plan(world_size=ranks, checkpoint_every=10**9, events=10**9)
+        restarted = running_state(beating, 0, steps=DAEMON_STEPS, keep_events=True)
+        sizes["daemon job: document"] = len(encode_state(restarted.state))
+        run = Path(tempfile.mkdtemp(dir=folder))
+        daemon_run = asyncio.run(daemon_restart(restarted, config, keys, run))
+        times["daemon ready: from the snapshot (wall)"] = daemon_run.with_keys_s
+        times["daemon ready: from offset 0, no keys (wall)"] = daemon_run.without_s
+        sizes["records folded from offset 0"] = daemon_run.folded
+        sizes["daemon job: envelope"] = daemon_run.envelope
+        sizes["daemon job: chunks"] = daemon_run.chunks
     return Case(ranks, records, build_s, sizes, times)
 
 
@@ -220,6 +332,28 @@ def report(cases: list[Case], commits: int) -> Report:
     ]
     mb.append(["chunks of 1 MiB", *(str(c.sizes["chunks"]) for c in cases)])
     mb.append(["head, bytes", *(str(c.sizes["head"]) for c in cases)])
+    if all("daemon job: document" in c.sizes for c in cases):
+        mb.append(
+            [
+                f"daemon restart's job ({DAEMON_STEPS} steps, no commit): document",
+                *(f"{c.sizes['daemon job: document'] / MB:.2f}" for c in cases),
+            ]
+        )
+        mb.append(
+            [
+                "its snapshot on the bus, MB (chunks of 256 KiB)",
+                *(
+                    f"{c.sizes['daemon job: envelope'] / MB:.2f} ({c.sizes['daemon job: chunks']})"
+                    for c in cases
+                ),
+            ]
+        )
+        mb.append(
+            [
+                "its records, folded from offset 0 without keys",
+                *(f"{c.sizes['records folded from offset 0']:,}" for c in cases),
+            ]
+        )
     out.tables.append(
         (f"Snapshot sizes, MB (running job, {commits} commits kept)", ["", *ranks], mb)
     )
@@ -243,7 +377,10 @@ def report(cases: list[Case], commits: int) -> Report:
             "open_snapshot",
             "sha256 of the envelope",
             "restart from the bus (wall)",
+            "daemon ready: from the snapshot (wall)",
+            "daemon ready: from offset 0, no keys (wall)",
         )
+        if all(name in c.times for c in cases)
     ]
     out.tables.append(("Write and load, ms (CPU; least of the rounds)", ["", *ranks], ms))
     out.notes.append(
@@ -266,11 +403,15 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--commits", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--daemon", action="store_true", help="also restart real daemons")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         keys = keys_in(Path(folder) / "keys")
-        cases = [measure(r, args.commits, args.rounds, keys, Path(folder)) for r in args.ranks]
+        cases = [
+            measure(r, args.commits, args.rounds, keys, Path(folder), args.daemon)
+            for r in args.ranks
+        ]
     print_report(report(cases, args.commits), args.markdown, Console())
 
 
