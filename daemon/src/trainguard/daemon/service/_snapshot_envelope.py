@@ -18,9 +18,9 @@ Bytes, in order::
 does not compress, so the state document is compressed first (Zstandard level
 :data:`ZSTD_LEVEL`, one frame). Chosen by measurement (``bench/state_snapshot.py``, figures in
 ``bench/RESULTS.md``): on a 16,384-rank job with 8 kept manifests (a 31 MB document, mostly
-SHA-256 digests in hex) zstd level 1 gives 6.0 MB in 41 ms and decompresses in 12 ms, where
-zlib gives 8.3 MB in 187 ms (level 1) or 7.6 MB in 453 ms (level 6) and decompresses in
-53-65 ms; zstd level 3 is slower and, on this data, larger (7.0 MB). Compressing the
+SHA-256 digests in hex) zstd level 1 gives 6.0 MB in 44 ms and decompresses in 13 ms, where
+zlib gives 8.3 MB in 189 ms (level 1) or 7.6 MB in 456 ms (level 6) and decompresses in
+53-68 ms; zstd level 3 is slower and, on this data, larger (7.0 MB). Compressing the
 plaintext leaks its compressed size, which the ciphertext's length showed anyway (it is the
 state's size, not a secret the attacker can probe with chosen inputs).
 
