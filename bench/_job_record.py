@@ -78,7 +78,16 @@ from trainguard.schemas import (
     encode,
 )
 
-__all__ = ["INCIDENTS", "PARTITIONS", "T0_MS", "GeneratedJob", "Plan", "generate"]
+__all__ = [
+    "INCIDENTS",
+    "PARTITIONS",
+    "T0_MS",
+    "GeneratedJob",
+    "Plan",
+    "RunningJob",
+    "generate",
+    "running_state",
+]
 
 T0_MS = 1_767_225_600_000
 """The job's first record: 2026-01-01T00:00:00Z, ms since the Unix epoch."""
@@ -177,7 +186,12 @@ class _Daemon:
     """The recording daemon: folds each appended record like ``DaemonService._process`` and
     writes what ``DaemonService._act`` writes."""
 
-    def __init__(self, plan: Plan, partition: int) -> None:
+    def __init__(
+        self, plan: Plan, partition: int, *, keep_events: bool = True, act: bool = True
+    ) -> None:
+        self.keep_events = keep_events  # False: records of events folded, not kept
+        self.act = act  # False: nothing written for decisions
+        self.appended = 0
         self.job_id = plan.job_id
         self.machine = plan.machine
         self.config_id = config_id(self.machine)
@@ -201,12 +215,17 @@ class _Daemon:
         Raises:
             RuntimeError: the record is refused by intake (the generator is wrong).
         """
-        record = self._write("events", encode(message), at_ms)
+        if self.keep_events:
+            record = self._write("events", encode(message), at_ms)
+        else:
+            offset = self.appended
+            record = Record("events", self.partition, offset, self.job_id, encode(message), at_ms)
+        self.appended += 1
         taken = take(record)
         if not isinstance(taken, Taken):
             raise RuntimeError(f"generated record refused: {taken.reason}")
         self.state, decisions = decide(self.state, taken.input, self.machine)
-        if decisions:
+        if decisions and self.act:
             self._act(record, taken.input_id, decisions)
         return decisions
 
@@ -251,10 +270,11 @@ class _Simulation:
     """The job's processes as a discrete-event simulation in bus time (ms); see the module
     docstring."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, *, keep_events: bool = True, act: bool = True) -> None:
         self.plan = plan
         self.rng = random.Random(plan.seed)
-        self.daemon = _Daemon(plan, partition_for(plan.job_id, PARTITIONS))
+        partition = partition_for(plan.job_id, PARTITIONS)
+        self.daemon = _Daemon(plan, partition, keep_events=keep_events, act=act)
         self.queue: list[tuple[int, int, Callable[[int], None]]] = []
         self.order = itertools.count()
         self.seqs: dict[tuple[int | None, str, int], int] = {}
@@ -322,18 +342,23 @@ class _Simulation:
             elif isinstance(d, Issue):
                 self.command(d.command, at_ms)
 
+    def advance(self) -> bool:
+        """Write the next tick or run the next action; ``False`` when nothing is left."""
+        tick = self.next_tick_ms()
+        if tick is not None and (not self.queue or tick <= self.queue[0][0]):
+            self.write_tick(tick)
+            return True
+        if not self.queue:
+            return False
+        at_ms, _, action = heapq.heappop(self.queue)
+        self.now_ms = at_ms
+        action(at_ms)
+        return True
+
     def run(self) -> GeneratedJob:
         self.start()
-        while True:
-            tick = self.next_tick_ms()
-            if tick is not None and (not self.queue or tick <= self.queue[0][0]):
-                self.write_tick(tick)
-                continue
-            if not self.queue:
-                break
-            at_ms, _, action = heapq.heappop(self.queue)
-            self.now_ms = at_ms
-            action(at_ms)
+        while self.advance():
+            pass
         if self.daemon.state.phase != "finished":
             raise RuntimeError(f"the generated job ended {self.daemon.state.phase}")
         if self.incidents or len(self.opened) != len(INCIDENTS):
@@ -454,7 +479,7 @@ class _Simulation:
         checksum = None
         if step % plan.checksum_every == 0:
             checksum = hashlib.sha256(f"{generation}/{step}".encode()).hexdigest()[:16]
-        written = len(self.daemon.records["events"])
+        written = self.daemon.appended
         finishing = written + 2 * plan.world_size >= plan.events
         for rank in range(plan.world_size):
             delay = rng.randrange(2, 40)
@@ -615,3 +640,39 @@ def generate(plan: Plan) -> GeneratedJob:
             a generator bug or a state-machine change the plan no longer fits.
     """
     return _Simulation(plan).run()
+
+
+@dataclass
+class RunningJob:
+    """A job folded up to its ``commits``-th commit (:func:`running_state`).
+
+    Attributes:
+        state: the daemon's state of the job.
+        folded: records of ``events`` folded into it (ticks included).
+        events: those records, offsets from 0, when kept (else empty).
+    """
+
+    state: JobState
+    folded: int
+    events: list[Record]
+
+
+def running_state(
+    plan: Plan, commits: int, *, steps: int = 0, keep_events: bool = False
+) -> RunningJob:
+    """``plan``'s job folded as :func:`generate` folds it, up to the moment ``commits``
+    checkpoints are committed, no shard is pending and ``steps`` steps are trained (before any
+    incident when ``plan.events`` is large). Nothing is written for the daemon's decisions (a
+    manifest of thousands of ranks exceeds a message, and only the state is wanted); the
+    records of ``events`` are kept with ``keep_events``.
+
+    Raises:
+        RuntimeError: the job ended first, or the daemon refused a record.
+    """
+    simulation = _Simulation(plan, keep_events=keep_events, act=False)
+    simulation.start()
+    daemon = simulation.daemon
+    while len(daemon.state.committed) < commits or daemon.state.pending or simulation.step < steps:
+        if not simulation.advance():
+            raise RuntimeError(f"the job ended with {len(daemon.state.committed)} commits")
+    return RunningJob(daemon.state, daemon.appended, daemon.records["events"])

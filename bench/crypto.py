@@ -15,7 +15,10 @@ AES-256-GCM encrypt / decrypt of the same plaintext with the same associated dat
 ``AESGCM`` object built once), and bare Ed25519 sign / verify of exactly the bytes the
 snapshot's signature covers. Throughput is MB (10**6 bytes) of plaintext state (the
 ``jobstate/1`` document) per second; "other" is the rest of the envelope: the header (which
-hashes the configuration twice), nonce, concatenations, framing.
+hashes the configuration twice), nonce, concatenations, framing, and, since the
+``trainguard-snapshot/2`` envelope, the zstd compression of the document before it is encrypted
+(the bare AES-GCM figures encrypt the uncompressed document, which the envelope no longer does;
+``bench/state_snapshot.py`` measures the compressed envelope's parts).
 
 **Commands and events** (:mod:`trainguard.schemas._auth`): ``sign`` and ``verify_signature`` of
 a ``Restore`` whose target is a committed 64-shard manifest (taken from the fold below) and of

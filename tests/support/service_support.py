@@ -31,6 +31,7 @@ from trainguard.schemas import (
     Event,
     Heartbeat,
     Lifecycle,
+    Restore,
     add_mac,
     decode,
     encode,
@@ -165,6 +166,29 @@ async def publish(bus: Bus, *events: Event) -> None:
 
 EVENTS = JobEvents(JOB)
 started, beat, shard, killed = EVENTS.started, EVENTS.beat, EVENTS.shard, EVENTS.killed
+
+
+def acknowledgements(restore: Restore) -> tuple[Lifecycle, ...]:
+    """Both ranks' ``restored`` of ``restore``'s 2-rank job and generation, from their new
+    processes (pids 200 and 201 on host ``h0``)."""
+    assert restore.target is not None
+    return tuple(
+        Lifecycle(
+            job_id=restore.job_id,
+            generation=restore.generation,
+            ts=time.time_ns(),
+            seq=1,
+            rank=rank,
+            host="h0",
+            pid=200 + rank,
+            kind="restored",
+            world_size=2,
+            step=restore.target.step,
+            cursor=restore.target.cursor,
+            snapshot_id=restore.target.snapshot_id,
+        )
+        for rank in (0, 1)
+    )
 
 
 async def commands(bus: Bus) -> list[Any]:

@@ -191,6 +191,17 @@ async def test_latest_per_key_drops_older_records_and_tombstones(
     assert gone.partition == partition_for("c", PARTITIONS)
 
 
+async def test_a_record_sent_to_a_named_partition_lands_there(bus_factory: BusFactory) -> None:
+    home = partition_for("job-a", PARTITIONS)
+    async with bus_factory.open() as bus:
+        placed = await bus.publish("commands", "job-a/part/0", b"x", partition=home)
+        assert (placed.partition, placed.offset) == (home, 0)
+        with pytest.raises(BusError):
+            await bus.publish("commands", "job-a/part/1", b"x", partition=-1)
+        latest = await bus.latest_per_key("commands")
+    assert {k: r.partition for k, r in latest.items()} == {"job-a/part/0": home}
+
+
 async def test_committed_positions_survive_a_consumer_restart(bus_factory: BusFactory) -> None:
     group = bus_factory.group("restart")
     before = await publish_all(bus_factory, [(f"job-{i % 10}", b"old") for i in range(30)])
@@ -485,6 +496,42 @@ async def test_a_partition_writer_shows_its_records_and_position_together_or_not
         await writer.close()
         with pytest.raises(BusError):
             await writer.send("commands", "job-a", b"closed")
+        await consumer.close()
+
+
+async def test_a_partition_writer_puts_a_record_on_the_partition_it_names(
+    bus_factory: BusFactory,
+) -> None:
+    """Records under keys of their own that must sit with another key's (a job's snapshot
+    chunks) name that key's partition; their tombstones too, which hide them from
+    ``latest_per_key``. A partition the topic does not have is refused."""
+    group = bus_factory.group("placed")
+    await publish_all(bus_factory, [("job-a", b"in")])
+    home = partition_for("job-a", PARTITIONS)
+    keys = [f"job-a/part/{i}" for i in range(12)]
+    assert {partition_for(k, PARTITIONS) for k in keys} != {home}  # they would hash elsewhere
+    async with bus_factory.open() as bus:
+        consumer = await bus.subscribe(["events"], group)
+        await assigned_everything(consumer)
+        tp = EVENTS[home]
+        writer = await bus.partition_writer(group, home)
+        for key in keys:
+            await writer.send("commands", key, key.encode(), partition=home)
+        await writer.send("commands", "job-a", b"head")
+        with pytest.raises(BusError):
+            await writer.send("commands", "job-a/part/x", b"x", partition=PARTITIONS)
+        await writer.commit({tp: 1})
+        latest = await bus.latest_per_key("commands")
+        assert {k: r.partition for k, r in latest.items()} == dict.fromkeys([*keys, "job-a"], home)
+        for key in keys[1:]:
+            await writer.send("commands", key, None, partition=home)
+        await writer.commit({})
+        latest = await bus.latest_per_key("commands")
+        assert {k: r.value for k, r in latest.items()} == {
+            keys[0]: keys[0].encode(),
+            "job-a": b"head",
+        }
+        await writer.close()
         await consumer.close()
 
 

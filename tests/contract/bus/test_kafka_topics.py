@@ -1,5 +1,6 @@
 """The topics the Kafka adapter creates carry the configuration trainguard relies on:
-``LogAppendTime`` everywhere, compaction where the spec asks for it, and ``audit`` kept forever.
+``LogAppendTime`` everywhere, compaction where the spec asks for it, ``audit`` kept forever,
+and ``snapshots`` rolling a segment every hour.
 """
 
 from __future__ import annotations
@@ -50,3 +51,6 @@ async def test_default_topics_are_created_as_specified(
     assert configs[f"{unique_prefix}audit"]["retention.ms"] == "-1"
     # The others keep the broker's default retention (7 days unless the operator changed it).
     assert configs[f"{unique_prefix}events"]["retention.ms"] == "604800000"
+    # snapshots rolls a segment every hour, so that compaction reaches replaced snapshots.
+    assert configs[f"{unique_prefix}snapshots"]["segment.ms"] == "3600000"
+    assert configs[f"{unique_prefix}events"]["segment.ms"] == "604800000"

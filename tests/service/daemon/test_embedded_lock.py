@@ -22,13 +22,13 @@ import pytest
 import structlog.testing
 
 from tests.support.buses import BusFactory
-from tests.support.service_support import JobEvents, eventually, read_all, running
+from tests.support.service_support import JobEvents, acknowledgements, eventually, read_all, running
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus
 from trainguard.agent.bus._sqlite_lock import DaemonLock, DaemonLockHeld, daemon_lock_path
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon.demo._harness import start_daemon, stop_process
 from trainguard.daemon.service._settings import DaemonConfig
-from trainguard.schemas import Event, Lifecycle, Restore, Resume, decode, encode
+from trainguard.schemas import Event, Restore, Resume, decode, encode
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 JOB = "lock-job"
@@ -324,28 +324,6 @@ def incident() -> tuple[Event, ...]:
         EVENTS.shard(0, 1, 5),
         EVENTS.shard(1, 1, 5),
         EVENTS.killed(1),
-    )
-
-
-def acknowledgements(restore: Restore) -> tuple[Lifecycle, ...]:
-    """Both ranks' ``restored`` of ``restore``'s generation."""
-    assert restore.target is not None
-    return tuple(
-        Lifecycle(
-            job_id=JOB,
-            generation=restore.generation,
-            ts=time.time_ns(),
-            seq=1,
-            rank=rank,
-            host="h0",
-            pid=200 + rank,
-            kind="restored",
-            world_size=2,
-            step=restore.target.step,
-            cursor=restore.target.cursor,
-            snapshot_id=restore.target.snapshot_id,
-        )
-        for rank in (0, 1)
     )
 
 

@@ -4,6 +4,7 @@ the keys of a real key directory (``trainguard keys`` layout)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.cli import app
 from trainguard.daemon.core._machine_config import MachineConfig
 from trainguard.daemon.core._state import JobState, new_job
+from trainguard.daemon.service._snapshot_chunks import split
 from trainguard.daemon.service._snapshot_envelope import Round, seal
 
 PARTITIONS = next(t.partitions for t in DEFAULT_TOPICS if t.name == "snapshots")
@@ -51,11 +53,13 @@ def sealed(s: JobState, jobs: list[str], offset: int, keys: DaemonKeys) -> bytes
     )
 
 
-def publish(url: str, records: list[tuple[str, bytes | None]]) -> None:
+def publish(
+    url: str, records: Sequence[tuple[str, bytes | None]], partition: int | None = None
+) -> None:
     async def run() -> None:
         async with open_bus(BusConfig(url=url)) as bus:
             for key, value in records:
-                await bus.publish("snapshots", key, value)
+                await bus.publish("snapshots", key, value, partition=partition)
 
     asyncio.run(run())
 
@@ -147,3 +151,42 @@ def test_verify_passes_a_sound_set_and_names_what_is_wrong(deployment: dict[str,
     shown = cli("snapshots", "show", ALONE, "--bus", deployment["url"], "--keys", deployment["dir"])
     assert shown.exit_code == 1
     assert "refused: bad_signature" in shown.output
+
+
+def test_a_snapshot_in_chunks_is_listed_shown_and_verified(deployment: dict[str, Any]) -> None:
+    """ONE's snapshot cut into chunks of 200 bytes behind its head: ``list`` gives its whole
+    size and its chunks, ``show`` and ``verify`` open it; with a chunk gone, ``verify`` and
+    ``show`` name the missing chunk."""
+    keys = deployment["keys"]
+    envelope = sealed(state(ONE), [ONE, TWO], 40, keys)
+    head, chunks = split(envelope, 200, keys.signing)
+    partition = partition_for(ONE, PARTITIONS)
+    publish(deployment["url"], [(ONE, head)])
+    publish(deployment["url"], chunks, partition=partition)
+    listed = cli("snapshots", "list", "--bus", deployment["url"], "--format", "json")
+    assert listed.exit_code == 0, listed.output
+    rows = {r["job_id"]: r for r in orjson.loads(listed.stdout)}
+    assert set(rows) == {ONE, TWO, ALONE}, "chunks are no jobs"
+    assert (rows[ONE]["bytes"], rows[ONE]["chunks"], rows[ONE]["offset"]) == (
+        len(envelope),
+        len(chunks),
+        40,
+    )
+    assert rows[TWO]["chunks"] == 0
+    text = cli("snapshots", "list", "--bus", deployment["url"])
+    assert f"{len(envelope):>9} {len(chunks):>6}" in text.stdout
+    shown = cli("snapshots", "show", ONE, "--bus", deployment["url"], "--keys", deployment["dir"])
+    assert shown.exit_code == 0, shown.output
+    args = ("snapshots", "verify", "--bus", deployment["url"], "--keys", deployment["dir"])
+    good = cli(*args)
+    assert good.exit_code == 0, good.output
+    assert "3 of 3 snapshots verified" in good.stdout
+
+    publish(deployment["url"], [(chunks[1][0], None)], partition=partition)
+    bad = cli(*args)
+    assert bad.exit_code == 1
+    assert f"job {ONE} (partition {partition}): chunk_missing: chunk 2 of" in bad.stdout
+    assert f"partition {partition}: chunk_missing" not in bad.stdout  # the job's, not the round's
+    shown = cli("snapshots", "show", ONE, "--bus", deployment["url"], "--keys", deployment["dir"])
+    assert shown.exit_code == 1
+    assert "refused: chunk_missing" in shown.output

@@ -9,162 +9,43 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
 from tests.support.buses import BusFactory
-from tests.support.service_support import eventually, read_all, running
+from tests.support.service_support import eventually, running
+from tests.support.snapshot_jobs import (
+    HERE,
+    A,
+    B,
+    C,
+    D,
+    E,
+    daemon_config,
+    fallbacks,
+    first_daemon,
+    folded,
+    killed,
+    latest_headers,
+    publish,
+    started,
+    total_records,
+    training,
+)
 from tests.support.snapshot_keys import make_keys
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, TopicPartition
-from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.keys._keystore import DaemonKeys
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.core._machine import unacted_command
 from trainguard.daemon.forensics._job_log import read_bus
 from trainguard.daemon.forensics._replay import replay, verify
-from trainguard.daemon.service._settings import DaemonConfig, SecurityConfig
-from trainguard.daemon.service._snapshot_envelope import SnapshotHeader, read_header
-from trainguard.daemon.service._snapshot_store import SnapshotKeys
-from trainguard.schemas import (
-    Checkpoint,
-    DataCursor,
-    Event,
-    Heartbeat,
-    Lifecycle,
-    Restore,
-    decode,
-    encode,
-)
+from trainguard.daemon.service._settings import SecurityConfig
+from trainguard.schemas import Restore, decode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
-
-PARTITIONS = next(t.partitions for t in DEFAULT_TOPICS if t.name == "events")
-_NAMES = [f"snap-{i}" for i in range(200)]
-HERE = partition_for("snap-0", PARTITIONS)
-A, B, C, D = [n for n in _NAMES if partition_for(n, PARTITIONS) == HERE][:4]
-"""Jobs on one partition: A trains and is killed after the restart, B finishes, C trains, D
-first appears after the restart."""
-E = next(n for n in _NAMES if partition_for(n, PARTITIONS) != HERE)
-"""A job on another partition."""
-CURSOR = DataCursor(data_version="v1", seed=7, epoch=0, offset=80, world_size=2)
-MACHINE: dict[str, Any] = {
-    "heartbeat_timeout_s": 600.0,
-    "startup_timeout_s": 600.0,
-    "restore_timeout_s": 600.0,
-    "progress_floor_s": 600.0,
-}
-"""No deadline passes during a test: no daemon writes a tick, so states depend on the
-published events alone and two daemons can be compared at any time."""
-
-
-def daemon_config(factory: BusFactory, daemon_id: str, interval_s: float = 3600.0) -> DaemonConfig:
-    return DaemonConfig(
-        bus=factory.config(topics=DEFAULT_TOPICS),
-        machine=MachineConfig(daemon_id=daemon_id, **MACHINE),
-        group_id=factory.group("daemon"),
-        poll_s=0.02,
-        snapshot_interval_s=interval_s,
-    )
-
-
-_SEQ = itertools.count(1)
-"""One counter for every sender: each sender's ``seq`` grows with the order of publication."""
-
-
-def _head(job: str) -> dict[str, Any]:
-    return {"job_id": job, "generation": 0, "ts": time.time_ns(), "seq": next(_SEQ), "host": "h0"}
-
-
-def started(job: str, rank: int) -> Lifecycle:
-    return Lifecycle(**_head(job), rank=rank, pid=100 + rank, kind="started", world_size=2)
-
-
-def beat(job: str, rank: int, step: int) -> Heartbeat:
-    return Heartbeat(
-        **_head(job), rank=rank, pid=100 + rank, world_size=2, step=step,
-        phase="train", loss=2.0 - step / 100,
-    )  # fmt: skip
-
-
-def shard(job: str, rank: int, step: int) -> Checkpoint:
-    return Checkpoint(
-        **_head(job), rank=rank, pid=100 + rank, world_size=2, step=step,
-        shard_uri=f"file:///ckpt/{job}/{step}/{rank}.pt", size_bytes=123,
-        digest="sha256:" + "ab" * 32, cursor=CURSOR,
-    )  # fmt: skip
-
-
-def finished(job: str, rank: int) -> Lifecycle:
-    return Lifecycle(**_head(job), rank=rank, pid=100 + rank, kind="finished", world_size=2, step=9)
-
-
-def killed(job: str, rank: int) -> Lifecycle:
-    return Lifecycle(**_head(job), rank=None, pid=900, kind="exited", ranks=(rank,), signal=9)
-
-
-def training(job: str, steps: range, *, commit_at: int | None = None) -> list[Event]:
-    events: list[Event] = []
-    for step in steps:
-        events += [beat(job, 0, step), beat(job, 1, step)]
-        if step == commit_at:
-            events += [shard(job, 0, step), shard(job, 1, step)]
-    return events
-
-
-async def publish(bus: Bus, events: list[Event]) -> None:
-    for event in events:
-        await bus.publish("events", event.job_id, encode(event))
-
-
-async def total_records(bus: Bus) -> int:
-    """Records on ``events`` (not offsets: on Kafka the daemon's transaction markers take
-    offsets too)."""
-    return len(await read_all(bus, "events"))
-
-
-async def latest_headers(bus: Bus) -> dict[str, SnapshotHeader]:
-    latest = await bus.latest_per_key("snapshots")
-    return {j: read_header(r.value or b"") for j, r in latest.items()}
-
-
-def first_phase() -> list[Event]:
-    return [
-        *(started(job, r) for job in (A, B, C, E) for r in (0, 1)),
-        *training(A, range(12), commit_at=10),
-        *training(B, range(10)),
-        finished(B, 0),
-        finished(B, 1),
-        *training(C, range(6)),
-        *training(E, range(6)),
-    ]
-
-
-async def first_daemon(factory: BusFactory, bus: Bus, keys: SnapshotKeys) -> dict[str, Any]:
-    """Publish the first phase and let daemon ``a`` fold it; its clean stop writes a round.
-    Returns its job states."""
-    events = first_phase()
-    await publish(bus, events)
-    async with running(DaemonService(daemon_config(factory, "daemon-a"), keys=keys)) as a:
-        await eventually(lambda: _folded(a, len(events)), timeout_s=60.0)
-        states = dict(a.jobs)
-    headers = await latest_headers(bus)
-    assert set(headers) == {A, B, C, E}
-    assert {(h.partition, h.round_jobs) for j, h in headers.items() if j != E} == {(HERE, 3)}
-    return states
-
-
-def fallbacks(service: DaemonService, reason: str) -> float:
-    value = service.metrics.registry.get_sample_value(
-        "trainguard_snapshot_fallbacks_total", {"reason": reason}
-    )
-    assert value is not None
-    return value
 
 
 async def test_a_daemon_restarted_from_snapshots_holds_and_decides_what_a_full_fold_does(
@@ -187,12 +68,12 @@ async def test_a_daemon_restarted_from_snapshots_holds_and_decides_what_a_full_f
 
         async with running(b):
             await eventually(lambda: _restores(bus), timeout_s=60.0)
-            await eventually(lambda: _folded(b, len(later)), timeout_s=60.0)
+            await eventually(lambda: folded(b, len(later)), timeout_s=60.0)
             await eventually(caught_up, timeout_s=60.0)
             states = dict(b.jobs)
         # It read only what came after the snapshots: the later records and its own ticks.
-        folded = b.counters["folded"]
-        assert folded == len(later) + b.counters["ticks"] == await total_records(bus) - covered
+        count = b.counters["folded"]
+        assert count == len(later) + b.counters["ticks"] == await total_records(bus) - covered
         assert states[A].phase == "restoring"
         assert (states[B].phase, states[D].phase) == ("finished", "running")
 
@@ -227,7 +108,7 @@ async def test_a_job_whose_snapshot_is_older_than_the_others_costs_only_its_own_
         first = training(A, range(12, 16))
         await publish(bus, first)
         async with running(DaemonService(daemon_config(bus_factory, "daemon-b"), keys=keys)) as b:
-            await eventually(lambda: _folded(b, len(first)), timeout_s=60.0)
+            await eventually(lambda: folded(b, len(first)), timeout_s=60.0)
         headers = await latest_headers(bus)
         assert headers[C].offset == headers[B].offset < headers[A].offset
         assert headers[A].round_jobs == 3
@@ -236,36 +117,13 @@ async def test_a_job_whose_snapshot_is_older_than_the_others_costs_only_its_own_
         await publish(bus, second)
         c = DaemonService(daemon_config(bus_factory, "daemon-c"), keys=keys)
         async with running(c):
-            await eventually(lambda: _folded(c, len(second)), timeout_s=60.0)
+            await eventually(lambda: folded(c, len(second)), timeout_s=60.0)
             states = dict(c.jobs)
         assert c.counters["folded"] == len(second)  # not A's records between P1 and P2
         full = DaemonService(daemon_config(bus_factory, "daemon-d"))
         async with running(full):
             await asyncio.wait_for(full.ready.wait(), 60)
             assert full.jobs == states
-
-
-@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)
-async def test_a_state_too_large_for_a_record_is_not_written_and_said_so(
-    bus_factory: BusFactory,
-) -> None:
-    keys = make_keys(1)
-    config = daemon_config(bus_factory, "daemon-a")
-    # Events and audit entries (under 1 kB) fit; snapshots (over 1.25 kB even for a new job)
-    # do not.
-    small = dataclasses.replace(config, bus=dataclasses.replace(config.bus, max_message_bytes=1250))
-    events = first_phase()
-    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
-        await publish(bus, events)
-        with capture_logs() as logs:
-            async with running(DaemonService(small, keys=keys)) as a:
-                await eventually(lambda: _folded(a, len(events)), timeout_s=60.0)
-        assert await bus.latest_per_key("snapshots") == {}
-    warned = {e["job_id"] for e in logs if e["event"] == "snapshot not written"}
-    assert warned == {A, B, C, E}
-    assert all(
-        "max_message_bytes" in e["error"] for e in logs if e["event"] == "snapshot not written"
-    )
 
 
 def _flip_last_bit(value: bytes) -> bytes:
@@ -398,7 +256,3 @@ async def _restores(bus: Bus) -> list[Restore]:
                 for tp in ends:  # past transaction markers, which no record carries
                     seen[tp] = await consumer.position(tp)
     return [c for c in map(decode, values) if isinstance(c, Restore)]
-
-
-async def _folded(service: DaemonService, n: int) -> bool:
-    return service.ready.is_set() and service.counters["folded"] >= n

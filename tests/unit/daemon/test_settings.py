@@ -157,6 +157,10 @@ BAD_VALUES = [
     ),
     ('[[bus.topics]]\nnme = "events"', "[bus] topics[0]: unknown key(s) ['nme']"),
     ('[[bus.topics]]\nname = "events"\npartitions = 0', "[bus] topic 'events': partitions"),
+    (
+        '[[bus.topics]]\nname = "snapshots"\nsegment_ms = 0',
+        "[bus] topic 'snapshots': segment_ms must be >= 1",
+    ),
     ("[bus.security]\nprotocol = 3", "[bus.security] protocol: expected a string"),
     (
         '[security]\nkeys_dir = "~no-such-user-tg/keys"',

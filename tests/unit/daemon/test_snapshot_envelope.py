@@ -1,6 +1,7 @@
-"""The snapshot envelope (``trainguard-snapshot/1``): a sealed state opens to exactly that state
-with its header, and every alteration, wrong key, unknown key id, foreign job, other layout or
-other configuration is refused with its reason; the loader's rule for a partition's set of
+"""The snapshot envelope (``trainguard-snapshot/2``): a sealed state opens to exactly that state
+with its header, compressed before it is encrypted, and every alteration, wrong key, unknown key
+id, foreign job, other layout or other configuration is refused with its reason; an envelope of
+the earlier uncompressed format still opens; the loader's rule for a partition's set of
 snapshots (:func:`plan_partition`) takes only complete rounds."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
+import zstandard
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +28,7 @@ from tests.support.machine_scenarios import (
     killed_job,
     play,
     run,
+    running_job,
 )
 from tests.support.snapshot_keys import Keys, make_keys, rotated
 from trainguard.daemon.core._machine import decide
@@ -33,6 +36,7 @@ from trainguard.daemon.core._state import JobPhase, JobState, new_job
 from trainguard.daemon.core._state_codec import LAYOUT, decode_state, encode_state
 from trainguard.daemon.service._snapshot_envelope import (
     FORMAT,
+    FORMAT_V1,
     SIGNING_CONTEXT,
     Round,
     SnapshotRefused,
@@ -135,6 +139,7 @@ def test_a_sealed_state_opens_to_exactly_that_state(restoring: JobState) -> None
     assert header.created_ns == restoring.clock_ns, "the state's clock, not a wall clock"
     assert (header.format, header.layout, header.trainguard) == (FORMAT, LAYOUT, "9.9.9")
     assert header.fold_config == fold_config_id(CFG)
+    assert (header.compression, header.state_bytes) == ("zstd", len(encode_state(restoring)))
     assert read_header(data) == header
     # The state is encrypted: none of its strings is readable in the record.
     assert b"restoring" not in data
@@ -264,10 +269,26 @@ def test_a_snapshot_written_before_the_outage_rule_opens_with_its_fields_at_thei
     assert (back.phase, back.settle_until_ns, back.held) == ("restoring", None, None)
 
 
+def test_the_state_is_compressed_before_it_is_encrypted() -> None:
+    """A state of many ranks (repeated field names, host names, URIs) takes a fraction of its
+    document's size: compressing after encryption would gain nothing."""
+    state, _ = running_job(Sim(world_size=64), 25)
+    document = encode_state(state)
+    data = sealed(state)
+    assert len(data) < len(document) / 3
+    assert opened(data)[1] == state
+
+
 def test_another_format_and_malformed_headers_are_refused(restoring: JobState) -> None:
     data = sealed(restoring)
     header = header_of(data)
-    assert refused(resigned(data, {**header, "format": "trainguard-snapshot/2"})).code == "format"
+    assert refused(resigned(data, {**header, "format": "trainguard-snapshot/3"})).code == "format"
+    # A /2 header without the fields /2 added, or a /1 header with them: malformed.
+    bare = {k: v for k, v in header.items() if k not in ("compression", "state_bytes")}
+    assert refused(resigned(data, bare)).code == "malformed"
+    assert refused(resigned(data, {**header, "format": FORMAT_V1})).code == "malformed"
+    assert refused(resigned(data, {**header, "compression": "lz4"})).code == "malformed"
+    assert refused(resigned(data, {**header, "state_bytes": -1})).code == "malformed"
     assert refused(resigned(data, {k: v for k, v in header.items() if k != "offset"})).code == (
         "malformed"
     )
@@ -279,16 +300,66 @@ def test_another_format_and_malformed_headers_are_refused(restoring: JobState) -
     assert refused(resigned(data, {**header, "offset": 119})).code == "tag"
 
 
+def signed_body(body: bytes, **header: Any) -> bytes:
+    """An envelope of ``body`` (the bytes encrypted, after any compression) under a valid
+    header changed by ``header``, signed: what only a faulty writer could make."""
+    fields = {**header_of(sealed(new_job(JOB))), **header}
+    raw = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
+    ciphertext = AESGCM(KEYS.data_key).encrypt(NONCE, body, raw)
+    signed = struct.pack(">I", len(raw)) + raw + NONCE + ciphertext
+    return signed + KEYS.signing.sign(SIGNING_CONTEXT + signed)
+
+
+def zstd(data: bytes, *, with_size: bool = True) -> bytes:
+    return zstandard.ZstdCompressor(write_content_size=with_size).compress(data)
+
+
 def test_a_signed_body_that_is_no_state_of_the_job_is_refused() -> None:
-    """What only a faulty writer could make: refused as malformed, never half-read."""
-    base = sealed(new_job(JOB))
-    header = header_of(base)
-    raw = orjson.dumps(header, option=orjson.OPT_SORT_KEYS)
-    for body in (b"not a state", encode_state(new_job("someone-else"))):
-        ciphertext = AESGCM(KEYS.data_key).encrypt(NONCE, body, raw)
-        signed = struct.pack(">I", len(raw)) + raw + NONCE + ciphertext
-        data = signed + KEYS.signing.sign(SIGNING_CONTEXT + signed)
+    """Refused as malformed, never half-read."""
+    for document in (b"not a state", encode_state(new_job("someone-else"))):
+        data = signed_body(zstd(document), state_bytes=len(document))
         assert refused(data).code == "malformed"
+
+
+def test_a_signed_body_that_does_not_decompress_to_its_stated_size_is_refused() -> None:
+    """Refused as malformed; a frame that states a size other than the header's is refused
+    before anything is decompressed, one that states none is cut at the header's size."""
+    document = encode_state(new_job(JOB))
+    assert opened(signed_body(zstd(document), state_bytes=len(document)))[1] == new_job(JOB)
+    cases = [
+        (document, len(document)),  # not compressed at all
+        (zstd(document), len(document) - 1),
+        (zstd(document), len(document) + 1),
+        (zstd(document, with_size=False), len(document) - 1),
+        (zstd(document, with_size=False), len(document) + 1),
+        (zstd(document)[:-3], len(document)),
+    ]
+    for body, size in cases:
+        exc = refused(signed_body(body, state_bytes=size))
+        assert exc.code == "malformed", (size, exc)
+        assert "decompress" in exc.reason or "states" in exc.reason
+
+
+V1 = Path(__file__).with_name("data") / "snapshot-v1.bin"
+"""A ``trainguard-snapshot/1`` envelope as the build before compression wrote it: the
+``restoring`` state, partition 2, offset 118, round of ``job``, ``b``, ``c``, keys of seed 1,
+nonce 0..11, written by trainguard 0.1.0."""
+
+
+def test_an_uncompressed_snapshot_of_the_earlier_format_still_opens(restoring: JobState) -> None:
+    """A daemon upgraded in place starts from the snapshots its predecessor left (the envelope
+    module says why they are read, not refused)."""
+    data = V1.read_bytes()
+    header, state = opened(data)
+    assert state == restoring
+    assert (header.format, header.compression, header.state_bytes) == (FORMAT_V1, "none", None)
+    assert header.round == Round.of(2, 118, [JOB, "b", "c"])
+    assert read_header(data) == header
+    assert header.to_bytes() == data[4 : 4 + struct.unpack_from(">I", data)[0]]
+    # Its own signing context: the same bytes under /2's are not a valid signature.
+    assert refused(flip(data, len(data) - 1)).code == "bad_signature"
+    with_v2_signature = data[:-64] + KEYS.signing.sign(SIGNING_CONTEXT + data[:-64])
+    assert refused(with_v2_signature).code == "bad_signature"
 
 
 def test_rotated_keys_open_old_and_new_snapshots(restoring: JobState) -> None:

@@ -35,7 +35,7 @@ from trainguard.schemas._auth import (
     verify_raw_mac,
     verify_signature,
 )
-from trainguard.schemas._codec import DEFAULT_MAX_BYTES, decode, encode
+from trainguard.schemas._codec import DEFAULT_MAX_BYTES, decode, decode_parsed, encode
 from trainguard.schemas._errors import (
     MessageTooLarge,
     NestingTooDeep,
@@ -156,6 +156,7 @@ __all__ = [
     "canonical_bytes",
     "decode",
     "decode_maced",
+    "decode_parsed",
     "encode",
     "files_digest",
     "head_path",

@@ -76,7 +76,7 @@ DEFAULT_BUS_URL = default_bus_url()
 DEFAULT_TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec("events", partitions=6),
     TopicSpec("commands", partitions=6, compacted=True),
-    TopicSpec("snapshots", partitions=6, compacted=True),
+    TopicSpec("snapshots", partitions=6, compacted=True, segment_ms=3_600_000),
     TopicSpec("manifests", partitions=6),
     TopicSpec("audit", partitions=6, retention_ms=-1),
     TopicSpec("dead-letter", partitions=1),
@@ -85,7 +85,9 @@ DEFAULT_TOPICS: tuple[TopicSpec, ...] = (
 ``manifests`` and ``audit`` are keyed by job id and share one partition count so that one
 job's records of every kind sit on the same partition number (co-partitioning). ``audit`` is
 kept forever (``retention.ms=-1``): it is the record a replay verifies against; the others keep
-the broker's retention."""
+the broker's retention. ``snapshots`` closes a segment every hour (``segment.ms``), so Kafka
+compacts the snapshots (and chunks) that newer ones replaced within about an hour, and a
+starting daemon, which reads the whole topic, does not read a week of them."""
 
 
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -326,7 +328,7 @@ class BusConfig:
             :data:`MAX_TIMEOUT_S`, ``max_message_bytes`` outside 1..:data:`MAX_MESSAGE_BYTES`,
             ``replication_factor`` outside 1..32767, a topic's partitions outside
             1..2**31-1 (Kafka's 32-bit count), a
-            ``retention_ms`` below -1, or two topics of one name.
+            ``retention_ms`` below -1, a ``segment_ms`` below 1, or two topics of one name.
     """
 
     url: str
@@ -369,6 +371,8 @@ class BusConfig:
                 raise ValueError(f"topic {spec.name!r}: partitions must be 1..{2**31 - 1}")
             if spec.retention_ms is not None and spec.retention_ms < -1:
                 raise ValueError(f"topic {spec.name!r}: retention_ms must be >= -1 (-1: forever)")
+            if spec.segment_ms is not None and spec.segment_ms < 1:
+                raise ValueError(f"topic {spec.name!r}: segment_ms must be >= 1")
 
 
 def topic_prefixes(names: Iterable[str]) -> list[str]:

@@ -279,6 +279,8 @@ class KafkaBus(Bus):
         }
         if spec.retention_ms is not None and not spec.compacted:
             configs["retention.ms"] = str(spec.retention_ms)
+        if spec.segment_ms is not None:
+            configs["segment.ms"] = str(spec.segment_ms)
         return NewTopic(self._full(spec.name), spec.partitions, replication, topic_configs=configs)
 
     async def close(self) -> None:
@@ -325,7 +327,9 @@ class KafkaBus(Bus):
             count = self._partition_counts[topic] = len(found)
         return count
 
-    async def send(self, topic: str, key: str, value: bytes | None) -> asyncio.Future[Delivery]:
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> asyncio.Future[Delivery]:
         """Queue one record; the returned future resolves when the cluster acknowledged it.
 
         The future raises :class:`DeliveryFailed` for a value over ``max_message_bytes``
@@ -347,7 +351,11 @@ class KafkaBus(Bus):
                 )
             )
             return delivery
-        partition = partition_for(key, await self.partitions(topic))
+        count = await self.partitions(topic)
+        if partition is None:
+            partition = partition_for(key, count)
+        elif not 0 <= partition < count:
+            raise errors.BusError(f"{topic} has no partition {partition} (it has {count})")
         try:
             sent = await producer.send(
                 self._full(topic), value, key=key.encode(), partition=partition
@@ -374,7 +382,9 @@ class KafkaBus(Bus):
         sent.add_done_callback(_done)
         return delivery
 
-    async def publish(self, topic: str, key: str, value: bytes | None) -> Delivery:
+    async def publish(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> Delivery:
         """Send one record and wait for its acknowledgement, at most ``send_timeout_s + 5``
         seconds.
 
@@ -383,7 +393,7 @@ class KafkaBus(Bus):
                 record and appends it once the broker answers, so sending it again while this
                 bus lives can append it twice), or see :meth:`send`.
         """
-        delivery = await self.send(topic, key, value)
+        delivery = await self.send(topic, key, value, partition=partition)
         try:
             # aiokafka never expires a record while the broker is away (#1101: the producer
             # just waits), so the bound is ours. Shielded: a timeout must not cancel the
@@ -858,7 +868,9 @@ class _KafkaPartitionWriter(PartitionWriter):
             err.retriable = True
             raise err
 
-    async def send(self, topic: str, key: str, value: bytes | None) -> None:
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> None:
         """See :meth:`PartitionWriter.send`."""
         self._check()
         if value is not None and len(value) > self._bus._config.max_message_bytes:
@@ -866,7 +878,11 @@ class _KafkaPartitionWriter(PartitionWriter):
                 f"{topic}: record of {len(value)} bytes exceeds max_message_bytes="
                 f"{self._bus._config.max_message_bytes}"
             )
-        partition = partition_for(key, await self._bus.partitions(topic))
+        count = await self._bus.partitions(topic)
+        if partition is None:
+            partition = partition_for(key, count)
+        elif not 0 <= partition < count:
+            raise errors.BusError(f"{topic} has no partition {partition} (it has {count})")
         await self._begin()
         try:
             sent = await self._producer.send(

@@ -102,12 +102,18 @@ class TopicSpec:
             ``-1`` keeps every record forever. Set when the topic is created only (change a
             live topic with ``kafka-configs.sh --alter``). The embedded bus keeps the records of
             every topic that is not compacted forever.
+        segment_ms: Kafka's ``segment.ms`` (a segment is closed after this long), set when the
+            topic is created: ``None`` leaves the broker's default (7 days). Kafka compacts
+            only closed segments, so a compacted topic read whole at every start (``snapshots``,
+            whose large jobs write megabytes of chunks per round) keeps every superseded record
+            until its segment closes. The embedded bus compacts by age alone and ignores it.
     """
 
     name: str
     partitions: int = 1
     compacted: bool = False
     retention_ms: int | None = None
+    segment_ms: int | None = None
 
 
 class Consumer(abc.ABC):
@@ -208,16 +214,22 @@ class PartitionWriter(abc.ABC):
         writer epoch."""
 
     @abc.abstractmethod
-    async def send(self, topic: str, key: str, value: bytes | None) -> None:
-        """Add one record (to ``key``'s partition of logical ``topic``) to the open
-        transaction, opening one if none is; returns without waiting for the bus.
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> None:
+        """Add one record to the open transaction, opening one if none is; returns without
+        waiting for the bus. ``value=None`` writes a tombstone.
+
+        The record goes to ``key``'s partition of logical ``topic``, or to ``partition`` when
+        given: records under keys of their own that must sit with another key's records (a
+        job's snapshot chunks, whose keys would hash elsewhere) name that key's partition.
 
         Raises:
             DeliveryFailed: the value is over ``max_message_bytes``: nothing was added, the
                 transaction goes on.
             Fenced: the writer was fenced; it is unusable.
-            BusError: an unknown topic, the writer closed, or (retriable) the bus refused the
-                record: :meth:`abort`, then go on.
+            BusError: an unknown topic, a ``partition`` the topic does not have, the writer
+                closed, or (retriable) the bus refused the record: :meth:`abort`, then go on.
         """
 
     @abc.abstractmethod
@@ -279,17 +291,23 @@ class Bus(abc.ABC):
         """Number of partitions of logical topic ``topic``."""
 
     @abc.abstractmethod
-    async def send(self, topic: str, key: str, value: bytes | None) -> asyncio.Future[Delivery]:
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> asyncio.Future[Delivery]:
         """Queue one record and return a future that resolves once it is durable.
 
         Returning before delivery lets callers pipeline many sends; the future raises
         :class:`~trainguard.agent.bus.BusError` if the record could not be delivered.
-        ``value=None`` writes a tombstone.
+        ``value=None`` writes a tombstone. The record goes to ``key``'s partition, or to
+        ``partition`` when given (as :meth:`PartitionWriter.send`); a partition the topic
+        does not have raises :class:`~trainguard.agent.bus.BusError`.
         """
 
-    async def publish(self, topic: str, key: str, value: bytes | None) -> Delivery:
+    async def publish(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> Delivery:
         """Send one record and wait until it is durable (bounded by the send timeout)."""
-        return await (await self.send(topic, key, value))
+        return await (await self.send(topic, key, value, partition=partition))
 
     @abc.abstractmethod
     async def subscribe(

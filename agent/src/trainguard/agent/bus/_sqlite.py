@@ -193,7 +193,9 @@ class SQLiteBus(Bus):
         self._check_open()
         return (await self._topic(topic)).partitions
 
-    async def send(self, topic: str, key: str, value: bytes | None) -> asyncio.Future[Delivery]:
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> asyncio.Future[Delivery]:
         """See :meth:`Bus.send`.
 
         The future fails with :class:`DeliveryFailed` when ``value`` is longer than
@@ -204,6 +206,10 @@ class SQLiteBus(Bus):
         self._check_open()
         meta = await self._topic(topic)
         self._check_open()  # close() may have run while the topic was looked up
+        if partition is None:
+            partition = partition_for(key, meta.partitions)
+        elif not 0 <= partition < meta.partitions:
+            raise BusError(f"{topic} has no partition {partition} (it has {meta.partitions})")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Delivery] = loop.create_future()
         if value is not None and len(value) > self._config.max_message_bytes:
@@ -215,7 +221,6 @@ class SQLiteBus(Bus):
             )
             return future
         deadline = time.monotonic() + self._config.send_timeout_s
-        partition = partition_for(key, meta.partitions)
         self._pending.append((meta.topic_id, partition, key, value, future, deadline))
         if self._flusher is None or self._flusher.done():
             self._flusher = loop.create_task(self._flush(), name="trainguard-bus-flush")

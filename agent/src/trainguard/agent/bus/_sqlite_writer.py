@@ -90,17 +90,23 @@ class SQLitePartitionWriter(PartitionWriter):
                 "(its assignment changed or its lease ended)"
             )
 
-    async def send(self, topic: str, key: str, value: bytes | None) -> None:
+    async def send(
+        self, topic: str, key: str, value: bytes | None, *, partition: int | None = None
+    ) -> None:
         """See :meth:`PartitionWriter.send`: buffered until :meth:`commit`."""
         self._check()
         meta = self._topic(topic)
         if meta is None:
             raise BusError(f"unknown topic {topic!r}")
+        if partition is None:
+            partition = partition_for(key, meta.partitions)
+        elif not 0 <= partition < meta.partitions:
+            raise BusError(f"{topic} has no partition {partition} (it has {meta.partitions})")
         if value is not None and len(value) > self._max:
             raise DeliveryFailed(
                 f"{topic}: value of {len(value)} bytes exceeds max_message_bytes={self._max}"
             )
-        self._rows.append((meta.topic_id, partition_for(key, meta.partitions), key, value))
+        self._rows.append((meta.topic_id, partition, key, value))
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         """See :meth:`PartitionWriter.commit`: one write transaction that checks ownership,

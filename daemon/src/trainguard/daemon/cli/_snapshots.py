@@ -2,7 +2,8 @@
 (:mod:`trainguard.daemon.service._snapshot_envelope`; ``docs/security.md``).
 
 * ``list`` prints each job's latest snapshot header: partition, covered offset, the state's
-  clock, key ids and size. Headers are shown as written, **unverified**.
+  clock, key ids, size and, for one written in chunks, their number. Headers are shown as
+  written, **unverified**.
 * ``show JOB`` verifies and decrypts one job's snapshot with the keys its header names, read
   from the key directory (live or retired), and no other, then prints the state's summary.
 * ``verify`` opens every snapshot with the daemon's live keys (what a starting daemon holds)
@@ -109,6 +110,25 @@ def _latest(bus: BusConfig) -> dict[str, Record]:
         _fail(str(exc))
 
 
+def _jobs(latest: dict[str, Record]) -> dict[str, Record]:
+    """The records of ``latest`` under job keys (each job's snapshot or chunk head), without
+    the chunks."""
+    from trainguard.daemon.service import chunk_job
+
+    return {key: record for key, record in latest.items() if chunk_job(key) is None}
+
+
+def _chunks(latest: dict[str, Record], partition: int) -> dict[str, bytes]:
+    """The chunk records of ``latest`` on ``partition``: chunk key -> value."""
+    from trainguard.daemon.service import chunk_job
+
+    return {
+        key: record.value
+        for key, record in latest.items()
+        if record.partition == partition and record.value is not None and chunk_job(key)
+    }
+
+
 def _time(ns: int) -> str:
     return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
 
@@ -121,17 +141,18 @@ def list_snapshots(
     output_format: FormatOption = OutputFormat.text,
 ) -> None:
     """Each job's latest snapshot: partition, covered offset (the next record of events it has
-    not folded), the state's clock, signing and data key ids, size. Headers are unverified
-    (use verify)."""
-    from trainguard.daemon.service import SnapshotRefused, read_header
+    not folded), the state's clock, signing and data key ids, size (the whole snapshot's, for
+    one written in chunks) and chunks (0: one record). Headers are unverified (use
+    verify)."""
+    from trainguard.daemon.service import SnapshotRefused, read_record_header
 
     settings = _settings(config, bus, topic_prefix)
     rows: list[dict[str, object]] = []
-    for job, record in sorted(_latest(settings.bus).items()):
+    for job, record in sorted(_jobs(_latest(settings.bus)).items()):
         value = record.value or b""
         row: dict[str, object] = {"job_id": job, "partition": record.partition, "bytes": len(value)}
         try:
-            header = read_header(value)
+            header, head = read_record_header(value)
         except SnapshotRefused as exc:
             row["error"] = str(exc)
         else:
@@ -142,7 +163,11 @@ def list_snapshots(
                 "data_kid": header.data_kid,
                 "round_jobs": header.round_jobs,
                 "trainguard": header.trainguard,
+                "format": header.format,
+                "chunks": 0 if head is None else len(head.chunks),
             }
+            if head is not None:
+                row["bytes"] = head.size
         rows.append(row)
     if output_format is OutputFormat.json:
         typer.echo(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
@@ -152,7 +177,7 @@ def list_snapshots(
         return
     typer.echo(
         f"{'JOB':24} {'PART':>4} {'OFFSET':>9} {'CREATED':24} {'SIGNING KID':16} "
-        f"{'DATA KID':16} {'BYTES':>8}"
+        f"{'DATA KID':16} {'BYTES':>9} {'CHUNKS':>6}"
     )
     for r in rows:
         if "error" in r:
@@ -160,7 +185,7 @@ def list_snapshots(
             continue
         typer.echo(
             f"{r['job_id']:24} {r['partition']:>4} {r['offset']:>9} {r['created']:24} "
-            f"{r['signing_kid']:16} {r['data_kid']:16} {r['bytes']:>8}"
+            f"{r['signing_kid']:16} {r['data_kid']:16} {r['bytes']:>9} {r['chunks']:>6}"
         )
 
 
@@ -179,14 +204,15 @@ def show(
     retired, from the key directory; no other key is read) and print the state's summary.
     Exits 1 when the snapshot is refused (the reason is printed)."""
     from trainguard.agent.keys import KeyStore, KeyStoreError, keys_dir
-    from trainguard.daemon.service import SnapshotRefused, open_snapshot, read_header
+    from trainguard.daemon.service import SnapshotRefused, open_record, read_record_header
 
     settings = _settings(config, bus, topic_prefix)
-    record = _latest(settings.bus).get(job)
+    latest = _latest(settings.bus)
+    record = _jobs(latest).get(job)
     if record is None or record.value is None:
         _fail(f"no snapshot of job {job!r} on {settings.bus.url}")
     try:
-        header = read_header(record.value)
+        header, _ = read_record_header(record.value)
     except SnapshotRefused as exc:
         typer.secho(f"refused: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -197,7 +223,9 @@ def show(
     except KeyStoreError as exc:
         _fail(str(exc))
     try:
-        header, state = open_snapshot(record.value, verify, data, job)
+        header, state = open_record(
+            record.value, _chunks(latest, record.partition), verify, data, job
+        )
     except SnapshotRefused as exc:
         typer.secho(f"refused: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -289,7 +317,7 @@ def verify(
         Fallback,
         SnapshotRefused,
         fold_config_id,
-        open_snapshot,
+        open_record,
         plan_partition,
     )
 
@@ -300,13 +328,22 @@ def verify(
     except KeyStoreError as exc:
         _fail(str(exc))
     latest = _latest(settings.bus)
+    jobs = _jobs(latest)
     bad: list[str] = []
     by_partition: dict[int, dict[str, bytes]] = {}
-    for job, record in sorted(latest.items()):
-        value = record.value or b""
-        by_partition.setdefault(record.partition, {})[job] = value
+    for key, record in sorted(latest.items()):
+        by_partition.setdefault(record.partition, {})[key] = record.value or b""
+    for job, record in sorted(jobs.items()):
+        chunks = _chunks(latest, record.partition)
         try:
-            open_snapshot(value, daemon_keys.verify, daemon_keys.data, job, fold_config=fold)
+            open_record(
+                record.value or b"",
+                chunks,
+                daemon_keys.verify,
+                daemon_keys.data,
+                job,
+                fold_config=fold,
+            )
         except SnapshotRefused as exc:
             bad.append(f"job {job} (partition {record.partition}): {exc}")
     for partition, values in sorted(by_partition.items()):
@@ -315,7 +352,7 @@ def verify(
             bad.append(f"partition {partition}: {plan.reason}: {plan.detail}")
     for line in bad:
         typer.secho(line, fg=typer.colors.RED)
-    good = len(latest) - sum(line.startswith("job ") for line in bad)
-    typer.echo(f"{good} of {len(latest)} snapshots verified, {len(by_partition)} partition(s)")
+    good = len(jobs) - sum(line.startswith("job ") for line in bad)
+    typer.echo(f"{good} of {len(jobs)} snapshots verified, {len(by_partition)} partition(s)")
     if bad:
         raise typer.Exit(1)

@@ -5,8 +5,9 @@ job's records through :func:`trainguard.daemon.core.decide`, and writes what the
 (commands, manifests, audit entries, ticks) in one transaction per owned partition
 (:mod:`._partitions`). Around it: the settings file (:mod:`._settings`, checked by
 :mod:`trainguard.schemas.settings`), keys and authentication (:mod:`._security`), state snapshots (the
-signed and encrypted envelope :mod:`._snapshot_envelope`, the topic's reader and writer
-:mod:`._snapshot_store`), pulse ticks (:mod:`._pulse`), the bus probe (:mod:`._bus_watch`),
+compressed, signed and encrypted envelope :mod:`._snapshot_envelope`, the chunks of one larger
+than a record :mod:`._snapshot_chunks`, the topic's reader and writer :mod:`._snapshot_store`),
+pulse ticks (:mod:`._pulse`), the bus probe (:mod:`._bus_watch`),
 the daemon's own pruning of checkpoints (:mod:`._pruning`), metrics and HTTP endpoints
 (:mod:`._metrics`, :mod:`._http`) and log set-up (:mod:`._logging`).
 """
@@ -25,6 +26,11 @@ if TYPE_CHECKING:
     from trainguard.daemon.service._settings import DaemonConfig as DaemonConfig
     from trainguard.daemon.service._settings import RetentionConfig as RetentionConfig
     from trainguard.daemon.service._settings import load_daemon_config as load_daemon_config
+    from trainguard.daemon.service._snapshot_chunks import chunk_job as chunk_job
+    from trainguard.daemon.service._snapshot_chunks import open_record as open_record
+    from trainguard.daemon.service._snapshot_chunks import (
+        read_record_header as read_record_header,
+    )
     from trainguard.daemon.service._snapshot_envelope import SnapshotRefused as SnapshotRefused
     from trainguard.daemon.service._snapshot_envelope import fold_config_id as fold_config_id
     from trainguard.daemon.service._snapshot_envelope import open_snapshot as open_snapshot
@@ -42,6 +48,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         "_logging": ["configure_logging"],
         "_security": ["load_keys"],
         "_settings": ["DaemonConfig", "RetentionConfig", "load_daemon_config"],
+        "_snapshot_chunks": ["chunk_job", "open_record", "read_record_header"],
         "_snapshot_envelope": ["SnapshotRefused", "fold_config_id", "open_snapshot", "read_header"],
         "_snapshot_store": ["Fallback", "plan_partition"],
     },

@@ -269,7 +269,9 @@ class DaemonService:
         self._auth, self._rebuild_auth = self._event_auth()
         self._keys_due = time.monotonic() + config.security.key_reload_s
         self._snapshots = (
-            Snapshots(config.machine, self.metrics) if config.snapshot_interval_s > 0 else None
+            Snapshots(config.machine, self.metrics, max_message_bytes=config.bus.max_message_bytes)
+            if config.snapshot_interval_s > 0
+            else None
         )
         self._snapshot_due = time.monotonic() + config.snapshot_interval_s
         self._watch = BusWatch(
@@ -1070,8 +1072,10 @@ class DaemonService:
                 return
             part.wrote = part.wrote or written > 0
             self._start_commit(part)
-            if await self._settle(part) and written:
-                log.info("snapshots written", partition=p, offset=part.position, jobs=written)
+            if await self._settle(part):
+                snapshots.committed(p)
+                if written:
+                    log.info("snapshots written", partition=p, offset=part.position, jobs=written)
 
         await asyncio.gather(*(one(part) for part in parts))
 

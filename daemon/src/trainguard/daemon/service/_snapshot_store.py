@@ -1,8 +1,12 @@
 """Job-state snapshots on the bus: the daemon's writer and loader, and the rule that decides
 whether a partition may be rebuilt from its snapshots (:func:`plan_partition`).
 
-The envelope (sign + encrypt) is :mod:`trainguard.daemon.service._snapshot_envelope`; this module reads and
-writes the compacted ``snapshots`` topic (key: job id; co-partitioned with ``events``).
+The envelope (compress + encrypt + sign) is :mod:`trainguard.daemon.service._snapshot_envelope`,
+the chunks of one larger than a record :mod:`trainguard.daemon.service._snapshot_chunks`; this
+module reads and writes the compacted ``snapshots`` topic (co-partitioned with ``events``). A
+job's *snapshot* is the latest record of its key (the job id): the envelope when it fits one
+record (``max_message_bytes``), else the signed head of its chunks, whose records sit on the
+same partition under keys of their own (``<job>/chunk/<offset>/<index>``).
 
 **Writing.** Every ``snapshot_interval_s`` and on a clean shutdown, for each owned partition
 of ``events`` whose position ``P`` is caught up with the group's committed position, the
@@ -10,17 +14,28 @@ service hands every job it holds in the partition to :meth:`Snapshots.write`: on
 ``P``, sent in the partition's transaction that commits ``P`` (so everything below ``P`` has
 been acted on exactly when the round is visible). Each snapshot's header
 names ``P`` and the round's jobs (count and digest, :class:`~trainguard.daemon.service._snapshot_envelope.Round`).
-A job whose state is the very object last written for it, under the current key ids, is not
-written again: its latest snapshot, at an older position, still holds its current state (a
-finished job's state never changes again).
+A job whose state is the very object last written for it (in a committed round), under the
+current key ids, is not written again: its latest snapshot, at an older position, still holds
+its current state (a finished job's state never changes again). For a job written in chunks,
+the transaction holds, in this order, the chunks, the head, and a tombstone (a null value) for
+every chunk key of the job's earlier snapshots that the new one does not reuse, so compaction
+deletes them; the chunk records name the partition explicitly (their keys would hash
+elsewhere). Sealing (encoding, compressing, encrypting, signing, hashing chunks) runs in a
+worker thread, so a large state does not stall the event loop; the records are sent from the
+loop, in the transaction, as before.
 
 **Loading** (:meth:`Snapshots.load`, then :func:`plan_partition` per partition). The latest
-snapshot of each job on the partition is opened (verified and decrypted); ``P_max`` is the
+snapshot of each job on the partition is opened (verified, chunks joined and checked against
+their head, decrypted, decompressed, decoded; in a worker thread); ``P_max`` is the
 highest position among them and ``R`` the round written there. The partition is rebuilt from
 its snapshots when every one opens, they all name this partition, the jobs found are exactly
 ``R``'s jobs, and ``P_max`` is at most the group's committed position ``C``; else the reason is
 logged, counted (``trainguard_snapshot_fallbacks_total``) and the partition is folded from
-offset 0 as without snapshots. The rebuild reads from ``S`` = the least position among the
+offset 0 as without snapshots. A chunk missing, of another size or digest than its head lists
+(altered, truncated, swapped in from another snapshot) or a stale head whose chunks were
+tombstoned refuses the job's snapshot like a bad signature does (``chunk_missing``,
+``chunk_corrupt``): a fallback, never a wrong state. The rebuild reads from ``S`` = the least
+position among the
 snapshots of jobs that are not finished or failed (``P_max`` if all are), skips each job's
 records below its own snapshot's position, and folds everything else as usual (silently below
 ``C``).
@@ -52,15 +67,23 @@ zombie after a rebalance), or an attacker who re-publishes older valid snapshots
 ``S`` smaller or a round incomplete: points 1-4 use nothing but each snapshot's own position.
 Forging a newer one takes the signing key.
 
+Chunks change none of this: a head and its chunks are written in one transaction, so a reader
+(read committed) sees all of a job's new snapshot or none of it, with the tombstones of the old
+chunks; a job's snapshot is whatever its key's latest record and the chunks that record lists
+make up, and :func:`~trainguard.daemon.service._snapshot_chunks.join` accepts nothing else
+(each chunk's size and SHA-256 are in the signed head). So point 1 holds of every snapshot that
+opens, and points 2-4 only ever read snapshots that open.
+
 Snapshots are off without keys, and with ``snapshot_interval_s = 0`` (neither written nor
 read).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version as _dist_version
 from typing import Protocol
 
@@ -70,6 +93,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from trainguard.agent.bus import Bus, BusError, DeliveryFailed, PartitionWriter
 from trainguard.daemon.core import TERMINAL_PHASES, JobState, MachineConfig, StateFormatError
 from trainguard.daemon.service._metrics import DaemonMetrics
+from trainguard.daemon.service._snapshot_chunks import chunk_job, open_record, split
 from trainguard.daemon.service._snapshot_envelope import (
     NONCE_BYTES,
     FallbackReason,
@@ -78,7 +102,6 @@ from trainguard.daemon.service._snapshot_envelope import (
     SnapshotRefused,
     fold_config_id,
     job_set_digest,
-    open_snapshot,
     seal,
 )
 
@@ -162,8 +185,10 @@ def plan_partition(
 
     Args:
         partition: the partition.
-        values: job id -> the value of that job's latest record on ``snapshots`` (the records
-            on this partition of ``snapshots``).
+        values: key -> the value of that key's latest record on this partition of
+            ``snapshots`` (tombstoned keys left out): each job's snapshot under its job id, and
+            the chunks of those written in chunks under their chunk keys (a chunk no head lists
+            is ignored).
         keys: the keys to verify and decrypt with.
         fold_config: this daemon's :func:`~trainguard.daemon.service._snapshot_envelope.fold_config_id`
             (``None``: not checked, for inspection tools).
@@ -174,13 +199,15 @@ def plan_partition(
         ``None`` when there is no snapshot (fold from offset 0), a :class:`Rebuild`, or a
         :class:`Fallback` naming why the snapshots cannot be used.
     """
-    if not values:
+    chunks = {key: value for key, value in values.items() if chunk_job(key) is not None}
+    jobs = {key: value for key, value in values.items() if key not in chunks}
+    if not jobs:
         return None
     opened: dict[str, tuple[SnapshotHeader, JobState]] = {}
-    for job, value in sorted(values.items()):
+    for job, value in sorted(jobs.items()):
         try:
-            header, state = open_snapshot(
-                value, keys.verify, keys.data, job, fold_config=fold_config
+            header, state = open_record(
+                value, chunks, keys.verify, keys.data, job, fold_config=fold_config
             )
         except SnapshotRefused as exc:
             return Fallback(exc.code, f"snapshot of job {job!r} refused: {exc.reason}", job)
@@ -227,6 +254,23 @@ class _Written:
     kids: tuple[str, str]
 
 
+@dataclass(frozen=True, slots=True)
+class _Sealed:
+    """One job's snapshot as records: ``(key, value)`` in the order they are sent (the chunks,
+    then the job's own key), and the chunk keys among them."""
+
+    records: tuple[tuple[str, bytes], ...]
+    chunk_keys: frozenset[str]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """What a round sent for one partition, taken in when its transaction commits."""
+
+    written: dict[str, _Written] = field(default_factory=dict)
+    chunks: dict[str, frozenset[str]] = field(default_factory=dict)
+
+
 class Snapshots:
     """The daemon's snapshot writer and loader. Keys are passed to each call, so a daemon
     that reloads its keys (a rotation) writes under the new ones from its next round.
@@ -234,7 +278,10 @@ class Snapshots:
     Args:
         config: the configuration this daemon folds under.
         metrics: counts written snapshots and fallbacks.
-        nonce: source of fresh 12-byte GCM nonces (``os.urandom`` by default).
+        max_message_bytes: the bus's largest record value, bytes: a snapshot larger than this
+            is written in chunks of at most this size.
+        nonce: source of fresh 12-byte GCM nonces (``os.urandom`` by default); called from a
+            worker thread.
     """
 
     def __init__(
@@ -242,23 +289,30 @@ class Snapshots:
         config: MachineConfig,
         metrics: DaemonMetrics,
         *,
+        max_message_bytes: int,
         nonce: Callable[[], bytes] = lambda: os.urandom(NONCE_BYTES),
     ) -> None:
         self._config = config
         self._fold_config = fold_config_id(config)
         self._metrics = metrics
+        self._limit = max_message_bytes
         self._nonce = nonce
         self._version = _dist_version("trainguard")
         self._written: dict[str, _Written] = {}
+        # Chunk keys of each job that may hold a value on the bus: those found at load, and
+        # those sent since, until a committed round replaced them by tombstones.
+        self._chunks: dict[str, frozenset[str]] = {}
+        self._pending: dict[int, _Pending] = {}
 
     async def load(
         self, bus: Bus, committed: Mapping[int, int], keys: SnapshotKeys
     ) -> dict[int, Rebuild]:
         """Plan the rebuild of each partition in ``committed`` (partition -> the group's
-        committed position) from the latest snapshots on the bus, opened with ``keys``; a
-        partition missing from the
-        result is folded from offset 0 (no snapshot; a fallback, logged and counted; or the
-        ``snapshots`` topic could not be read, logged).
+        committed position) from the latest snapshots on the bus, opened with ``keys`` in a
+        worker thread; a partition missing from the result is folded from offset 0 (no
+        snapshot; a fallback, logged and counted; or the ``snapshots`` topic could not be
+        read, logged). The chunk keys found on those partitions are remembered, so the next
+        snapshot of their job replaces them with tombstones.
         """
         try:
             latest = await bus.latest_per_key(TOPIC)
@@ -266,12 +320,18 @@ class Snapshots:
             log.warning("snapshots unreadable: partitions rebuilt from the log", error=str(exc))
             return {}
         values: dict[int, dict[str, bytes]] = {p: {} for p in committed}
-        for job, record in latest.items():
+        found: dict[str, set[str]] = {}
+        for key, record in latest.items():
             if record.partition in values and record.value is not None:
-                values[record.partition][job] = record.value
+                values[record.partition][key] = record.value
+                job = chunk_job(key)
+                if job is not None:
+                    found.setdefault(job, set()).add(key)
+        self._chunks.update({job: frozenset(keys_) for job, keys_ in found.items()})
         plans: dict[int, Rebuild] = {}
         for partition, position in sorted(committed.items()):
-            plan = plan_partition(
+            plan = await asyncio.to_thread(
+                plan_partition,
                 partition,
                 values[partition],
                 keys,
@@ -312,28 +372,70 @@ class Snapshots:
         """Write one round into ``partition``'s open transaction (``out``): the snapshots of
         ``states`` (every job held in ``partition``, each folded up to ``position``, the
         position the caller commits with them), sealed with ``keys``' current signing and
-        data keys; a job whose state and key ids are those of its last written snapshot is
-        left out. Returns the number of snapshots sent.
+        data keys in a worker thread; a job whose state and key ids are those of its last
+        snapshot written in a committed round is left out. A snapshot over the bus's
+        ``max_message_bytes`` is sent as its chunks and head, followed by tombstones for the
+        job's older chunk keys (module docstring). Returns the number of snapshots sent; call
+        :meth:`committed` once the transaction committed.
 
         A round whose transaction aborts leaves each job's previous snapshot as its latest:
-        older, still its state at its own position (point 1 above), so a rebuild stays exact.
+        older, still its state at its own position (point 1 above), so a rebuild stays exact;
+        its jobs are written again in the next round.
 
-        A snapshot over the bus's ``max_message_bytes`` is left out (logged); the job's
-        previous one, if any, stays its latest.
+        A snapshot whose head alone is over ``max_message_bytes`` (a limit too small for the
+        list of its chunks) is left out (logged); the job's previous one, if any, stays its
+        latest.
 
         Raises:
             Fenced: ``out`` was fenced.
             BusError: a record could not be sent (abort the transaction).
         """
+        self._pending.pop(partition, None)
         if not states:
             return 0
         kids = (keys.signing_kid, keys.data_kid)
         round = Round.of(partition, position, states)
-        written = 0
-        for job, state in sorted(states.items()):
-            last = self._written.get(job)
-            if last is not None and last.state is state and last.kids == kids:
+        todo = {
+            job: state
+            for job, state in sorted(states.items())
+            if not (
+                (last := self._written.get(job)) is not None
+                and last.state is state
+                and last.kids == kids
+            )
+        }
+        sealed = await asyncio.to_thread(self._seal_round, todo, round, keys) if todo else {}
+        pending = _Pending()
+        for job, result in sealed.items():
+            if isinstance(result, str):
+                log.warning("snapshot not written", job_id=job, partition=partition, error=result)
                 continue
+            if result.chunk_keys:
+                # May hold values from here on (the transaction may commit): tombstoned by a
+                # later round if this one aborts.
+                self._chunks[job] = self._chunks.get(job, frozenset()) | result.chunk_keys
+            try:
+                for key, value in result.records:
+                    # Chunks name the partition: their keys would hash elsewhere.
+                    await out.send(TOPIC, key, value, partition=partition if key != job else None)
+            except DeliveryFailed as exc:  # too large: the transaction goes on without it
+                log.warning("snapshot not written", job_id=job, partition=partition, error=str(exc))
+                continue
+            for key in sorted(self._chunks.get(job, frozenset()) - result.chunk_keys):
+                await out.send(TOPIC, key, None, partition=partition)
+            pending.written[job] = _Written(todo[job], kids)
+            pending.chunks[job] = result.chunk_keys
+        self._pending[partition] = pending
+        self._metrics.snapshots_written(len(pending.written))
+        return len(pending.written)
+
+    def _seal_round(
+        self, states: Mapping[str, JobState], round: Round, keys: SnapshotKeys
+    ) -> dict[str, _Sealed | str]:
+        """Each job's snapshot as records, or why it cannot be written (runs in a worker
+        thread: reads only its arguments and this object's fixed settings)."""
+        out: dict[str, _Sealed | str] = {}
+        for job, state in states.items():
             try:
                 value = seal(
                     state,
@@ -347,19 +449,38 @@ class Snapshots:
                     version=self._version,
                 )
             except StateFormatError as exc:  # a bug: the codec's tests cover reachable states
-                log.error("snapshot not written: state not encodable", job_id=job, error=str(exc))
+                out[job] = f"state not encodable: {exc}"
                 continue
-            try:
-                await out.send(TOPIC, job, value)
-            except DeliveryFailed as exc:  # too large: the transaction goes on without it
-                log.warning("snapshot not written", job_id=job, partition=partition, error=str(exc))
+            if len(value) <= self._limit:
+                out[job] = _Sealed(((job, value),), frozenset())
                 continue
-            self._written[job] = _Written(state, kids)
-            written += 1
-        self._metrics.snapshots_written(written)
-        return written
+            head, chunks = split(value, self._limit, keys.signing)
+            if len(head) > self._limit:
+                out[job] = (
+                    f"snapshot of {len(value)} bytes: the head of its {len(chunks)} chunks is "
+                    f"{len(head)} bytes, over max_message_bytes={self._limit}"
+                )
+                continue
+            out[job] = _Sealed((*chunks, (job, head)), frozenset(key for key, _ in chunks))
+        return out
+
+    def committed(self, partition: int) -> None:
+        """The transaction that holds ``partition``'s last round (:meth:`write`) committed:
+        its jobs are written, and the chunk keys it replaced by tombstones hold no value any
+        more."""
+        pending = self._pending.pop(partition, None)
+        if pending is None:
+            return
+        self._written.update(pending.written)
+        self._chunks.update(pending.chunks)
 
     def forget(self, jobs: Iterable[str]) -> None:
         """Drop what is known of ``jobs``' snapshots (their partition was revoked)."""
-        for job in jobs:
+        dropped = set(jobs)
+        for job in dropped:
             self._written.pop(job, None)
+            self._chunks.pop(job, None)
+        for pending in self._pending.values():
+            for job in dropped & pending.written.keys():
+                del pending.written[job]
+                pending.chunks.pop(job, None)
