@@ -56,10 +56,10 @@ from trainguard.agent.bus._wait import (
 )
 
 if TYPE_CHECKING:
+    from trainguard.agent.bus._append_clock import AppendClock as AppendClock
     from trainguard.agent.bus._kafka_logs import quiet_kafka_logs as quiet_kafka_logs
     from trainguard.agent.bus._partitioner import partition_for as partition_for
     from trainguard.agent.bus._sqlite import SQLiteBus as SQLiteBus
-    from trainguard.agent.bus._sqlite_clock import AppendClock as AppendClock
     from trainguard.agent.bus._sqlite_lock import serving_lock as serving_lock
 
 # Imported on first use (PEP 562): the partitioner imports aiokafka (for murmur2, 0.2 s), the
@@ -70,17 +70,17 @@ __getattr__, _, _ = lazy_loader.attach(
         "_kafka_logs": ["quiet_kafka_logs"],
         "_partitioner": ["partition_for"],
         "_sqlite": ["SQLiteBus"],
-        "_sqlite_clock": ["AppendClock"],
+        "_append_clock": ["AppendClock"],
         "_sqlite_lock": ["serving_lock"],
     },
 )
 
 __all__ = [
     "ABANDON_GRACE_S",
-    "AppendClock",
     "DEFAULT_BUS_URL",
     "DEFAULT_TOPICS",
     "SECURITY_ENVIRONMENT",
+    "AppendClock",
     "Bus",
     "BusClosed",
     "BusConfig",

@@ -7,7 +7,6 @@ output.
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 import uuid
 from enum import StrEnum
@@ -130,8 +129,9 @@ def sim(
         summarize,
     )
 
-    chosen = tuple(k.strip() for k in kinds.split(",") if k.strip())
-    unknown = [k for k in chosen if k not in FAULT_KINDS]
+    named = [k.strip() for k in kinds.split(",") if k.strip()]
+    chosen = tuple(k for k in FAULT_KINDS for n in named if n == k)
+    unknown = [n for n in named if n not in FAULT_KINDS]
     if unknown or not chosen:
         _fail(f"--kinds: unknown {unknown} (choose from {', '.join(FAULT_KINDS)})")
     if (failures is None) == (duration is None) and trace is None:
@@ -150,10 +150,10 @@ def sim(
             faults = parse_trace(trace.read_text().splitlines(), ranks)
             horizon = duration or ((faults[-1].after_s if faults else 0.0) + mtbf)
         elif failures is not None:
-            faults, horizon = draw_faults(failures, mtbf, chosen, ranks, seed)  # type: ignore[arg-type]
+            faults, horizon = draw_faults(failures, mtbf, chosen, ranks, seed)
         else:
             assert duration is not None
-            faults, _ = draw_faults(int(3 * duration / mtbf) + 10, mtbf, chosen, ranks, seed)  # type: ignore[arg-type]
+            faults, _ = draw_faults(int(3 * duration / mtbf) + 10, mtbf, chosen, ranks, seed)
             faults = tuple(f for f in faults if f.after_s < duration)
             horizon = duration
     except OSError as exc:
@@ -174,7 +174,7 @@ def sim(
         kill_daemon_at_s=kill_daemon_at,
     )
     try:
-        measured = asyncio.run(run_simulation(config))
+        measured = run_simulation(config)
     except (SimFailed, BusError, FileExistsError) as exc:
         _fail(f"{exc} (run folder {folder})")
     summary = summarize(measured, params, mtbf, "kafka" if bus is not None else "sqlite")
@@ -185,5 +185,5 @@ def sim(
     else:
         print_summary(summary, Console())
         typer.echo(f"run folder: {folder}")
-    ok = data["one_restore_per_fault"] and not measured.model.phase == "failed"
+    ok = data["one_restore_per_fault"] and measured.model.phase != "failed"
     raise typer.Exit(0 if ok else 1)

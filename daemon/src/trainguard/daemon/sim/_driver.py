@@ -94,6 +94,7 @@ class SimConfig:
             undisturbed, seconds.
         kill_daemon_at_s: SIGKILL the daemon once the simulation reaches this time (simulated
             seconds since the start) and start a new one; ``None``: never.
+        pulse_s: the daemon's ``pulse_s`` (``[service]``), seconds.
         machine: ``[machine]`` settings of the daemon (``MachineConfig`` fields) over the
             simulator's defaults.
         service: ``[service]`` settings of the daemon (``DaemonConfig`` fields) over the
@@ -111,6 +112,7 @@ class SimConfig:
     prefix: str = "trainguard."
     window_s: float = 10.0
     kill_daemon_at_s: float | None = None
+    pulse_s: float = 1.0
     machine: dict[str, object] = field(default_factory=dict)
     service: dict[str, object] = field(default_factory=dict)
     stall_timeout_s: float = 120.0
@@ -171,12 +173,9 @@ def _daemon_settings(config: SimConfig, keys_dir: Path) -> str:
     service: dict[str, object] = {
         "metrics_port": -1,
         "snapshot_interval_s": 5.0,
-        **(
-            # In simulated time a commit per poll keeps the rounds short.
-            {"commit_interval_s": 0.0, "poll_s": 0.02}
-            if kind == "sqlite"
-            else {}
-        ),
+        "pulse_s": config.pulse_s,
+        # In simulated time a commit per poll keeps the rounds short.
+        **({"commit_interval_s": 0.0, "poll_s": 0.02} if kind == "sqlite" else {}),
         **config.service,
     }
     bus: dict[str, object] = {
@@ -281,7 +280,7 @@ def _daemon(config_path: Path, run_dir: Path, simulated: bool) -> Iterator[_Daem
 # -- the run ---------------------------------------------------------------------------------
 
 
-async def run_simulation(config: SimConfig) -> Measured:
+def run_simulation(config: SimConfig) -> Measured:
     """Run ``config``'s simulation (module docstring) and return what it measured.
 
     Raises:
@@ -307,16 +306,27 @@ async def run_simulation(config: SimConfig) -> Measured:
     gate = CommandGate(config.job_id, 0, store.public_keys())
     model = JobModel(config.params, config.faults, config.horizon_s)
     measured = Measured(model, realtime=not simulated)
-    bus_config = BusConfig(url=config.bus_url, prefix=config.prefix, idle_poll_s=0.002)
+    wire = Wire(config.job_id, config.params, model.host_of, event_key)
     began = time.monotonic()
-    async with open_bus(bus_config) as bus:
-        with _daemon(settings, config.run_dir, simulated) as daemon:
-            wire = Wire(config.job_id, config.params, model.host_of, event_key)
-            await _Runner(config, bus, model, wire, gate, daemon, measured).run()
-        measured.daemons = daemon.runs
+    with _daemon(settings, config.run_dir, simulated) as daemon:
+        asyncio.run(_run(config, model, wire, gate, daemon, measured))
+    measured.daemons = daemon.runs
     measured.wall_s = time.monotonic() - began
-    measured.ignored = dict(gate.ignored)
+    measured.ignored = {str(reason): count for reason, count in gate.ignored.items()}
     return measured
+
+
+async def _run(
+    config: SimConfig,
+    model: JobModel,
+    wire: Wire,
+    gate: CommandGate,
+    daemon: _Daemon,
+    measured: Measured,
+) -> None:
+    bus_config = BusConfig(url=config.bus_url, prefix=config.prefix, idle_poll_s=0.002)
+    async with open_bus(bus_config) as bus:
+        await _Runner(config, bus, model, wire, gate, daemon, measured).run()
 
 
 class _Runner:
@@ -344,9 +354,10 @@ class _Runner:
         self.partition = 0
         self.commands: Consumer | None = None
         self.command_tp = TopicPartition("commands", 0)
-        self.killed = config.kill_daemon_at_s is None
-        pulse = float(config.service.get("pulse_s", 1.0))  # type: ignore[arg-type]
-        self.pulse_ms = round(pulse * _MS)
+        self.pulse_ms = round(config.pulse_s * _MS)
+        self.kill_at_ms = (
+            None if config.kill_daemon_at_s is None else round(config.kill_daemon_at_s * _MS)
+        )
 
     async def run(self) -> None:
         partitions = await self.bus.partitions("events")
@@ -403,7 +414,7 @@ class _Runner:
             if batch:
                 last_input = now
             await self._round(bus, batch, now, expect_tick=False)
-            if not self.killed and now >= round(self.c.kill_daemon_at_s * _MS):  # type: ignore[operator]
+            if self.kill_at_ms is not None and now >= self.kill_at_ms:
                 await self._kill_daemon()
         if not model.ended:
             model.finish(now)
@@ -440,9 +451,9 @@ class _Runner:
             positions = await self.bus.group_positions(self.group, "events")
             current = await self._end()
             committed = positions.get(tp, 0)
-            if committed >= current and current >= end:
-                if not expect_tick or current > end or time.monotonic() > patience:
-                    return
+            tick_seen = not expect_tick or current > end or time.monotonic() > patience
+            if committed >= current >= end and tick_seen:
+                return
             if time.monotonic() > deadline:
                 self.daemon.check_alive()
                 raise SimFailed(
@@ -475,7 +486,7 @@ class _Runner:
 
     async def _kill_daemon(self) -> None:
         """SIGKILL the daemon and start a new one; wait until it is ready."""
-        self.killed = True
+        self.kill_at_ms = None
         self.daemon.kill()
         self.daemon.start()
         await self.daemon.wait_ready(self.c.stall_timeout_s)
@@ -505,7 +516,7 @@ class _Runner:
                 pending.append((await self._end(), time.monotonic()))
                 self.m.records += len(batch)
             self.daemon.check_alive()
-            if not self.killed and now >= round(self.c.kill_daemon_at_s * _MS):  # type: ignore[operator]
+            if self.kill_at_ms is not None and now >= self.kill_at_ms:
                 await self._kill_daemon()
         if not model.ended:
             model.finish(self._now_ms())

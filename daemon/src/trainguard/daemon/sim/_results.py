@@ -147,21 +147,30 @@ def print_summary(summary: SimSummary, console: Console) -> None:
     head.add_column(justify="right")
     rows = [
         ("ranks", f"{d['ranks']:,} ({d['ranks_per_host']} per host), bus {d['bus']}"),
-        ("simulated / wall time", f"{d['simulated_s']:.0f} s / {d['wall_s']:.1f} s "
-         f"({d['time']} time, x{_num(d['speed_up'], '.1f')})"),
+        (
+            "simulated / wall time",
+            f"{d['simulated_s']:.0f} s / {d['wall_s']:.1f} s "
+            f"({d['time']} time, x{_num(d['speed_up'], '.1f')})",
+        ),
         ("C (checkpoint cost)", f"{d['checkpoint_cost_s']:g} s"),
-        ("tau (compute between checkpoints)",
-         f"{d['interval_s']:g} s = {d['checkpoint_every_steps']} steps"),
-        ("M (mean time between failures)",
-         f"{d['mtbf_s']:g} s configured, {_num(d['mtbf_realised_s'], '.0f')} s realised"),
+        (
+            "tau (compute between checkpoints)",
+            f"{d['interval_s']:g} s = {d['checkpoint_every_steps']} steps",
+        ),
+        (
+            "M (mean time between failures)",
+            f"{d['mtbf_s']:g} s configured, {_num(d['mtbf_realised_s'], '.0f')} s realised",
+        ),
         ("D + R (fault to resume, mean)", _num(d["downtime_s"], ".1f", " s")),
         ("goodput measured", f"{d['goodput']:.2%}"),
         ("model 1 - C/tau - tau/2M - (D+R)/M", f"{d['model_goodput']:.2%}"),
         ("model, M as realised", _num(_pct(d["model_goodput_realised_mtbf"]), ".2f", "%")),
         ("measured - model", f"{d['goodput_minus_model_pp']:+.2f} pp"),
-        ("recommended interval (Young)",
-         f"{d['young_interval_s']:.1f} s = {d['young_interval_steps']:.0f} steps "
-         f"(Daly {d['daly_interval_s']:.1f} s); model there {d['model_goodput_at_young']:.2%}"),
+        (
+            "recommended interval (Young)",
+            f"{d['young_interval_s']:.1f} s = {d['young_interval_steps']:.0f} steps "
+            f"(Daly {d['daly_interval_s']:.1f} s); model there {d['model_goodput_at_young']:.2%}",
+        ),
     ]
     for label, value in rows:
         head.add_row(label, value)
@@ -172,10 +181,14 @@ def print_summary(summary: SimSummary, console: Console) -> None:
     daemon.add_column(justify="right")
     ready = ", ".join(_num(r["ready_s"], ".2f", " s") for r in d["daemon_runs"])
     for label, value in (
-        ("records sent", f"{d['records']:,} ({_num(d['records_per_simulated_s'], ',.0f')} per "
-         "simulated s)"),
-        ("lag p50 / p99 / max", " / ".join(_num(lag[k], ".3f", " s") for k in ("p50", "p99",
-                                                                               "max"))),
+        (
+            "records sent",
+            f"{d['records']:,} ({_num(d['records_per_simulated_s'], ',.0f')} per simulated s)",
+        ),
+        (
+            "lag p50 / p99 / max",
+            " / ".join(_num(lag[k], ".3f", " s") for k in ("p50", "p99", "max")),
+        ),
         ("CPU per record folded", _num(d["daemon_cpu_us_per_record"], ".1f", " us")),
         ("peak RSS", _num(d["daemon_max_rss_mb"], ".0f", " MB")),
         ("ready after start", ready),
@@ -185,14 +198,29 @@ def print_summary(summary: SimSummary, console: Console) -> None:
         daemon.add_row(label, value)
     console.print(daemon)
     faults = Table(title="faults")
-    for column in ("#", "kind", "rank", "at (s)", "restores", "fault -> restore (s)",
-                   "fault -> resume (s)", "step reached", "restored to"):
+    for column in (
+        "#",
+        "kind",
+        "rank",
+        "at (s)",
+        "restores",
+        "fault -> restore (s)",
+        "fault -> resume (s)",
+        "step reached",
+        "restored to",
+    ):
         faults.add_column(column, justify="right")
     for i, f in enumerate(d["faults"], 1):
         faults.add_row(
-            str(i), f["kind"], str(f["rank"]), f"{f['at_s']:.1f}", str(f["restores"]),
-            _num(f["detection_s"], ".3f"), _num(f["downtime_s"], ".1f"),
-            str(f["reached_step"]), "-" if f["target_step"] is None else str(f["target_step"]),
+            str(i),
+            f["kind"],
+            str(f["rank"]),
+            f"{f['at_s']:.1f}",
+            str(f["restores"]),
+            _num(f["detection_s"], ".3f"),
+            _num(f["downtime_s"], ".1f"),
+            str(f["reached_step"]),
+            "-" if f["target_step"] is None else str(f["target_step"]),
         )
     console.print(faults)
 

@@ -34,7 +34,7 @@ from trainguard.schemas import (
     encode,
 )
 
-__all__ = ["WireError", "Wire", "host_name", "rank_pid", "supervisor_pid"]
+__all__ = ["Wire", "WireError", "host_name", "rank_pid", "supervisor_pid"]
 
 _NS_PER_MS = 1_000_000
 
@@ -156,9 +156,7 @@ class Wire:
         cursor = self.cursor(s.step)
 
         def uri(rank: int) -> str:
-            return (
-                f"file:///sim/{self._job}/g{s.generation:06d}/s{s.step:010d}/rank{rank:05d}.pt"
-            )
+            return f"file:///sim/{self._job}/g{s.generation:06d}/s{s.step:010d}/rank{rank:05d}.pt"
 
         def shard(rank: int, head: dict[str, Any]) -> Event:
             return Checkpoint(
@@ -266,8 +264,13 @@ class Wire:
         mac = self._mac.copy()
         mac.update(canonical)
         tag = base64.b64encode(mac.digest())
-        return b'{"auth":{"kid":"' + self._key[0].encode() + b'","mac":"' + tag + b'"},' + (
-            canonical[1:]
+        return (
+            b'{"auth":{"kid":"'
+            + self._key[0].encode()
+            + b'","mac":"'
+            + tag
+            + b'"},'
+            + (canonical[1:])
         )
 
     def _canonical_of(self, sealed: bytes) -> bytes:
