@@ -206,7 +206,7 @@ def test_the_pure_core_does_no_io(module: str, path: Path) -> None:
         name
         for name, _ in _trainguard_imports(module, path)
         if part_of(name) not in {part_of(module), "trainguard.schemas"}
-        or name.startswith("trainguard.daemon.sim.") and name not in _PURE_NAMES
+        or (name.startswith("trainguard.daemon.sim.") and name not in _PURE_NAMES)
     ]
     assert not outside, f"{module} imports beyond the pure core: {outside}"
 
