@@ -445,7 +445,7 @@ class _Runner:
         end (at least ``end``; its own ticks move the end on); with ``expect_tick``, until a
         record of the daemon's followed (its pulse), or a few of its polls passed."""
         deadline = time.monotonic() + self.c.stall_timeout_s
-        patience = time.monotonic() + 0.2
+        patience = time.monotonic() + 2.0
         tp = TopicPartition("events", self.partition)
         while True:
             positions = await self.bus.group_positions(self.group, "events")
