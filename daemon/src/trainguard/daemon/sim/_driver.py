@@ -454,8 +454,8 @@ class _Runner:
             tick_seen = not expect_tick or current > end or time.monotonic() > patience
             if committed >= current >= end and tick_seen:
                 return
+            self.daemon.check_alive()
             if time.monotonic() > deadline:
-                self.daemon.check_alive()
                 raise SimFailed(
                     f"the daemon did not catch up within {self.c.stall_timeout_s:g} s "
                     f"(committed {committed}, end {current})"
