@@ -18,7 +18,7 @@ from trainguard.daemon.cli import app
 CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 COMMANDS = {
     "version", "daemon", "run", "demo", "status", "report", "replay", "export", "import", "stop",
-    "bus", "checkpoints", "keys", "snapshots",
+    "bus", "checkpoints", "keys", "snapshots", "sim",
 }  # fmt: skip
 
 

@@ -56,6 +56,7 @@ from trainguard.agent.bus._wait import (
 )
 
 if TYPE_CHECKING:
+    from trainguard.agent.bus._append_clock import AppendClock as AppendClock
     from trainguard.agent.bus._kafka_logs import quiet_kafka_logs as quiet_kafka_logs
     from trainguard.agent.bus._partitioner import partition_for as partition_for
     from trainguard.agent.bus._sqlite import SQLiteBus as SQLiteBus
@@ -69,6 +70,7 @@ __getattr__, _, _ = lazy_loader.attach(
         "_kafka_logs": ["quiet_kafka_logs"],
         "_partitioner": ["partition_for"],
         "_sqlite": ["SQLiteBus"],
+        "_append_clock": ["AppendClock"],
         "_sqlite_lock": ["serving_lock"],
     },
 )
@@ -78,6 +80,7 @@ __all__ = [
     "DEFAULT_BUS_URL",
     "DEFAULT_TOPICS",
     "SECURITY_ENVIRONMENT",
+    "AppendClock",
     "Bus",
     "BusClosed",
     "BusConfig",

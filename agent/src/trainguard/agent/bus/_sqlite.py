@@ -49,11 +49,14 @@ from trainguard.agent.bus._sqlite_consumer import ConsumerContext, Membership, S
 from trainguard.agent.bus._sqlite_db import (
     ConnectionThread,
     TopicMeta,
+    append_clock,
     load_topics,
     prepare,
+    set_append_clock,
     take_write_lock,
     topic_names,
     translate,
+    write_transaction,
 )
 from trainguard.agent.bus._sqlite_writer import SQLitePartitionWriter
 
@@ -389,17 +392,24 @@ class SQLiteBus(Bus):
         return await self._read(topic_names)
 
     async def import_records(
-        self, topic: str, records: Sequence[tuple[str, bytes | None, int]]
+        self,
+        topic: str,
+        records: Sequence[tuple[str, bytes | None, int]],
+        *,
+        clock_ms: int | None = None,
     ) -> list[Delivery]:
         """Append ``records`` (``(key, value, timestamp_ms)``) with the given append times.
 
         The one way to write a record with an append time other than now, for
-        ``trainguard import`` only: an exported job log must keep the bus times the daemon
-        decided on, or a replay of it would decide differently. Kafka has no counterpart
+        ``trainguard import`` (an exported job log must keep the bus times the daemon
+        decided on, or a replay of it would decide differently) and ``trainguard sim`` (the
+        simulated ranks' records, at simulated times). Kafka has no counterpart
         (trainguard's topics use ``LogAppendTime``, so the broker stamps every record itself).
         Each record goes to its key's partition; records are written in order, in
         transactions of at most :data:`MAX_BATCH`, bypassing the send queue; keep the times
-        non-decreasing per partition, as the bus's own appends are.
+        non-decreasing per partition, as the bus's own appends are. With ``clock_ms``, the
+        file's simulated append clock (:meth:`set_append_clock`) moves to it in the
+        transaction of the last batch (also when ``records`` is empty).
 
         Raises:
             BusError: an unknown topic or a value longer than ``max_message_bytes`` (nothing
@@ -417,14 +427,16 @@ class SQLiteBus(Bus):
                     f"{self._config.max_message_bytes}"
                 )
         deliveries: list[Delivery] = []
-        for first in range(0, len(records), MAX_BATCH):
+        starts = range(0, max(len(records), 1), MAX_BATCH)
+        for first in starts:
             rows = [
                 (meta.topic_id, partition_for(key, meta.partitions), key, value, ts)
                 for key, value, ts in records[first : first + MAX_BATCH]
             ]
             deadline = time.monotonic() + self._config.send_timeout_s
+            clock = clock_ms if first == starts[-1] else None
             try:
-                offsets = await self._writer.run(log.append_stamped, rows, deadline)
+                offsets = await self._writer.run(log.append_stamped, rows, deadline, clock)
             except sqlite3.Error as exc:
                 raise translate(exc, f"importing records into {topic}") from exc
             deliveries.extend(
@@ -434,6 +446,37 @@ class SQLiteBus(Bus):
             appended, self._appended = self._appended, asyncio.Event()
             appended.set()
         return deliveries
+
+    async def set_append_clock(self, at_ms: int | None) -> None:
+        """Set the file's simulated append clock: from now on every record any process
+        appends to this file is stamped ``at_ms`` (ms since the Unix epoch) instead of the wall
+        clock's time, until it is set again; ``None`` removes it (wall clock again).
+
+        For ``trainguard sim`` only, which drives simulated time on the embedded bus; keep it
+        non-decreasing, as append times are. Consumer-group leases and compaction keep the wall
+        clock.
+
+        Raises:
+            BusError: the file could not be written (:class:`~trainguard.agent.bus.BusUnavailable`
+                when it stayed locked for ``send_timeout_s``).
+            BusClosed: after :meth:`close`.
+        """
+        self._check_open()
+        deadline = time.monotonic() + self._config.send_timeout_s
+        try:
+            await self._writer.run(_write_append_clock, at_ms, deadline)
+        except sqlite3.Error as exc:
+            raise translate(exc, "setting the append clock") from exc
+
+    async def append_clock(self) -> int | None:
+        """The file's simulated append clock (ms since the Unix epoch), or ``None`` when
+        appends take the wall clock (:meth:`set_append_clock`).
+
+        Raises:
+            BusError: the file could not be read. BusClosed: after :meth:`close`.
+        """
+        self._check_open()
+        return await self._read(append_clock)
 
     def _check_open(self) -> None:
         if self._state == "closed":
@@ -556,3 +599,10 @@ class SQLiteBus(Bus):
         for topic_id, _, _, _, future, _ in batch:
             if not future.done():
                 future.set_exception(DeliveryFailed(f"{self._names[topic_id]}: {reason}"))
+
+
+def _write_append_clock(conn: sqlite3.Connection, at_ms: int | None, deadline: float) -> None:
+    """Set (or with ``None`` remove) the file's simulated append clock in a transaction of its
+    own (runs on the writer thread)."""
+    with write_transaction(conn, deadline):
+        set_append_clock(conn, at_ms)

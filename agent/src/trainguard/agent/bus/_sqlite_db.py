@@ -8,7 +8,11 @@ Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
     records(topic_id, partition, offset, ts_ms, key, value)   -- PK (topic_id, partition, offset)
     group_members(group_id, member_id, topics, expires_ms)    -- PK (group_id, member_id)
     group_offsets(group_id, topic_id, partition, position)    -- PK (group_id, topic_id, partition)
-    meta(name PK, value)                                      -- last_compaction_ms
+    meta(name PK, value)                                      -- last_compaction_ms, append_clock_ms
+
+``meta.append_clock_ms``, when a simulator has set it (:func:`set_append_clock`), is the append
+time of every record written from then on, by every process, instead of the wall clock: the
+file's own simulated time (``trainguard sim``). A bus in production never holds it.
 
 ``partitions.next_offset`` is the offset the next appended record gets; it is the only source
 of offsets (never ``max(offset) + 1``), so it never goes back when compaction deletes records.
@@ -45,15 +49,19 @@ from trainguard.agent.bus._errors import BusError, BusUnavailable
 from trainguard.agent.bus._port import TopicSpec
 
 __all__ = [
+    "APPEND_CLOCK",
     "SCHEMA_VERSION",
     "ConnectionThread",
     "TopicMeta",
+    "append_clock",
+    "append_time_ms",
     "connect",
     "is_busy",
     "load_topics",
     "now_ms",
     "prepare",
     "read_transaction",
+    "set_append_clock",
     "take_write_lock",
     "topic_names",
     "translate",
@@ -135,6 +143,38 @@ class TopicMeta:
 def now_ms() -> int:
     """Wall-clock time in milliseconds since the Unix epoch (shared by every process)."""
     return time.time_ns() // 1_000_000
+
+
+APPEND_CLOCK = "append_clock_ms"
+"""The ``meta`` row that, when present, holds the file's simulated append time (ms since the
+Unix epoch)."""
+
+
+def append_clock(conn: sqlite3.Connection) -> int | None:
+    """The file's simulated append time (ms since the epoch), or ``None`` when none is set."""
+    row = conn.execute("SELECT value FROM meta WHERE name = ?", (APPEND_CLOCK,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def append_time_ms(conn: sqlite3.Connection, wall_ms: int) -> int:
+    """The append time of records written in the caller's write transaction: the file's
+    simulated clock when one is set, else ``wall_ms``. Read inside that transaction, so a
+    clock set by another process orders with the records exactly as the file lock does."""
+    simulated = append_clock(conn)
+    return wall_ms if simulated is None else simulated
+
+
+def set_append_clock(conn: sqlite3.Connection, at_ms: int | None) -> None:
+    """Set the file's simulated append time to ``at_ms`` (ms since the epoch), or remove it
+    (``None``: appends take the wall clock again), inside the caller's write transaction."""
+    if at_ms is None:
+        conn.execute("DELETE FROM meta WHERE name = ?", (APPEND_CLOCK,))
+        return
+    conn.execute(
+        "INSERT INTO meta (name, value) VALUES (?, ?)"
+        " ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+        (APPEND_CLOCK, at_ms),
+    )
 
 
 def is_busy(exc: sqlite3.Error) -> bool:

@@ -22,7 +22,7 @@ import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import cycle
 
-from trainguard.agent.bus._sqlite_db import now_ms, write_transaction
+from trainguard.agent.bus._sqlite_db import append_time_ms, now_ms, write_transaction
 from trainguard.agent.bus._sqlite_log import Row, insert
 
 __all__ = [
@@ -160,7 +160,7 @@ def write_owned(
             raise NotOwner(partition)
         if any(tp not in mine for tp in positions):
             raise NotOwner(partition)
-        offsets = insert(conn, rows, now)
+        offsets = insert(conn, rows, append_time_ms(conn, now))
         conn.executemany(
             "INSERT INTO group_offsets (group_id, topic_id, partition, position)"
             " VALUES (?, ?, ?, ?) ON CONFLICT (group_id, topic_id, partition)"

@@ -11,7 +11,12 @@ import sqlite3
 from collections.abc import Collection, Mapping, Sequence
 
 from trainguard.agent.bus._port import Record
-from trainguard.agent.bus._sqlite_db import now_ms, write_transaction
+from trainguard.agent.bus._sqlite_db import (
+    append_time_ms,
+    now_ms,
+    set_append_clock,
+    write_transaction,
+)
 
 __all__ = [
     "Row",
@@ -40,11 +45,12 @@ def append(conn: sqlite3.Connection, rows: Sequence[Row], deadline: float) -> tu
     Offsets are allocated from ``partitions.next_offset`` inside ``BEGIN IMMEDIATE``, so they
     run 0, 1, 2, ... per partition with no gap and no duplicate across every process writing
     the file; rows of one partition keep their order in ``rows``. All rows get the same append
-    timestamp (ms since the epoch). Raises :class:`sqlite3.Error` (busy past ``deadline``,
+    timestamp (ms since the epoch: the wall clock, or the file's simulated clock when one is
+    set, :func:`~trainguard.agent.bus._sqlite_db.append_time_ms`). Raises :class:`sqlite3.Error` (busy past ``deadline``,
     ``time.monotonic()`` seconds; disk full; I/O error), in which case nothing was appended.
     """
     with write_transaction(conn, deadline):
-        ts = now_ms()
+        ts = append_time_ms(conn, now_ms())
         offsets = insert(conn, rows, ts)
     return offsets, ts
 
@@ -56,17 +62,26 @@ def insert(conn: sqlite3.Connection, rows: Sequence[Row], ts_ms: int) -> list[in
 
 
 def append_stamped(
-    conn: sqlite3.Connection, rows: Sequence[StampedRow], deadline: float
+    conn: sqlite3.Connection,
+    rows: Sequence[StampedRow],
+    deadline: float,
+    clock_ms: int | None = None,
 ) -> list[int]:
     """Append ``rows`` in one transaction, each with its own append time; return their offsets.
 
     For importing an exported log (``trainguard import``), whose records must keep the append
-    times the state machine decided on. Offsets are allocated as by :func:`append`; the times
-    are taken as given, so the caller keeps them non-decreasing per partition. Raises
-    :class:`sqlite3.Error` as :func:`append` does, in which case nothing was appended.
+    times the state machine decided on, and for a simulator's records (``trainguard sim``).
+    Offsets are allocated as by :func:`append`; the times are taken as given, so the caller
+    keeps them non-decreasing per partition. With ``clock_ms``, the file's simulated append
+    clock is set to it in the same transaction, so no other process appends a record between
+    these and the clock's move. Raises :class:`sqlite3.Error` as :func:`append` does, in which
+    case nothing was appended.
     """
     with write_transaction(conn, deadline):
-        return _insert(conn, rows)
+        offsets = _insert(conn, rows)
+        if clock_ms is not None:
+            set_append_clock(conn, clock_ms)
+        return offsets
 
 
 def _insert(conn: sqlite3.Connection, rows: Sequence[StampedRow]) -> list[int]:

@@ -592,6 +592,10 @@ from trainguard.daemon.cli._stop import register as _register_stop  # noqa: E402
 
 _register_stop(app)
 
+from trainguard.daemon.cli._sim import register as _register_sim  # noqa: E402
+
+_register_sim(app)
+
 
 def main() -> None:
     """Entry point of the ``trainguard`` console script."""

@@ -6,7 +6,8 @@ A job's log is read from a bus or an export file (:mod:`._job_log`, :mod:`._expo
 prints what a replay found. ``trainguard status`` folds the bus the same way
 (:mod:`._status`). The report (:mod:`._report`, with :mod:`._report_record`,
 :mod:`._report_lanes`, :mod:`._report_tables`, :mod:`._report_html`) turns a job's record into
-goodput, incidents and their causes.
+goodput, incidents and their causes; :mod:`._young_daly` holds the optimum checkpoint
+interval and the goodput model the report and ``trainguard sim`` compare against.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ if TYPE_CHECKING:
     from trainguard.daemon.forensics._timeline import print_timeline as print_timeline
     from trainguard.daemon.forensics._timeline import print_what_if as print_what_if
     from trainguard.daemon.forensics._timeline import row_json as row_json
+    from trainguard.daemon.forensics._young_daly import DALY_SOURCE as DALY_SOURCE
+    from trainguard.daemon.forensics._young_daly import YOUNG_SOURCE as YOUNG_SOURCE
+    from trainguard.daemon.forensics._young_daly import daly_interval_s as daly_interval_s
+    from trainguard.daemon.forensics._young_daly import model_goodput as model_goodput
+    from trainguard.daemon.forensics._young_daly import young_interval_s as young_interval_s
 
 # Each name is imported on first use (PEP 562), so that one command (or the export reader
 # process) imports only the modules it uses.
@@ -101,6 +107,13 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
             "print_timeline",
             "print_what_if",
             "row_json",
+        ],
+        "_young_daly": [
+            "DALY_SOURCE",
+            "YOUNG_SOURCE",
+            "daly_interval_s",
+            "model_goodput",
+            "young_interval_s",
         ],
     },
 )

@@ -54,6 +54,13 @@ from trainguard.daemon.forensics._report_record import (
     read_audit,
     read_events,
 )
+from trainguard.daemon.forensics._young_daly import (
+    DALY_SOURCE,
+    YOUNG_SOURCE,
+    daly_interval_s,
+    model_goodput,
+    young_interval_s,
+)
 from trainguard.schemas import Checkpoint, Heartbeat
 
 __all__ = [
@@ -69,6 +76,7 @@ __all__ = [
     "Timed",
     "build_report",
     "daly_interval_s",
+    "model_goodput",
     "young_interval_s",
 ]
 
@@ -86,15 +94,6 @@ SEGMENT_KINDS: tuple[SegmentKind, ...] = (
     "other",
 )
 """Every kind of wall time, in the order reports list them."""
-
-YOUNG_SOURCE = (
-    'J. W. Young, "A first order approximation to the optimum checkpoint interval", '
-    "Communications of the ACM 17(9), 1974"
-)
-DALY_SOURCE = (
-    'J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart '
-    'dumps", Future Generation Computer Systems 22(3), 2006'
-)
 
 _MS = 1000.0
 _SKEW_MS = 1000
@@ -212,6 +211,15 @@ class CheckpointAdvice:
         young_s: Young's interval, seconds; ``None`` without a cost.
         daly_s: Daly's interval, seconds; ``None`` without a cost.
         young_steps: ``young_s`` in steps of the median step time; daly_steps likewise.
+        downtime_s: ``D + R``: mean seconds from a failure's onset to the resume of the
+            generation that took over (the incidents' ``detection_s + restore_s``), ``None``
+            without an incident.
+        model_goodput: the first-order model's goodput
+            (:func:`~trainguard.daemon.forensics._young_daly.model_goodput`) for this job's
+            ``C``, ``M``, ``downtime_s`` and its own interval (``interval_s`` minus ``C``:
+            compute between checkpoints); ``None`` without a failure, a cost or an interval.
+        model_goodput_young: the same at Young's interval: what checkpointing every
+            ``young_s`` would give.
     """
 
     checkpoints: int
@@ -229,6 +237,9 @@ class CheckpointAdvice:
     daly_s: float | None
     young_steps: float | None
     daly_steps: float | None
+    downtime_s: float | None = None
+    model_goodput: float | None = None
+    model_goodput_young: float | None = None
     formula: str = "tau = sqrt(2 * C * M)"
     sources: tuple[str, ...] = (YOUNG_SOURCE, DALY_SOURCE)
 
@@ -281,27 +292,6 @@ class JobReport:
     generations: tuple[GenerationSpan, ...]
     ranks: tuple[RankSpan, ...] = field(repr=False)
     marks: tuple[Mark, ...] = field(repr=False)
-
-
-# -- formulas --------------------------------------------------------------------------------
-
-
-def young_interval_s(cost_s: float, mtbf_s: float) -> float:
-    """Young's checkpoint interval ``sqrt(2 * C * M)``, seconds of compute between checkpoints,
-    for a checkpoint cost ``cost_s`` and a mean time between failures ``mtbf_s`` (seconds,
-    both >= 0). Source: :data:`YOUNG_SOURCE`."""
-    return math.sqrt(2.0 * cost_s * mtbf_s)
-
-
-def daly_interval_s(cost_s: float, mtbf_s: float) -> float:
-    """Daly's higher-order estimate of the optimum checkpoint interval, seconds:
-    ``sqrt(2 C M) * (1 + sqrt(C / (2 M)) / 3 + C / (2 M) / 9) - C`` for ``C < 2 M``, else ``M``
-    (``C = cost_s``, ``M = mtbf_s`` > 0, seconds). Source: :data:`DALY_SOURCE` (its
-    higher-order estimate of the optimum compute time between checkpoints)."""
-    if cost_s >= 2.0 * mtbf_s:
-        return mtbf_s
-    ratio = cost_s / (2.0 * mtbf_s)
-    return young_interval_s(cost_s, mtbf_s) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - cost_s
 
 
 # -- the computation ---------------------------------------------------------------------------
@@ -404,7 +394,7 @@ def build_report(
         step_time_s=step_time,
         incidents=incidents,
         causes=dict(Counter(i.cause for i in incidents)),
-        checkpoint=_advice(ev, gens, len(incidents), wall - time_s["restore"], step_time),
+        checkpoint=_advice(ev, gens, incidents, wall - time_s["restore"], step_time),
         segments=segments,
         generations=_generation_spans(au, gens, start, end),
         ranks=rank_spans(ev),
@@ -646,12 +636,14 @@ def _incident(
 def _advice(
     ev: EventDigest,
     gens: Mapping[int, _Generation],
-    failures: int,
+    incidents: Sequence[IncidentReport],
     exposure_s: float,
     step_time: float | None,
 ) -> CheckpointAdvice:
-    """The checkpoint interval the job used, its checkpoint cost, and Young's and Daly's
-    intervals for the observed failures in ``exposure_s`` seconds."""
+    """The checkpoint interval the job used, its checkpoint cost, Young's and Daly's
+    intervals for the observed failures in ``exposure_s`` seconds, and the goodput the
+    first-order model predicts at the job's interval and at Young's."""
+    failures = len(incidents)
     first_at: dict[tuple[int, int], int] = {}
     slowest: dict[tuple[int, int], int] = {}
     for at, c in ev.shards:
@@ -692,10 +684,19 @@ def _advice(
     def steps(seconds: float | None) -> float | None:
         return seconds / step_time if seconds is not None and step_time else None
 
+    interval_s = statistics.median(time_gaps) if time_gaps else None
+    downtime = (
+        statistics.fmean(i.detection_s + i.restore_s for i in incidents) if incidents else None
+    )
+    model = model_young = None
+    if downtime is not None and cost is not None and mtbf > 0:
+        model_young = model_goodput(cost, mtbf, downtime)
+        if interval_s is not None and interval_s > cost:
+            model = model_goodput(cost, mtbf, downtime, interval_s - cost)
     return CheckpointAdvice(
         checkpoints=len(first_at),
         interval_steps=statistics.median(steps_gaps) if steps_gaps else None,
-        interval_s=statistics.median(time_gaps) if time_gaps else None,
+        interval_s=interval_s,
         phase_cost_s=phase_s,
         write_s=write_s,
         cost_s=cost,
@@ -708,6 +709,9 @@ def _advice(
         daly_s=daly,
         young_steps=steps(young),
         daly_steps=steps(daly),
+        downtime_s=downtime,
+        model_goodput=model,
+        model_goodput_young=model_young,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from trainguard.daemon.forensics._report import JobReport
+from trainguard.daemon.forensics._report import CheckpointAdvice, JobReport
 
 __all__ = [
     "CAUSE_HEADER",
@@ -197,5 +197,27 @@ def advice_rows(report: JobReport) -> list[tuple[str, str]]:
             f"{interval(a.daly_s, a.daly_steps)}; tau = sqrt(2 C M) (1 + sqrt(C / 2M) / 3 "
             "+ C / 18M) - C",
         ),
+        ("downtime per failure D + R", _downtime(a)),
+        ("goodput: measured / model", _goodput_vs_model(report)),
         ("sources", "; ".join(a.sources)),
     ]
+
+
+def _downtime(a: CheckpointAdvice) -> str:
+    if a.downtime_s is None:
+        return "- (no incident)"
+    return f"{seconds(a.downtime_s)} s (mean detection + restore of the incidents)"
+
+
+def _goodput_vs_model(report: JobReport) -> str:
+    """The measured goodput next to the first-order model's, at the job's interval and at
+    Young's (``1 - C / tau - tau / 2M - (D + R) / M``)."""
+    a = report.checkpoint
+    measured = f"{report.goodput:.1%}"
+    if a.model_goodput_young is None:
+        return f"{measured} / - (the model needs a failure and a checkpoint cost)"
+    own = "-" if a.model_goodput is None else f"{a.model_goodput:.1%}"
+    return (
+        f"{measured} / {own} at the job's interval, {a.model_goodput_young:.1%} at Young's; "
+        "model = 1 - C / tau - tau / 2M - (D + R) / M"
+    )

@@ -213,6 +213,10 @@ class DaemonService:
         config: bus, machine and loop settings.
         clock: wall clock in ns (injected for tests); used only to decide *when* to write a
             tick, never as an input to the machine.
+        pulse_clock: the monotonic clock in seconds a job's quiet time is measured on for its
+            pulse (:class:`~trainguard.daemon.service._pulse.Pulse`). ``trainguard sim`` passes
+            its simulated time here and as ``clock``, so that on a bus whose append times it
+            drives, pulses keep a silent job's inputs dense in simulated time.
         metrics: where to count what the service does; a fresh :class:`DaemonMetrics` (with
             a registry of its own) by default. ``trainguard daemon`` serves it over HTTP.
         keys: the daemon's signing and data keys; without them (or with
@@ -237,9 +241,11 @@ class DaemonService:
         clock: Callable[[], int] = time.time_ns,
         metrics: DaemonMetrics | None = None,
         keys: SnapshotKeys | None = None,
+        pulse_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._c = config
         self._clock = clock
+        self._pulse_clock = pulse_clock
         # The dictionaries below are the books' (one object each, never rebound): rolling a
         # partition back (_partitions.Owned.rollback) updates them in place.
         self._books = Books()
@@ -1130,7 +1136,7 @@ class DaemonService:
         if not self.ready.is_set():
             return  # deadlines of a half-rebuilt state mean nothing
         now = self._clock()
-        quiet_clock = time.monotonic()
+        quiet_clock = self._pulse_clock()
         min_gap = int(self._c.tick_interval_s * 1e9)
         self._pulse.keep(self.jobs)
         # A copy: a failed write rolls its partition's jobs back (or drops them) meanwhile.

@@ -1,0 +1,97 @@
+"""``trainguard sim`` as users run it (a separate process) against the real daemon process: on
+the embedded bus in simulated time with a few hundred ranks and faults of every kind, the
+daemon SIGKILLed in the middle; on Kafka in real time at small scale (``docs/sim.md``).
+
+Nothing here depends on the machine's speed: on the embedded bus the simulation waits for the
+daemon at every round, so the simulated figures (goodput, restores, the time from a fault to
+its restore) are the same on a loaded machine, only the wall time grows.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CLI = [sys.executable, "-m", "trainguard.daemon.cli", "sim", "--format", "json"]
+
+
+def _sim(tmp_path: Path, *options: str, timeout_s: float) -> dict[str, Any]:
+    done = subprocess.run(
+        [*CLI, "--run-dir", str(tmp_path / "run"), *options],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    data: dict[str, Any] = json.loads(done.stdout)
+    return data
+
+
+def _check_recovery(data: dict[str, Any], failures: int) -> None:
+    """Every fault was restored exactly once and resumed; no command was acted on twice."""
+    assert len(data["faults"]) == failures
+    assert data["one_restore_per_fault"], data["faults"]
+    assert all(f["restores"] == 1 and f["downtime_s"] is not None for f in data["faults"])
+    assert data["commands"] == {"restore": failures, "resume": failures}
+    assert data["commands_ignored"].get("duplicate", 0) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_embedded_bus_256_ranks_every_kind_and_a_daemon_sigkill(tmp_path: Path) -> None:
+    data = _sim(
+        tmp_path,
+        "--ranks", "256",
+        "--mtbf", "300",
+        "--checkpoint-cost", "0.25",
+        "--restart-time", "10",
+        "--failures", "10",
+        "--kill-daemon-at", "1500",
+        "--seed", "3",
+        timeout_s=1700,
+    )  # fmt: skip
+    _check_recovery(data, 10)
+    assert sorted(f["kind"] for f in data["faults"]) == sorted(
+        ["kill", "hang", "nan", "sdc", "node"] * 2
+    )
+    # A kill is seen through its supervisor's report (50 ms after the death), a NaN through
+    # the next heartbeat; hangs and lost nodes need their timeouts.
+    for fault in data["faults"]:
+        limit = {"kill": 0.1, "nan": 1.1, "sdc": 11.0, "hang": 15.0, "node": 15.0}
+        assert fault["detection_s"] <= limit[fault["kind"]], fault
+    # Goodput against the first-order model for the M this run realised.
+    assert abs(data["goodput"] - data["model_goodput_realised_mtbf"]) < 0.01, data
+    # The daemon was killed once and was ready again, and wrote snapshots.
+    runs = data["daemon_runs"]
+    assert len(runs) == 2
+    assert runs[0]["stats"] is None
+    assert runs[1]["ready_s"] < 10
+    log = (tmp_path / "run" / "daemon-0.log").read_text()
+    assert "snapshots written" in log
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kafka_in_real_time(tmp_path: Path, kafka_bootstrap: str) -> None:
+    data = _sim(
+        tmp_path,
+        "--bus", f"kafka://{kafka_bootstrap}",
+        "--ranks", "32",
+        "--mtbf", "25",
+        "--checkpoint-cost", "0.2",
+        "--restart-time", "4",
+        "--failures", "2",
+        "--kinds", "kill,nan",
+        "--seed", "1",
+        timeout_s=500,
+    )  # fmt: skip
+    assert data["time"] == "real"
+    _check_recovery(data, 2)
+    assert data["lag_s"]["p50"] is not None
