@@ -134,6 +134,7 @@ from trainguard.daemon.service._security import EventAuth
 from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.daemon.service._snapshot_store import Rebuild, SnapshotKeys, Snapshots
 from trainguard.schemas import (
+    DEFAULT_MAX_BYTES,
     Abort,
     ClockTick,
     Command,
@@ -141,6 +142,7 @@ from trainguard.schemas import (
     JSONValue,
     Manifest,
     ManifestHead,
+    MessageTooLarge,
     Restore,
     Resume,
     SchemaError,
@@ -941,18 +943,28 @@ class DaemonService:
     async def _publish_commit(self, partition: int, job: str, manifest: Manifest) -> None:
         """Store a committed snapshot's manifest beside its checkpoint (head and parts, what a
         restore command's reference names), then publish it signed on ``manifests``: whole
-        when it fits a record, else its head (``docs/checkpoints.md``, "Manifests").
+        when it fits both a record and the codec's default limit its readers decode with
+        (:data:`~trainguard.schemas.DEFAULT_MAX_BYTES`, 64 KiB: about 350 ranks), else its
+        head (``docs/checkpoints.md``, "Manifests").
 
         The write comes before the record joins the partition's transaction, so a committed
         record on ``manifests`` means the manifest was stored, unless storing failed: that is
         counted and logged (a warning when the whole manifest is on the bus for restores to
-        read, an error when only its head is), never fatal: the commit stands. The write is given :data:`_STORE_TIMEOUT_S`; a store that has not answered by
-        then is left to finish in its thread.
+        read, an error when only its head is), never fatal: the commit stands. The write is
+        given :data:`_STORE_TIMEOUT_S`; a store that has not answered by then is left to
+        finish in its thread.
         """
         split = split_manifest(manifest)
-        # The whole manifest's size, about: its parts and head (the parts' framing aside).
+        # Readers decode ``manifests`` with the codec's default limit, so a whole manifest
+        # goes on the bus only within it (and within the bus's record size). Its size,
+        # about: its parts and head (the parts' framing aside); exactly: its encoding.
+        limit = min(self._c.bus.max_message_bytes, DEFAULT_MAX_BYTES)
         whole = len(split.head_bytes) + sum(len(p) for p in split.parts) + _SIGNED_ROOM
-        fits = whole <= self._c.bus.max_message_bytes
+        value: bytes | None = None
+        if whole <= limit:
+            with contextlib.suppress(MessageTooLarge):
+                value = encode(self._sign(manifest), max_bytes=limit)
+        fits = value is not None
         try:
             await asyncio.wait_for(asyncio.to_thread(store_manifest, split), _STORE_TIMEOUT_S)
             self.metrics.manifest_stored(True)
@@ -968,9 +980,7 @@ class DaemonService:
                 error=f"{type(exc).__name__}: {exc}",
                 restores_read="the bus" if fits else "nothing: an older snapshot is used",
             )
-        if fits:
-            value = encode(self._sign(manifest), max_bytes=self._c.bus.max_message_bytes)
-        else:
+        if value is None:
             value = encode(self._sign(split.head))
         await self._out(partition, "manifests", job, value)
         log.info("committed", job_id=job, snapshot=manifest.snapshot_id, step=manifest.step)
