@@ -9,7 +9,10 @@ state after saving) and ``loaded-<tag>.pt`` (rank 0: the full state after loadin
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
@@ -35,6 +38,21 @@ from trainguard.agent.checkpoint._snapshot import Snapshot
 from trainguard.schemas import DataCursor, Manifest, Shard, StoredFile, files_digest
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def exit_after(rank: int, fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn(rank, *args)``, then end the process at once (``os._exit(0)``) once it returned.
+
+    An exception still reaches ``torch.multiprocessing.spawn`` as usual. Skipping interpreter
+    finalization avoids an abort that is torch's, not trainguard's: now and then a gloo rank whose
+    collective failed (a DCP load that raised on every rank) dies in teardown with "terminate
+    called without an active exception" (SIGABRT) after it wrote its outcome and destroyed its
+    groups (gloo's worker threads against interpreter finalization, pytorch#179291).
+    """
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _group(root: Path, name: str, rank: int, world_size: int) -> None:

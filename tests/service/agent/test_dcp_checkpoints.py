@@ -150,7 +150,9 @@ def spawn(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` fresh processes; raise if one fails."""
     from torch.multiprocessing.spawn import spawn as start
 
-    start(fn, args=(nprocs, *args), nprocs=nprocs, join=True)  # type: ignore[no-untyped-call]
+    start(  # type: ignore[no-untyped-call]
+        dcp_ranks.exit_after, args=(fn, nprocs, *args), nprocs=nprocs, join=True
+    )
 
 
 @pytest.mark.slow

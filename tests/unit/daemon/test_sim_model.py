@@ -9,6 +9,7 @@ the protocol; the real daemon's side is checked by ``tests/service/daemon/test_s
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -56,7 +57,7 @@ def _restore(model: JobModel, generation: int, step: int | None, seq: int) -> Re
                 Shard(rank=r, uri=f"file:///x/{r}", size_bytes=1, digest="sha256:" + "0" * 64)
                 for r in range(model.p.ranks)
             ),
-            cursor=Wire(JOB, model.p, model.host_of, None).cursor(step),
+            cursor=Wire(JOB, model.p, model.host_of, None, Path("/ckpt")).cursor(step),
         )
     return Restore(
         job_id=JOB,
@@ -202,7 +203,7 @@ def test_every_record_is_what_an_agent_would_send() -> None:
     key = ("0123456789abcdef", bytes(range(32)))
     params = SimParams(ranks=8, ranks_per_host=4, checkpoint_every=3, checksum_every=2)
     model = JobModel(params, (Fault(7.0, "sdc", 2), Fault(30.0, "kill", 5)), horizon_s=60.0)
-    wire = Wire(JOB, params, model.host_of, key)
+    wire = Wire(JOB, params, model.host_of, key, Path("/ckpt"))
     seqs: dict[tuple[int | None, str, int], int] = {}
     kinds: set[type] = set()
     checksums: dict[tuple[int, int], dict[int, str]] = {}

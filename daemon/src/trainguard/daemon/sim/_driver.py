@@ -63,7 +63,7 @@ from trainguard.agent.bus import (
 )
 from trainguard.agent.keys import CommandGate, KeyStore
 from trainguard.daemon.admin import KeyAdmin
-from trainguard.daemon.sim._model import Emission, Fault, JobModel, SimParams
+from trainguard.daemon.sim._model import Emission, Fault, JobModel, Shards, SimParams
 from trainguard.daemon.sim._wire import Wire
 from trainguard.schemas import Abort, Restore, Resume
 
@@ -87,7 +87,8 @@ class SimConfig:
         horizon_s: the run ends when the job has trained this long (training time).
         bus_url: ``sqlite:///...`` (simulated time; the file must not exist yet) or
             ``kafka://host:port`` (real time).
-        run_dir: where the daemon's config, keys, logs and statistics go (created).
+        run_dir: where the daemon's config, keys, logs and statistics go, and the step
+            folders (``checkpoints/``) the daemon stores committed manifests in (created).
         job_id: the simulated job's id.
         prefix: topic prefix (and so consumer group) on the bus.
         window_s: embedded bus: longest simulated time one round covers while the job runs
@@ -306,7 +307,9 @@ def run_simulation(config: SimConfig) -> Measured:
     gate = CommandGate(config.job_id, 0, store.public_keys())
     model = JobModel(config.params, config.faults, config.horizon_s)
     measured = Measured(model, realtime=not simulated)
-    wire = Wire(config.job_id, config.params, model.host_of, event_key)
+    wire = Wire(
+        config.job_id, config.params, model.host_of, event_key, config.run_dir / "checkpoints"
+    )
     began = time.monotonic()
     with _daemon(settings, config.run_dir, simulated) as daemon:
         asyncio.run(_run(config, model, wire, gate, daemon, measured))
@@ -492,6 +495,11 @@ class _Runner:
         await self.daemon.wait_ready(self.c.stall_timeout_s)
 
     def _encode(self, emissions: list[Emission]) -> list[tuple[int, bytes]]:
+        for e in emissions:
+            if isinstance(e, Shards):
+                # The step folder a checkpoint would leave, where the daemon stores the
+                # manifest when the step commits (the shards are not written).
+                self.wire.step_folder(e.generation, e.step).mkdir(parents=True, exist_ok=True)
         return [(e.at_ms, value) for e in emissions for value in self.wire.encode(e)]
 
     # -- Kafka: real time ------------------------------------------------------------------

@@ -18,6 +18,7 @@ import base64
 import hashlib
 import hmac
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -68,6 +69,8 @@ class Wire:
         host_of: rank -> the id of the node it runs on now.
         event_key: ``(kid, key)`` of the job's event key, or ``None`` to send unauthenticated
             events (a daemon without keys).
+        checkpoints: the folder the shards' URIs name (step folders under it; the shards
+            themselves are never written).
     """
 
     def __init__(
@@ -76,8 +79,10 @@ class Wire:
         params: SimParams,
         host_of: Callable[[int], int],
         event_key: tuple[str, bytes] | None,
+        checkpoints: Path,
     ) -> None:
         self._job = job_id
+        self._checkpoints = checkpoints
         self._p = params
         self._host_of = host_of
         self._key = event_key
@@ -104,6 +109,11 @@ class Wire:
                 return self._reports(emission)
             case ExitReport():
                 return [self._exit(emission)]
+
+    def step_folder(self, generation: int, step: int) -> Path:
+        """The folder of the shards of ``step`` written in ``generation``, where the daemon
+        stores the step's manifest once it commits."""
+        return self._checkpoints / self._job / f"g{generation:06d}" / f"s{step:010d}"
 
     def cursor(self, step: int) -> DataCursor:
         """The job's data position after ``step`` (global, world-size independent)."""
@@ -154,9 +164,10 @@ class Wire:
 
     def _shards(self, s: Shards) -> list[bytes]:
         cursor = self.cursor(s.step)
+        folder = self.step_folder(s.generation, s.step).as_uri()
 
         def uri(rank: int) -> str:
-            return f"file:///sim/{self._job}/g{s.generation:06d}/s{s.step:010d}/rank{rank:05d}.pt"
+            return f"{folder}/rank{rank:05d}.pt"
 
         def shard(rank: int, head: dict[str, Any]) -> Event:
             return Checkpoint(
