@@ -36,7 +36,9 @@ from trainguard.schemas import (
     Restore,
     Resume,
     Shard,
+    SnapshotRef,
     decode,
+    snapshot_ref,
     verify_mac,
 )
 
@@ -44,9 +46,9 @@ JOB = "sim-test"
 
 
 def _restore(model: JobModel, generation: int, step: int | None, seq: int) -> Restore:
-    target = None
+    target: SnapshotRef | None = None
     if step is not None:
-        target = Manifest(
+        manifest = Manifest(
             job_id=JOB,
             snapshot_id=f"{JOB}/g0/s{step}",
             generation=0,
@@ -59,6 +61,7 @@ def _restore(model: JobModel, generation: int, step: int | None, seq: int) -> Re
             ),
             cursor=Wire(JOB, model.p, model.host_of, None, Path("/ckpt")).cursor(step),
         )
+        target = snapshot_ref(manifest)
     return Restore(
         job_id=JOB,
         generation=generation,

@@ -437,7 +437,8 @@ class _Runner:
         await self._caught_up(before + len(records), expect_tick)
         if records:
             self.m.lag_s.append(time.monotonic() - appended)
-        await self._take_commands()
+        released = await self._take_commands()
+        assert not released, "a round runs the model to its end before its commands"
 
     async def _end(self) -> int:
         ends = await self.bus.end_offsets("events")
@@ -465,12 +466,17 @@ class _Runner:
                 )
             await asyncio.sleep(0.002)
 
-    async def _take_commands(self, wait_s: float = 0.0) -> None:
+    async def _take_commands(self, wait_s: float = 0.0) -> list[Emission]:
         """Hand the commands on the bus that the ranks' gate admits to the model, at their
         append times: in simulated time every command committed so far (the model must not
         send another record before it has them), in real time what arrives within
-        ``wait_s``."""
+        ``wait_s``.
+
+        Returns what the ranks sent up to a command's time that the model had not run yet
+        (real time, when the loop runs behind the clock; nothing in simulated time, whose
+        rounds run the model to their end first): the caller sends it."""
         assert self.commands is not None
+        released: list[Emission] = []
         records = await self.commands.getmany(timeout_s=wait_s, max_records=1000)
         if not self.m.realtime:
             ends = await self.bus.end_offsets("commands")
@@ -484,8 +490,9 @@ class _Runner:
                 name = type(verdict).__name__.lower()
                 self.m.commands[name] = self.m.commands.get(name, 0) + 1
                 at = max(record.timestamp_ms - self.t0_ms, 0)
-                self.model.advance(at)
+                released += self.model.advance(at)
                 self.model.command(at, verdict)
+        return released
 
     async def _kill_daemon(self) -> None:
         """SIGKILL the daemon and start a new one; wait until it is ready."""
@@ -514,20 +521,27 @@ class _Runner:
                 break
             now = self._now_ms()
             if nxt > now:
-                await self._take_commands(min((nxt - now) / _MS, 0.05))
+                await self._send(await self._take_commands(min((nxt - now) / _MS, 0.05)), pending)
                 self._measure_lag(pending, await self._committed())
                 continue
-            batch = self._encode(model.advance(now))
-            if batch:
-                futures = [await self.bus.send("events", self.c.job_id, v) for _, v in batch]
-                await asyncio.gather(*futures)
-                pending.append((await self._end(), time.monotonic()))
-                self.m.records += len(batch)
+            # Commands first, also when sending runs behind the clock (a large job): a rank
+            # obeys a command as soon as it arrives, not after the backlog.
+            await self._send(await self._take_commands(), pending)
+            await self._send(model.advance(now), pending)
             self.daemon.check_alive()
             if self.kill_at_ms is not None and now >= self.kill_at_ms:
                 await self._kill_daemon()
         if not model.ended:
             model.finish(self._now_ms())
+
+    async def _send(self, emissions: list[Emission], pending: list[tuple[int, float]]) -> None:
+        """Send ``emissions`` on ``events`` and note the partition's end for the lag."""
+        batch = self._encode(emissions)
+        if batch:
+            futures = [await self.bus.send("events", self.c.job_id, v) for _, v in batch]
+            await asyncio.gather(*futures)
+            pending.append((await self._end(), time.monotonic()))
+            self.m.records += len(batch)
 
     def _now_ms(self) -> int:
         return time.time_ns() // 1_000_000 - self.t0_ms

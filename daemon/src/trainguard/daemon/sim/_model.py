@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, TypeAlias
 
-from trainguard.schemas import Abort, Manifest, Restore, Resume
+from trainguard.schemas import Abort, Restore, Resume, SnapshotRef
 
 __all__ = [
     "FAULT_KINDS",
@@ -185,7 +185,7 @@ class Reports(NamedTuple):
     ranks: tuple[int, ...]
     kind: Literal["started", "restored", "finished"]
     step: int
-    target: Manifest | None = None
+    target: SnapshotRef | None = None
 
 
 class ExitReport(NamedTuple):
