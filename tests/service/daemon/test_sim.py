@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
+
+from trainguard.daemon.cli import app
 
 CLI = [sys.executable, "-m", "trainguard.daemon.cli", "sim", "--format", "json"]
 
@@ -95,3 +98,28 @@ def test_kafka_in_real_time(tmp_path: Path, kafka_bootstrap: str) -> None:
     assert data["time"] == "real"
     _check_recovery(data, 2)
     assert data["lag_s"]["p50"] is not None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--mtbf", "-1", "--failures", "1"], "--mtbf must be a finite number of seconds > 0"),
+        (["--mtbf", "nan", "--failures", "1"], "--mtbf must be a finite number of seconds > 0"),
+        (["--checkpoint-cost", "-1", "--failures", "1"], "--checkpoint-cost must be"),
+        (["--step-time", "0", "--failures", "1"], "--step-time must be"),
+        (["--duration", "0"], "--duration must be"),
+        (["--window", "0", "--failures", "1"], "--window must be"),
+        (["--kill-daemon-at", "-5", "--failures", "1"], "--kill-daemon-at must be"),
+    ],
+)
+def test_seconds_that_would_break_the_model_are_refused(
+    tmp_path: Path, options: list[str], message: str
+) -> None:
+    """Refused with exit status 2 and the option's name before anything runs (they used to
+    end in a traceback: a square root of a negative number, a division by zero)."""
+    result = CliRunner().invoke(
+        app, ["sim", "--ranks", "8", "--run-dir", str(tmp_path / "run"), *options]
+    )
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "run").exists()

@@ -7,6 +7,7 @@ output.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import uuid
 from enum import StrEnum
@@ -136,6 +137,21 @@ def sim(
         _fail(f"--kinds: unknown {unknown} (choose from {', '.join(FAULT_KINDS)})")
     if (failures is None) == (duration is None) and trace is None:
         _fail("give either --failures N or --duration SECONDS (or --trace FILE)")
+    # Formulas divide by these or take their roots: refuse what would break them.
+    for flag, seconds, zero_ok in (
+        ("--mtbf", mtbf, False),
+        ("--step-time", step_time, False),
+        ("--checkpoint-interval", checkpoint_interval, False),
+        ("--duration", duration, False),
+        ("--window", window, False),
+        ("--checkpoint-cost", checkpoint_cost, True),
+        ("--kill-daemon-at", kill_daemon_at, True),
+    ):
+        if seconds is not None and not (
+            math.isfinite(seconds) and (seconds >= 0 if zero_ok else seconds > 0)
+        ):
+            bound = ">= 0" if zero_ok else "> 0"
+            _fail(f"{flag} must be a finite number of seconds {bound}, not {seconds:g}")
     interval = checkpoint_interval or young_interval_s(checkpoint_cost, mtbf)
     try:
         params = SimParams(
