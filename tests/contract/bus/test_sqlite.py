@@ -25,6 +25,7 @@ from trainguard.agent.bus import (
 )
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._sqlite import SQLiteBus
+from trainguard.agent.bus._sqlite_consumer import SQLiteConsumer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -37,12 +38,18 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def make_bus(path: Path, session_timeout_s: float = 10.0, **options: float) -> SQLiteBus:
+def make_bus(
+    path: Path,
+    session_timeout_s: float = 10.0,
+    max_poll_interval_s: float = 60.0,
+    **options: float,
+) -> SQLiteBus:
     config = BusConfig(
         url=f"sqlite://{path}",
         topics=TOPICS,
         send_timeout_s=5.0,
         session_timeout_s=session_timeout_s,
+        max_poll_interval_s=max_poll_interval_s,
     )
     return SQLiteBus(config, str(path), **options)
 
@@ -60,20 +67,47 @@ async def poll_until(
 
 
 async def test_member_that_stops_polling_loses_its_partitions(tmp_path: Path) -> None:
+    """Its process runs, so its lease is renewed, but only until ``max_poll_interval_s``
+    passed since its last poll (Kafka's ``max.poll.interval.ms``); then its lease runs out."""
     path = tmp_path / "bus.db"
-    async with make_bus(path, session_timeout_s=0.5) as bus_a, make_bus(path) as bus_b:
+    async with (
+        make_bus(path, session_timeout_s=0.3, max_poll_interval_s=0.6) as bus_a,
+        make_bus(path) as bus_b,
+    ):
         a = await bus_a.subscribe(["events"], "g")
         b = await bus_b.subscribe(["events"], "g")
         assert b.assignment()
         assert b.assignment() < EVENTS
         started = time.monotonic()
-        # A never polls again: B owns everything once A's 0.5 s lease has run out.
+        # A never polls again: B owns everything once A's keeper gave up (0.6 s after A's
+        # last poll) and the lease it renewed last has run out (0.3 s more at most).
         await poll_until(b, lambda _: b.assignment() == EVENTS)
-        assert 0.4 < time.monotonic() - started < 2.0
+        assert time.monotonic() - started > 0.6
         # A's next poll rejoins the group and takes its share back.
         assert await a.getmany(timeout_s=0.05) == []
         assert a.assignment()
         await poll_until(b, lambda _: b.assignment() == EVENTS - a.assignment())
+
+
+async def test_a_busy_member_keeps_its_partitions_past_its_session(tmp_path: Path) -> None:
+    """A's owner does not poll for several sessions (a daemon sealing a large snapshot on a
+    loaded machine) but its event loop runs: its keeper renews the lease, so a member joining
+    then shares the partitions with A instead of taking them all, and A's next poll is no
+    rejoin (same member id)."""
+    path = tmp_path / "bus.db"
+    async with make_bus(path, session_timeout_s=1.0) as bus_a, make_bus(path) as bus_b:
+        a = await bus_a.subscribe(["events"], "g")
+        assert isinstance(a, SQLiteConsumer)
+        assert a.assignment() == EVENTS
+        assert a.membership is not None
+        member = a.membership.member_id
+        await asyncio.sleep(3.0)  # three sessions without a poll
+        b = await bus_b.subscribe(["events"], "g")
+        assert b.assignment()
+        assert b.assignment() < EVENTS
+        assert await a.getmany(timeout_s=0.05) == []
+        assert a.membership.member_id == member
+        assert a.assignment() == EVENTS - b.assignment()
 
 
 async def test_a_member_back_from_a_pause_gets_a_new_epoch_and_its_writer_is_fenced(
@@ -83,7 +117,10 @@ async def test_a_member_back_from_a_pause_gets_a_new_epoch_and_its_writer_is_fen
     very same partitions (no other member now): its assignment epoch moves although its
     assignment is the same, and its writer of before is fenced, nothing of it written."""
     path = tmp_path / "bus.db"
-    async with make_bus(path, session_timeout_s=0.3) as bus_a, make_bus(path) as bus_b:
+    async with (
+        make_bus(path, session_timeout_s=0.3, max_poll_interval_s=0.3) as bus_a,
+        make_bus(path) as bus_b,
+    ):
         a = await bus_a.subscribe(["events"], "g")
         assert a.assignment() == EVENTS
         before = a.assignment_epoch()

@@ -89,7 +89,8 @@ async def test_an_owner_back_from_a_pause_to_the_same_partitions_decides_nothing
     monkeypatch.setattr("trainguard.daemon.service._daemon.serving_lock", _no_daemon_lock)
     factory = BusFactory("sqlite", f"sqlite://{tmp_path / 'bus.db'}", "t.")
     config = DaemonConfig(
-        bus=factory.config(topics=DEFAULT_TOPICS, session_timeout_s=1.0),
+        # held means not polling: its lease ends a session after the keeper stops renewing
+        bus=factory.config(topics=DEFAULT_TOPICS, session_timeout_s=1.0, max_poll_interval_s=1.0),
         machine=machine("test-daemon"),
         group_id=factory.group("daemon"),
         poll_s=0.02,

@@ -309,7 +309,14 @@ class BusConfig:
         replication_factor: Kafka replicas per partition of the topics created on start-up;
             ``None`` takes ``min(3, brokers in the cluster)``.
         session_timeout_s: a consumer-group member silent for this long loses its partitions
-            (Kafka's ``session.timeout.ms``; the embedded bus applies the same rule).
+            (Kafka's ``session.timeout.ms``; the embedded bus applies the same rule). Members
+            renew it in the background, every third of it, while their process runs: a paused
+            or dead process loses its partitions, a busy one does not.
+        max_poll_interval_s: a member whose process runs but that has not polled for this long
+            leaves the group (Kafka's ``max.poll.interval.ms``; the embedded bus applies the
+            same rule): its partitions go to the others, and its next poll joins again. It
+            bounds how long a wedged consumer holds partitions; keep it well above the longest
+            pause between polls of a healthy one (a daemon sealing a large state snapshot).
         idle_poll_s: embedded bus only: longest sleep, in seconds, of an idle consumer between
             looks at the file (it starts at 2 ms after each delivery and doubles up to this).
             The worst-case delivery latency of an idle consumer; Kafka long-polls instead.
@@ -340,13 +347,20 @@ class BusConfig:
     client_id: str = "trainguard"
     replication_factor: int | None = None
     session_timeout_s: float = 10.0
+    max_poll_interval_s: float = 60.0
     idle_poll_s: float = 0.02
     security: KafkaSecurity = KafkaSecurity()
     kafka_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     create: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "send_timeout_s", "session_timeout_s", "idle_poll_s"):
+        for name in (
+            "connect_timeout_s",
+            "send_timeout_s",
+            "session_timeout_s",
+            "max_poll_interval_s",
+            "idle_poll_s",
+        ):
             value = getattr(self, name)
             if not 0 < value <= MAX_TIMEOUT_S:
                 raise ValueError(

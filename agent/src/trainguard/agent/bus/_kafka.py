@@ -417,6 +417,7 @@ class KafkaBus(Bus):
             "isolation_level": "read_committed",
             "session_timeout_ms": int(self._config.session_timeout_s * 1000),
             "heartbeat_interval_ms": max(100, int(self._config.session_timeout_s * 1000) // 3),
+            "max_poll_interval_ms": int(self._config.max_poll_interval_s * 1000),
             "fetch_max_wait_ms": 100,
         }
 

@@ -544,6 +544,7 @@ class SQLiteBus(Bus):
             forget=self._consumers.discard,
             write_timeout_s=self._config.send_timeout_s,
             session_timeout_s=self._config.session_timeout_s,
+            max_poll_interval_s=self._config.max_poll_interval_s,
             idle_poll_s=self._config.idle_poll_s,
         )
 

@@ -6,6 +6,12 @@ the queries when nothing changed; between polls it sleeps from 2 ms, doubling up
 ``BusConfig.idle_poll_s`` (default 20 ms) while idle, and wakes at once when its own bus
 appended records. So a record from another process arrives within about ``idle_poll_s``, one
 from the same bus without delay.
+
+Group members renew their lease from a task of their own (the keeper), as Kafka's consumer
+heartbeats from a thread of its own, so that a consumer whose owner is busy between polls (a
+daemon sealing a large state snapshot on a loaded machine) keeps its partitions; a paused or
+dead process does not renew, and one that stopped polling stops renewing after
+``max_poll_interval_s``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class ConsumerContext:
         forget: called with the consumer when it closes.
         write_timeout_s: how long group writes may wait for the file's lock, seconds.
         session_timeout_s: group lease length, seconds.
+        max_poll_interval_s: the keeper stops renewing a member that has not polled for this
+            long, seconds.
         idle_poll_s: longest sleep between polls of an idle consumer, seconds.
     """
 
@@ -62,6 +70,7 @@ class ConsumerContext:
     forget: Callable[[SQLiteConsumer], None]
     write_timeout_s: float
     session_timeout_s: float
+    max_poll_interval_s: float
     idle_poll_s: float
 
 
@@ -135,9 +144,11 @@ def _poll(
 class SQLiteConsumer(Consumer):
     """A consumer of the embedded bus; made by :meth:`SQLiteBus.subscribe` or ``assign``.
 
-    Group members renew their lease (``session_timeout_s``) while they call :meth:`getmany`:
-    a member that does not poll for a whole session loses its partitions to the others (it
-    rejoins at its next poll). That one timeout plays the roles of Kafka's session timeout and
+    Group members renew their lease (``session_timeout_s``) every third of it from a task of
+    their own while their event loop runs, as long as :meth:`getmany` was called within
+    ``max_poll_interval_s``: a member whose process is paused or dead for a whole session, or
+    that stopped polling for longer than ``max_poll_interval_s``, loses its partitions to the
+    others (it rejoins at its next poll), as with Kafka's ``session.timeout.ms`` and
     ``max.poll.interval.ms``. Not safe for concurrent use by several tasks, like aiokafka's.
     """
 
@@ -158,6 +169,9 @@ class SQLiteConsumer(Consumer):
         self._joined = False
         self._first = 0
         self._heartbeat_due = 0.0
+        self._polled_at = 0.0
+        self._keeper: asyncio.Task[None] | None = None
+        self._renewing = asyncio.Lock()
         self._closed = False
 
     async def join(self) -> None:
@@ -168,11 +182,15 @@ class SQLiteConsumer(Consumer):
         if self._membership is not None:
             await self._heartbeat(self._membership)
         await self._poll(0)
+        self._polled_at = asyncio.get_running_loop().time()
+        self._keep_lease()
 
     async def getmany(self, timeout_s: float = 1.0, max_records: int = 1000) -> list[Record]:
         """See :meth:`Consumer.getmany`. Also renews the group lease when due."""
         self._check_open()
         loop = asyncio.get_running_loop()
+        self._polled_at = loop.time()
+        self._keep_lease()
         deadline = loop.time() + timeout_s
         delay = _POLL_MIN_S
         while True:
@@ -287,6 +305,8 @@ class SQLiteConsumer(Consumer):
             return
         self._closed = True
         self._ctx.forget(self)
+        if self._keeper is not None:
+            self._keeper.cancel()
         membership = self._membership
         if membership is None:
             return
@@ -305,41 +325,80 @@ class SQLiteConsumer(Consumer):
         if self._closed or self._ctx.bus_closed():
             raise BusClosed("the consumer is closed")
 
-    async def _heartbeat(self, membership: Membership) -> None:
-        now = now_ms()
+    def _keep_lease(self) -> None:
+        """Start the keeper task unless it runs (it ends when it stops renewing)."""
+        if self._membership is not None and (self._keeper is None or self._keeper.done()):
+            self._keeper = asyncio.get_running_loop().create_task(self._keep())
 
-        async def renew(membership: Membership, *, join: bool) -> bool:
-            return bool(
-                await self._ctx.writer.run(
-                    groups.heartbeat,
-                    membership.group_id,
-                    membership.member_id,
-                    membership.topics,
-                    now + int(self._ctx.session_timeout_s * 1000),
-                    now,
-                    time.monotonic() + self._ctx.write_timeout_s,
-                    join=join,
-                )
+    async def _keep(self) -> None:
+        """Renew the lease when due, while the member polls within ``max_poll_interval_s``.
+
+        Only renews: a lease found ended is left for the next :meth:`getmany`, which joins
+        again under a new member id, and so is a renewal that failed (the file locked past the
+        write timeout): the poll renews it again and raises the error to its caller.
+        """
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            await asyncio.sleep(max(0.0, self._heartbeat_due - loop.time()))
+            if self._closed or loop.time() - self._polled_at > self._ctx.max_poll_interval_s:
+                return
+            if loop.time() < self._heartbeat_due:
+                continue  # a poll renewed it meanwhile
+            try:
+                async with self._renewing:
+                    if not await self._renew(self._membership_now(), now_ms(), join=False):
+                        return
+                    self._renewed()
+            except sqlite3.Error:
+                return
+
+    def _membership_now(self) -> Membership:
+        membership = self._membership
+        assert membership is not None  # only group members renew
+        return membership
+
+    async def _renew(self, membership: Membership, now: int, *, join: bool) -> bool:
+        """Extend (or, with ``join``, register) the lease of ``membership`` from ``now``
+        (ms); whether the member holds a lease now. Raises :class:`sqlite3.Error`."""
+        return bool(
+            await self._ctx.writer.run(
+                groups.heartbeat,
+                membership.group_id,
+                membership.member_id,
+                membership.topics,
+                now + int(self._ctx.session_timeout_s * 1000),
+                now,
+                time.monotonic() + self._ctx.write_timeout_s,
+                join=join,
             )
+        )
 
-        try:
-            if not await renew(membership, join=not self._joined):
-                # Back after its lease ended (paused, say): whatever it held may have been
-                # another member's meanwhile, even if the same partitions come back to it. It
-                # joins again under a new member id, so that a partition writer of the old
-                # membership can commit nothing (Kafka, likewise, gives a new member id).
-                membership = self._membership = dataclasses.replace(
-                    membership, member_id=new_member_id(membership.member_id)
-                )
-                self._positions = {}
-                self._assignment_epoch += 1
-                await renew(membership, join=True)
-        except sqlite3.Error as exc:
-            raise translate(exc, "consumer group heartbeat") from exc
-        self._joined = True
+    def _renewed(self) -> None:
         self._heartbeat_due = asyncio.get_running_loop().time() + self._ctx.session_timeout_s / 3
         # Renewing is also when expired members are noticed: recompute the assignment.
         self._dirty = True
+
+    async def _heartbeat(self, membership: Membership) -> None:
+        """Renew the lease, or join (again, under a new member id, if it had ended).
+        Raises :class:`BusError`."""
+        async with self._renewing:
+            now = now_ms()
+            try:
+                if not await self._renew(membership, now, join=not self._joined):
+                    # Back after its lease ended (paused, say): whatever it held may have been
+                    # another member's meanwhile, even if the same partitions come back to it.
+                    # It joins again under a new member id, so that a partition writer of the
+                    # old membership can commit nothing (Kafka, likewise, gives a new member id).
+                    membership = self._membership = dataclasses.replace(
+                        membership, member_id=new_member_id(membership.member_id)
+                    )
+                    self._positions = {}
+                    self._assignment_epoch += 1
+                    await self._renew(membership, now, join=True)
+            except sqlite3.Error as exc:
+                raise translate(exc, "consumer group heartbeat") from exc
+            self._joined = True
+            self._renewed()
 
     async def _poll(self, max_records: int) -> list[Record]:
         epoch = self._epoch
