@@ -256,3 +256,33 @@ async def _restores(bus: Bus) -> list[Restore]:
                 for tp in ends:  # past transaction markers, which no record carries
                     seen[tp] = await consumer.position(tp)
     return [c for c in map(decode, values) if isinstance(c, Restore)]
+
+
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)
+async def test_a_round_is_written_once_enough_records_were_folded_before_its_time(
+    bus_factory: BusFactory,
+) -> None:
+    """``snapshot_interval_records``: with an hour between rounds by time, a round is written
+    while the daemon runs once it folded that many records, and not before, so that a restart
+    of a job sending thousands of records a second refolds a bounded tail."""
+    keys = make_keys(1)
+    config = dataclasses.replace(
+        daemon_config(bus_factory, "daemon-a"),
+        snapshot_interval_records=12,
+        tick_interval_s=3600.0,  # the daemon's own ticks are folded records too: none here
+    )
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        b = DaemonService(config, keys=keys)
+        async with running(b):
+            await publish(bus, [started(A, 0), started(A, 1), *training(A, range(4))])
+            await eventually(lambda: folded(b, 10), timeout_s=60.0)
+            assert not await _written(bus), "10 records: no round yet"
+            await publish(bus, training(A, range(4, 8)))
+            await eventually(lambda: folded(b, 18), timeout_s=60.0)
+            await eventually(lambda: _written(bus), timeout_s=60.0)
+            headers = await latest_headers(bus)
+            assert headers[A].offset >= 12
+
+
+async def _written(bus: Bus) -> bool:
+    return bool(await bus.latest_per_key("snapshots"))

@@ -129,6 +129,14 @@ BAD_VALUES = [
         "[service] 2 * pulse_s + poll_s + commit_interval_s must be below bus_gap_s (5 s)",
     ),
     ("[service]\nbus = 3", "[service]: unknown key(s) ['bus']"),
+    (
+        "[service]\nsnapshot_interval_records = -1",
+        "[service] snapshot_interval_records must be >= 0 (0: by time only)",
+    ),
+    (
+        "[bus]\nmax_poll_interval_s = 0",
+        "[bus] max_poll_interval_s must be a number of seconds > 0",
+    ),
     ("[bus]\nsend_timeout_s = -1", "[bus] send_timeout_s must be a number of seconds > 0"),
     # Values the wire cannot carry (an aiokafka traceback, exit 1, once the bus was opened):
     (

@@ -282,6 +282,7 @@ class DaemonService:
             else None
         )
         self._snapshot_due = time.monotonic() + config.snapshot_interval_s
+        self._snapshot_folded = 0  # counters["folded"] at the last round
         self._watch = BusWatch(
             self.metrics,
             self._positions,
@@ -1057,7 +1058,8 @@ class DaemonService:
     # -- snapshots ---------------------------------------------------------------------------
 
     async def _write_snapshots(self, *, force: bool = False) -> None:
-        """Every ``snapshot_interval_s`` (or now, with ``force``): for each partition caught
+        """Every ``snapshot_interval_s`` or ``snapshot_interval_records`` folded records,
+        whichever comes first (or now, with ``force``): for each partition caught
         up with its committed position, write a round of snapshots at its position in its open
         transaction and commit that position with them, so that a round is visible exactly
         when the position it names is the committed one. A partition whose commit fails
@@ -1065,9 +1067,16 @@ class DaemonService:
         keys = self._keys
         if self._snapshots is None or keys is None:
             return
-        if not (force or time.monotonic() >= self._snapshot_due):
+        every = self._c.snapshot_interval_records
+        folded = self.counters["folded"]
+        if not (
+            force
+            or time.monotonic() >= self._snapshot_due
+            or (every and folded - self._snapshot_folded >= every)
+        ):
             return
         self._snapshot_due = time.monotonic() + self._c.snapshot_interval_s
+        self._snapshot_folded = folded
         snapshots = self._snapshots
         parts = [
             part

@@ -161,13 +161,21 @@ class DaemonConfig:
             encrypted, on ``snapshots``; also written on a clean stop), from which a restarted
             daemon rebuilds instead of folding the whole log; 0 turns snapshots off. They are
             off without keys anyway.
+        snapshot_interval_records: a round is also due once this many records were folded
+            since the last one (0: by time only). It bounds the log a restarted daemon folds
+            after its snapshots, whatever the jobs' record rate: a 16,384-rank job sends about
+            21,000 records a second, 1.3 million in a 60-s interval, which a restart would
+            refold at 11,000-20,000 a second (``bench/RESULTS.md``); 250,000 takes 12-23 s
+            on one core, and a round of that job's snapshot costs about a second of CPU,
+            a few per cent of the fold's.
         security: keys and authentication (:class:`SecurityConfig`).
         retention: the daemon's own pruning of checkpoints (:class:`RetentionConfig`).
 
     Raises:
         ValueError: ``metrics_port`` outside -1..65535, ``poll_s``, ``pulse_s``,
             ``probe_interval_s``, ``probe_timeout_s`` or ``warn_every_s`` not > 0, ``tick_interval_s``,
-            ``commit_interval_s`` or ``snapshot_interval_s`` negative, ``commit_interval_s``
+            ``commit_interval_s`` or ``snapshot_interval_s`` negative,
+            ``snapshot_interval_records`` negative, ``commit_interval_s``
             above :data:`MAX_COMMIT_INTERVAL_S`, a duration not finite,
             ``2 * pulse_s + poll_s + commit_interval_s`` not below the machine's
             ``bus_gap_s``, or
@@ -188,6 +196,7 @@ class DaemonConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     snapshot_interval_s: float = 60.0
+    snapshot_interval_records: int = 250_000
     security: SecurityConfig = field(default_factory=SecurityConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
 
@@ -221,6 +230,11 @@ class DaemonConfig:
             raise ValueError(
                 f"snapshot_interval_s must be a finite number of seconds >= 0 (0: off), "
                 f"not {self.snapshot_interval_s!r}"
+            )
+        if self.snapshot_interval_records < 0:
+            raise ValueError(
+                f"snapshot_interval_records must be >= 0 (0: by time only), "
+                f"not {self.snapshot_interval_records}"
             )
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(
