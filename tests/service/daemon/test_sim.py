@@ -10,8 +10,11 @@ its restore) are the same on a loaded machine, only the wall time grows.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +126,49 @@ def test_seconds_that_would_break_the_model_are_refused(
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_node_fault_on_a_job_of_one_node_is_restored(tmp_path: Path) -> None:
+    """Every rank gone at once: the simulation lets the daemon pulse while nothing is sent
+    (it stood still before: the daemon saw a bus gap and held the restore)."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text("20,node\n")
+    data = _sim(
+        tmp_path,
+        "--ranks", "8",
+        "--ranks-per-host", "8",
+        "--mtbf", "60",
+        "--restart-time", "10",
+        "--trace", str(trace),
+        timeout_s=300,
+    )  # fmt: skip
+    _check_recovery(data, 1)
+
+
+def test_sigterm_ends_the_run_and_its_daemon_process(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    sim = subprocess.Popen(
+        [*CLI, "--run-dir", str(run), "--ranks", "8", "--duration", "100000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "ready").exists():
+            assert sim.poll() is None, sim.stderr.read() if sim.stderr else ""
+            assert time.monotonic() < deadline, "the daemon never got ready"
+            time.sleep(0.05)
+        [daemon] = _children(sim.pid)
+        sim.send_signal(signal.SIGTERM)
+        assert sim.wait(timeout=90) != 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(daemon, 0)
+    finally:
+        sim.kill()
+        sim.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux ``/proc``)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]

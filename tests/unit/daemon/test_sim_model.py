@@ -178,6 +178,24 @@ def test_a_fault_is_seen_as_its_kind_shows_itself() -> None:
             assert any(b.odd_ranks == {5} and b.checksum is not None for b in after)
 
 
+def test_a_job_whose_every_rank_is_gone_is_silent_until_its_restore() -> None:
+    """A node fault on a job of one node: nothing is sent until the restore, so the driver
+    must let the daemon pulse (it saw a bus gap and held the restore; the simulation stood
+    still)."""
+    params = SimParams(ranks=8, ranks_per_host=8, restart_s=10.0)
+    model = JobModel(params, (Fault(10.0, "node", 0),), 60.0)
+    model.advance(5_000)
+    assert not model.silent
+    struck = model.advance(30_000)
+    assert model.phase == "stalled"
+    assert model.silent
+    assert not [e for e in struck if isinstance(e, Beats) and e.ranks and e.at_ms > 15_000]
+    model.command(30_000, _restore(model, 1, None, 1))
+    assert model.silent  # restarting
+    model.advance(35_001)  # half the restart: the processes are up
+    assert not model.silent
+
+
 def test_draws_are_seeded_and_take_turns() -> None:
     first = draw_faults(10, 600.0, ("kill", "hang"), 64, 7)
     assert first == draw_faults(10, 600.0, ("kill", "hang"), 64, 7)

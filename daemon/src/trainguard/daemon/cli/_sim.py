@@ -8,6 +8,7 @@ output.
 from __future__ import annotations
 
 import math
+import signal
 import tempfile
 import uuid
 from enum import StrEnum
@@ -189,6 +190,9 @@ def sim(
         window_s=window,
         kill_daemon_at_s=kill_daemon_at,
     )
+    # SIGTERM (a timeout, a scheduler) ends the run as Ctrl-C does, through the cleanup that
+    # stops the daemon process; Python's default would exit at once and leave it running.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         measured = run_simulation(config)
     except (SimFailed, BusError, FileExistsError) as exc:

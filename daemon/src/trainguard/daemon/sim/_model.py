@@ -353,8 +353,10 @@ class JobModel:
 
     @property
     def silent(self) -> bool:
-        """Whether no rank sends anything until the next event (processes restarting)."""
-        return self.phase == "restarting" and self._waiting is None and not self._started
+        """Whether no rank sends anything until the next event: processes restarting, or
+        every rank's process gone (a node fault on a job of one node)."""
+        restarting = self.phase == "restarting" and self._waiting is None and not self._started
+        return restarting or len(self._silent) == self.p.ranks
 
     def next_ms(self) -> int | None:
         """The time of the next event, or ``None`` when nothing more will happen by itself."""
