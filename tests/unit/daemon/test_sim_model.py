@@ -184,16 +184,18 @@ def test_a_job_whose_every_rank_is_gone_is_silent_until_its_restore() -> None:
     still)."""
     params = SimParams(ranks=8, ranks_per_host=8, restart_s=10.0)
     model = JobModel(params, (Fault(10.0, "node", 0),), 60.0)
+    silent = []
     model.advance(5_000)
-    assert not model.silent
+    silent.append(model.silent)
     struck = model.advance(30_000)
     assert model.phase == "stalled"
-    assert model.silent
+    silent.append(model.silent)
     assert not [e for e in struck if isinstance(e, Beats) and e.ranks and e.at_ms > 15_000]
     model.command(30_000, _restore(model, 1, None, 1))
-    assert model.silent  # restarting
+    silent.append(model.silent)  # restarting
     model.advance(35_001)  # half the restart: the processes are up
-    assert not model.silent
+    silent.append(model.silent)
+    assert silent == [False, True, True, False]
 
 
 def test_draws_are_seeded_and_take_turns() -> None:
