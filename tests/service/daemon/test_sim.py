@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,13 +114,21 @@ def test_kafka_in_real_time(tmp_path: Path, kafka_bootstrap: str) -> None:
         (["--duration", "0"], "--duration must be"),
         (["--window", "0", "--failures", "1"], "--window must be"),
         (["--kill-daemon-at", "-5", "--failures", "1"], "--kill-daemon-at must be"),
+        (["--ranks-per-host", "9", "--failures", "1"], "--ranks-per-host (9) must not exceed"),
+        (["--kinds", "", "--failures", "1"], "--kinds: no kind given"),
+        (["--kinds", "kill,fire", "--failures", "1"], "--kinds: unknown fire"),
+        (["--trace", "TRACE", "--failures", "3"], "give --trace FILE or --failures N, not both"),
     ],
 )
-def test_seconds_that_would_break_the_model_are_refused(
+def test_options_that_cannot_run_are_refused(
     tmp_path: Path, options: list[str], message: str
 ) -> None:
-    """Refused with exit status 2 and the option's name before anything runs (they used to
-    end in a traceback: a square root of a negative number, a division by zero)."""
+    """Refused with exit status 2 and the option's name before anything runs (seconds used to
+    end in a traceback: a square root of a negative number, a division by zero; the others
+    ran, or were ignored, silently)."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text("10,kill\n")
+    options = [str(trace) if o == "TRACE" else o for o in options]
     result = CliRunner().invoke(
         app, ["sim", "--ranks", "8", "--run-dir", str(tmp_path / "run"), *options]
     )
@@ -172,3 +181,48 @@ def _children(pid: int) -> list[int]:
     """The child processes of ``pid`` (Linux ``/proc``)."""
     tasks = Path(f"/proc/{pid}/task")
     return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
+
+
+def test_what_a_run_could_not_do_is_warned_of(tmp_path: Path) -> None:
+    """An empty trace runs without faults and a --kill-daemon-at past the run's end kills
+    nothing: both are said on stderr, and the run itself succeeds."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text("# nothing yet\n")
+    done = subprocess.run(
+        [*CLI, "--run-dir", str(tmp_path / "run"), "--ranks", "8", "--mtbf", "20",
+         "--trace", str(trace), "--kill-daemon-at", "100000"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "names no fault: the run has none" in done.stderr
+    assert "--kill-daemon-at 100000: the run ended at simulated second" in done.stderr
+    assert json.loads(done.stdout)["faults"] == []
+
+
+def test_the_tables_fit_80_columns_and_say_where_the_model_fails(tmp_path: Path) -> None:
+    """A hang in the first steps is judged by the 600-s start-up allowance: with M = 60 s the
+    first-order model goes below 0, which the table says instead of printing it; no header
+    or cell is cut at 80 columns."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text("2,hang\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "trainguard.daemon.cli", "sim", "--run-dir",
+         str(tmp_path / "run"), "--ranks", "8", "--mtbf", "60", "--trace", str(trace)],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "COLUMNS": "80"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "…" not in done.stdout, done.stdout
+    assert "first order fails" in done.stdout
+    assert not re.search(r"-\d[\d.,]*%", done.stdout), "a negative goodput printed"
+
+
+def test_a_dead_daemon_is_named_by_its_signal_with_whole_log_lines(tmp_path: Path) -> None:
+    from trainguard.daemon.sim._driver import _Daemon
+
+    lines = [f'{{"event": "line {i}", "level": "info"}}' for i in range(40)]
+    (tmp_path / "daemon-0.log").write_text("\n".join(lines) + "\n")
+    said = _Daemon(tmp_path / "daemon.toml", tmp_path, simulated=True)._died(-9)
+    assert said.startswith("the daemon was killed by SIGKILL (its log: ")
+    assert said.endswith("\n".join(f"  {line}" for line in lines[-5:]))
+    assert "exited with status 3" in _Daemon(tmp_path, tmp_path, simulated=True)._died(3)

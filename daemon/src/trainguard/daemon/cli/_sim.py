@@ -40,6 +40,10 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def _warn(message: str) -> None:
+    typer.secho(f"warning: {message}", fg=typer.colors.YELLOW, err=True)
+
+
 def sim(
     ranks: Annotated[int, typer.Option(help="World size of the simulated job.")] = 256,
     ranks_per_host: Annotated[int, typer.Option(help="Ranks per node.")] = 8,
@@ -135,9 +139,14 @@ def sim(
     chosen = tuple(k for k in FAULT_KINDS for n in named if n == k)
     unknown = [n for n in named if n not in FAULT_KINDS]
     if unknown or not chosen:
-        _fail(f"--kinds: unknown {unknown} (choose from {', '.join(FAULT_KINDS)})")
+        which = f"unknown {', '.join(unknown)}" if unknown else "no kind given"
+        _fail(f"--kinds: {which} (choose from {', '.join(FAULT_KINDS)})")
+    if trace is not None and failures is not None:
+        _fail("give --trace FILE or --failures N, not both (the trace names the faults)")
     if (failures is None) == (duration is None) and trace is None:
         _fail("give either --failures N or --duration SECONDS (or --trace FILE)")
+    if ranks_per_host > ranks:
+        _fail(f"--ranks-per-host ({ranks_per_host}) must not exceed --ranks ({ranks})")
     # Formulas divide by these or take their roots: refuse what would break them.
     for flag, seconds, zero_ok in (
         ("--mtbf", mtbf, False),
@@ -166,6 +175,8 @@ def sim(
         if trace is not None:
             faults = parse_trace(trace.read_text().splitlines(), ranks)
             horizon = duration or ((faults[-1].after_s if faults else 0.0) + mtbf)
+            if not faults:
+                _warn(f"{trace} names no fault: the run has none ({horizon:g} s of training)")
         elif failures is not None:
             faults, horizon = draw_faults(failures, mtbf, chosen, ranks, seed)
         else:
@@ -197,6 +208,11 @@ def sim(
         measured = run_simulation(config)
     except (SimFailed, BusError, FileExistsError) as exc:
         _fail(f"{exc} (run folder {folder})")
+    if kill_daemon_at is not None and len(measured.daemons) == 1:
+        _warn(
+            f"--kill-daemon-at {kill_daemon_at:g}: the run ended at simulated second "
+            f"{measured.model.accounting.wall_s():.0f}, before it; the daemon was not killed"
+        )
     summary = summarize(measured, params, mtbf, "kafka" if bus is not None else "sqlite")
     data = summary.as_dict()
     data["run_dir"] = str(folder)

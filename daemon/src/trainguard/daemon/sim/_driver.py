@@ -234,7 +234,7 @@ class _Daemon:
         ready = self._dir / "ready"
         while not ready.exists():
             if self.proc is not None and self.proc.poll() is not None:
-                raise SimFailed(f"the daemon exited with {self.proc.returncode}: {self._tail()}")
+                raise SimFailed(self._died(self.proc.returncode))
             if time.monotonic() > deadline:
                 raise SimFailed(f"the daemon was not ready within {timeout_s:g} s")
             await asyncio.sleep(0.01)
@@ -242,7 +242,7 @@ class _Daemon:
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise SimFailed(f"the daemon exited with {self.proc.returncode}: {self._tail()}")
+            raise SimFailed(self._died(self.proc.returncode))
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -264,9 +264,19 @@ class _Daemon:
         if stats.exists():
             self.runs[-1].stats = orjson.loads(stats.read_bytes())
 
-    def _tail(self) -> str:
-        logs = sorted(self._dir.glob("daemon-*.log"))
-        return logs[-1].read_text(errors="replace")[-2000:] if logs else ""
+    def _died(self, returncode: int) -> str:
+        """What to say of a daemon process that ended with ``returncode``: how (the signal's
+        name, or the exit status) and the last lines of its log, whole."""
+        how = (
+            f"was killed by {signal.Signals(-returncode).name}"
+            if returncode < 0
+            else f"exited with status {returncode}"
+        )
+        logs = sorted(self._dir.glob("daemon-*.log"), key=lambda p: p.stat().st_mtime)
+        lines = logs[-1].read_text(errors="replace").splitlines()[-5:] if logs else []
+        tail = "".join(f"\n  {line}" for line in lines)
+        where = f" (its log: {logs[-1]})" if logs else ""
+        return f"the daemon {how}{where}{':' if tail else ''}{tail}"
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -163,13 +164,23 @@ def print_summary(summary: SimSummary, console: Console) -> None:
         ),
         ("D + R (fault to resume, mean)", _num(d["downtime_s"], ".1f", " s")),
         ("goodput measured", f"{d['goodput']:.2%}"),
-        ("model 1 - C/tau - tau/2M - (D+R)/M", f"{d['model_goodput']:.2%}"),
-        ("model, M as realised", _num(_pct(d["model_goodput_realised_mtbf"]), ".2f", "%")),
-        ("measured - model", f"{d['goodput_minus_model_pp']:+.2f} pp"),
+        (
+            "model 1 - C/tau - tau/2M - (D+R)/M",
+            _model(d["model_goodput"], d["downtime_s"], d["mtbf_s"]),
+        ),
+        (
+            "model, M as realised",
+            _model(d["model_goodput_realised_mtbf"], d["downtime_s"], d["mtbf_realised_s"]),
+        ),
+        (
+            "measured - model",
+            f"{d['goodput_minus_model_pp']:+.2f} pp" if d["model_goodput"] >= 0 else "-",
+        ),
         (
             "recommended interval (Young)",
             f"{d['young_interval_s']:.1f} s = {d['young_interval_steps']:.0f} steps "
-            f"(Daly {d['daly_interval_s']:.1f} s); model there {d['model_goodput_at_young']:.2%}",
+            f"(Daly {d['daly_interval_s']:.1f} s); model there "
+            + _model(d["model_goodput_at_young"], d["downtime_s"], d["mtbf_s"]),
         ),
     ]
     for label, value in rows:
@@ -197,17 +208,18 @@ def print_summary(summary: SimSummary, console: Console) -> None:
     ):
         daemon.add_row(label, value)
     console.print(daemon)
-    faults = Table(title="faults")
+    # Two-line headers without vertical rules: the nine columns fit 80 columns.
+    faults = Table(title="faults", box=box.SIMPLE_HEAD)
     for column in (
         "#",
         "kind",
         "rank",
-        "at (s)",
+        "at\n(s)",
         "restores",
-        "fault -> restore (s)",
-        "fault -> resume (s)",
-        "step reached",
-        "restored to",
+        "fault to\nrestore (s)",
+        "fault to\nresume (s)",
+        "step\nreached",
+        "restored\nto",
     ):
         faults.add_column(column, justify="right")
     for i, f in enumerate(d["faults"], 1):
@@ -225,5 +237,11 @@ def print_summary(summary: SimSummary, console: Console) -> None:
     console.print(faults)
 
 
-def _pct(value: float | None) -> float | None:
-    return None if value is None else 100 * value
+def _model(value: float | None, downtime_s: float | None, mtbf_s: float | None) -> str:
+    """A model's goodput, or why it does not apply: the first-order model goes below 0 where
+    ``(D+R)/M`` nears 1 (the terms it drops are no longer small)."""
+    if value is None:
+        return "-"
+    if value >= 0 or not downtime_s or not mtbf_s:
+        return f"{value:.2%}"
+    return f"n/a: (D+R)/M = {downtime_s / mtbf_s:.2f}, first order fails"
