@@ -98,6 +98,32 @@ async def test_decisions_acted_on_but_not_committed_are_never_seen_and_decided_o
         assert len(_decided_restores(await read_all(bus, "audit"))) == 1
 
 
+class _FailsToIssue(DaemonService):
+    """A daemon with a fault of its own: acting on a restore raises (a bug, not a bus error)."""
+
+    async def _issue(self, partition: int, job: str, command: Any) -> None:
+        raise RuntimeError("a fault of the daemon's own")
+
+
+async def test_a_daemon_that_fails_in_the_middle_of_acting_commits_nothing_of_it(
+    bus_factory: BusFactory,
+) -> None:
+    """The daemon raises while acting on a kill's decisions: the loop ends with the error, and
+    the partition's open transaction is not committed (it was, on the way out, with the
+    position past the kill: a restarted daemon then refolded the kill silently and never
+    issued its restore). The next daemon decides and sends the restore once."""
+    config = daemon_config(bus_factory)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        await publish(bus, started(0), started(1), shard(0, 1, 5), shard(1, 1, 5), killed(0))
+        with pytest.raises(RuntimeError, match="a fault of the daemon's own"):
+            await asyncio.wait_for(_FailsToIssue(config).run(asyncio.Event()), 60)
+        assert await _restores(bus) == []
+        async with running(DaemonService(config)) as second:
+            await eventually(lambda: _restores(bus))
+            assert second.counters["commands"] == 1
+        assert len(await _restores(bus)) == 1
+
+
 # Kafka only: a second daemon on an embedded bus file waits for the first one's lock instead
 # of sharing the partitions (tests/service/daemon/test_embedded_lock.py).
 @pytest.mark.parametrize(

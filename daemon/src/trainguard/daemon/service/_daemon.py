@@ -455,6 +455,10 @@ class DaemonService:
                     reason="no keys" if self._keys is None else "snapshot_interval_s = 0",
                 )
             synced: int | None = None
+            # A fault of the daemon's own (an exception that is no bus error) must not commit
+            # the open transactions: their positions are past records whose decisions were
+            # acted on only in part, which a restart would then never act on.
+            crashed = False
             try:
                 while not stop.is_set():
                     records = await consumer.getmany(timeout_s=self._c.poll_s, max_records=2000)
@@ -483,6 +487,9 @@ class DaemonService:
                     await self._watch.close()
                     self._watch.unreachable(f"{type(exc).__name__}: {exc}")
                 raise
+            except Exception:
+                crashed = True
+                raise
             finally:
                 if pruning is not None:
                     pruning.cancel()
@@ -490,8 +497,9 @@ class DaemonService:
                     with contextlib.suppress(asyncio.CancelledError):
                         await pruning
                 await self._watch.close()
-                await self._commit(force=True)
-                if stop.is_set():  # a clean stop: the next start reads little of the log
+                if not crashed:
+                    await self._commit(force=True)
+                if stop.is_set() and not crashed:  # a clean stop: the next start reads little
                     await self._write_snapshots(force=True)
                 await self._close_writers()
                 if self._consumer is not None:
