@@ -248,6 +248,21 @@ def test_a_forged_head_is_refused_before_it_is_decoded(make_agent, bus_url, save
     assert message.startswith("ShardCorrupt: manifest of")
 
 
+def test_a_head_replaced_by_a_huge_file_is_refused_without_reading_it_whole(
+    make_agent, bus_url, saved, monkeypatch
+):
+    """A head grown to 64 MiB (a sparse file: anyone who can write to storage): each rank
+    reads no more than the largest head can be, then refuses it by its digest (it read the
+    whole file first: a large enough one ended every rank out of memory, and the snapshot
+    was never reported bad)."""
+    daemon.publish(bus_url, daemon.restore(JOB, 1, saved.manifest))
+    head = manifest_dir(saved) / "manifest.json"
+    with head.open("r+b") as f:
+        f.truncate(64 << 20)
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"read whole: {self}"))
+    refused_restore(make_agent, bus_url, ShardCorrupt, r"manifest of .* has digest")
+
+
 def test_a_stale_head_at_the_snapshots_place_is_refused(make_agent, bus_url, saved):
     """The command names one manifest; the folder holds another of the same snapshot (written
     later, or left by an earlier commit): its digest is not the one named."""

@@ -437,3 +437,41 @@ def test_the_digest_is_the_sha256_of_the_bytes_whatever_the_sizes_of_the_writes(
     assert written.size_bytes == len(data)
     assert written.digest == f"sha256:{hashlib.sha256(data).hexdigest()}"
     assert written.digest == f"sha256:{expected.hexdigest()}"
+
+
+def test_a_rank_reads_only_the_manifest_part_of_the_file_it_loads(tmp_path: Path) -> None:
+    """At 4,096 ranks a rank's file is looked up in its own rank's shard only: reading its
+    file checked no other rank's (the truth test of the lazy file map listed every part on
+    every rank: 16 parts, 3 MB, per rank at 16,384 ranks)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from trainguard.agent.checkpoint._dcp import DigestingFileSystem, _SnapshotFiles
+    from trainguard.schemas import StoredFile, sha256_digest
+
+    data = b"rank 7's tensors"
+    (tmp_path / "__7_0.distcp").write_bytes(data)
+    asked: list[int] = []
+
+    class FourThousandRanks:
+        world_size = 4096
+
+        def shard(self, rank: int) -> Shard:
+            asked.append(rank)
+            name = f"__{rank}_0.distcp"
+            digest = sha256_digest(data if rank == 7 else b"")
+            files = (StoredFile(name=name, size_bytes=len(data), digest=digest),)
+            return Shard(
+                rank=rank,
+                uri=tmp_path.as_uri(),
+                size_bytes=len(data),
+                digest=files_digest(files),
+                files=files,
+            )
+
+        def shards(self) -> tuple[Shard, ...]:
+            raise AssertionError("every part was read")
+
+    files = _SnapshotFiles(FourThousandRanks())  # type: ignore[arg-type]
+    reader = DigestingFileSystem(FileSystem(), expected=files)
+    assert reader.read_verified(tmp_path / "__7_0.distcp", "__7_0.distcp") == data
+    assert asked == [7]

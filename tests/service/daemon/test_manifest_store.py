@@ -7,7 +7,10 @@ the daemon goes on."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -28,6 +31,7 @@ from trainguard.daemon import DaemonService
 from trainguard.daemon.service._settings import DaemonConfig
 from trainguard.schemas import (
     Checkpoint,
+    CheckpointMeta,
     Manifest,
     ManifestHead,
     decode,
@@ -148,3 +152,101 @@ async def test_a_manifest_storage_refuses_is_logged_and_counted_and_the_commit_s
     assert (failed["log_level"], failed["restores_read"]) == ("warning", "the bus")
     assert "FileNotFoundError" in failed["error"]
     assert not folder.exists()
+
+
+async def test_a_folder_outside_the_jobs_layout_is_never_written(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """Rank 0 names another job's step folder (a compromised worker, or a typo): the daemon,
+    which may write wherever it prunes, writes nothing there; it logs why, and the commit
+    stands (a restore reads the whole manifest from the bus)."""
+    events = shards(tmp_path, world_size=2)
+    victim = tmp_path / "other-job" / "g000000" / f"s{STEP:010d}"
+    victim.mkdir(parents=True)
+    events = [
+        dataclasses.replace(e, shard_uri=(victim / f"rank{e.rank:05d}.pt").as_uri()) for e in events
+    ]
+    with capture_logs() as logs:
+        service, record = await committed(bus_factory, daemon_config(bus_factory), events)
+    assert decode(record, expect=Manifest).step == STEP
+    assert list(victim.iterdir()) == []
+    (failed,) = [e for e in logs if e["event"] == "manifest not stored beside the checkpoint"]
+    assert f"not a <root>/{JOB}/g<generation>/s<step> folder" in failed["error"]
+    assert sample(service, "trainguard_manifests_stored_total", result="failed") == 1
+
+
+@pytest.mark.parametrize("bus_factory", ["sqlite"], indirect=True)
+async def test_storage_that_raises_anything_or_hangs_stalls_the_fold_once(
+    bus_factory: BusFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storage library raising what it likes is logged like a refusal; one that hangs costs
+    the store's timeout once: while it has not returned, later commits are published without
+    storing (they used to wait for the timeout each, on threads they then tied up)."""
+    calls: list[str] = []
+    hung = threading.Event()
+
+    def store(split: Any) -> None:
+        calls.append(split.ref.snapshot_id)
+        if len(calls) == 1:
+            raise TypeError("a storage library's own error")
+        hung.wait(120)  # past the daemon's 10-s timeout, until the test is done
+
+    monkeypatch.setattr("trainguard.daemon.service._daemon.store_manifest", store)
+    steps = (10, 20, 30)
+    events = []
+    for step in steps:
+        folder = tmp_path / JOB / "g000000" / f"s{step:010d}"
+        folder.mkdir(parents=True)
+        events += [
+            dataclasses.replace(
+                JobEvents(JOB).shard(rank, step, step),  # seq = step: each is news
+                shard_uri=(folder / f"rank{rank}.pt").as_uri(),
+            )
+            for rank in range(2)
+        ]
+    with capture_logs() as logs:
+        async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+            await publish(bus, *events)
+            async with run_daemon(DaemonService(daemon_config(bus_factory))):
+
+                async def published() -> bool:
+                    return len(await read_all(bus, "manifests")) == len(steps)
+
+                try:
+                    await eventually(published, timeout_s=60)
+                finally:
+                    hung.set()
+    errors = [e["error"] for e in logs if e["event"] == "manifest not stored beside the checkpoint"]
+    assert errors == [
+        "TypeError: a storage library's own error",
+        "storage did not answer within 10 s",
+        "an earlier manifest's store has not returned for over 10 s",
+    ]
+    assert len(calls) == 2
+
+
+async def test_a_head_larger_than_a_record_is_stored_and_not_published(
+    bus_factory: BusFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's metadata makes the head larger than the records readers of ``manifests``
+    accept (64 KiB; 4 KiB here): the head is stored beside the checkpoint, where restores read
+    it, and not published, with an error; the daemon goes on (it raised inside the state
+    machine's commit, on every fold of that record)."""
+    monkeypatch.setattr("trainguard.daemon.service._daemon.DEFAULT_MAX_BYTES", 4096)
+    meta = CheckpointMeta(hyperparameters={"pad": "x" * 5000})
+    events = [dataclasses.replace(e, metadata=meta) for e in shards(tmp_path, world_size=2)]
+    with capture_logs() as logs:
+        async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+            await publish(bus, *events)
+            async with run_daemon(DaemonService(daemon_config(bus_factory))) as service:
+                await eventually(lambda: _logged(logs, "committed"), timeout_s=60)
+            assert await read_all(bus, "manifests") == []
+    (too_large,) = [e for e in logs if e["event"].startswith("manifest head larger")]
+    assert too_large["head_bytes"] > 4096
+    folder = tmp_path / JOB / "g000000" / f"s{STEP:010d}" / "trainguard" / "manifest.json"
+    assert folder.stat().st_size == too_large["head_bytes"]
+    assert sample(service, "trainguard_manifests_stored_total", result="ok") == 1
+
+
+async def _logged(logs: list[MutableMapping[str, Any]], event: str) -> bool:
+    return any(e["event"] == event for e in logs)

@@ -122,3 +122,19 @@ def test_at_16384_ranks_a_restore_and_a_head_each_fit_64_kib(dcp: bool) -> None:
     assert len(split.parts) == 16
     assert max(len(p) for p in split.parts) < 256 * 1024
     assert len(encode(whole, max_bytes=1 << 30)) > 2_000_000
+
+
+def test_a_head_larger_than_a_record_still_splits_and_names_its_bytes() -> None:
+    """Rank 0's metadata near the 64 KiB a checkpoint event may hold, at 16,384 ranks (16 part
+    references): the head is over 64 KiB. Splitting (which the state machine does on every
+    commit) raised then, and the daemon crashed on that record at every restart; the head
+    is stored, not sent, so it has no record limit."""
+    from trainguard.schemas import CheckpointMeta
+
+    whole = dataclasses.replace(
+        manifest(16384), metadata=CheckpointMeta(hyperparameters={"pad": "x" * 64_000})
+    )
+    split = split_manifest(whole)
+    assert len(split.head_bytes) > DEFAULT_MAX_BYTES
+    assert split.ref.manifest_digest == sha256_digest(split.head_bytes)
+    assert decode(split.head_bytes, expect=ManifestHead, max_bytes=1 << 20) == split.head

@@ -23,7 +23,6 @@ import hashlib
 from collections.abc import Mapping
 from typing import Final
 
-from trainguard.schemas._auth import canonical_bytes
 from trainguard.schemas._codec import encode
 from trainguard.schemas._messages import (
     MANIFEST_PART_RANKS,
@@ -75,7 +74,8 @@ class SplitManifest:
 
     Attributes:
         head: the head (unsigned).
-        head_bytes: ``canonical_bytes(head)``: what is stored, and what ``ref`` digests.
+        head_bytes: the head's canonical bytes (``canonical_bytes(head)``, without the
+            codec's record limit): what is stored, and what ``ref`` digests.
         parts: each part's stored bytes, in the head's ``parts`` order.
         ref: the snapshot's reference, as a restore command carries it.
     """
@@ -136,7 +136,10 @@ def split_manifest(manifest: Manifest, ranks_per_part: int = MANIFEST_PART_RANKS
         size_bytes=sum(s.size_bytes for s in shards),
         parts=tuple(refs),
     )
-    head_bytes = canonical_bytes(head)
+    # Stored, not sent: as large as rank 0's metadata and the part list make it. The codec's
+    # record limit would make a checkpoint whose metadata nears it raise here, inside the
+    # state machine's commit, on every fold of that record.
+    head_bytes = encode(head, max_bytes=_UNLIMITED)
     ref = SnapshotRef(
         job_id=manifest.job_id,
         snapshot_id=manifest.snapshot_id,

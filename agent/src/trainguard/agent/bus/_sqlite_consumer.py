@@ -17,6 +17,7 @@ dead process does not renew, and one that stopped polling stops renewing after
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import sqlite3
 import time
@@ -307,6 +308,8 @@ class SQLiteConsumer(Consumer):
         self._ctx.forget(self)
         if self._keeper is not None:
             self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
         membership = self._membership
         if membership is None:
             return
@@ -349,7 +352,7 @@ class SQLiteConsumer(Consumer):
                     if not await self._renew(self._membership_now(), now_ms(), join=False):
                         return
                     self._renewed()
-            except sqlite3.Error:
+            except (sqlite3.Error, BusError):  # the file locked, the bus closed under it
                 return
 
     def _membership_now(self) -> Membership:

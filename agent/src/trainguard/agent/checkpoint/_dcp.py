@@ -314,7 +314,8 @@ class DigestingFileSystem:
     def read_verified(self, path: str | os.PathLike[str], name: str) -> bytes:
         """The bytes of file ``name`` at ``path``, once they match the manifest's entry
         (raises as the class says)."""
-        expected = (self._expected or {}).get(name)
+        # Not ``self._expected or {}``: the truth of a lazy mapping would read all of it.
+        expected = None if self._expected is None else self._expected.get(name)
         if expected is None:
             raise ShardCorrupt(f"{path} is not among the files of the snapshot's manifest")
         try:

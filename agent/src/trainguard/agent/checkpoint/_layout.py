@@ -28,9 +28,11 @@ from trainguard.agent.checkpoint._shards import uri_to_path
 from trainguard.schemas import Shard
 
 __all__ = [
+    "MANIFEST_SCHEMES",
     "StepFolder",
     "files_present",
     "job_folder",
+    "job_step_folder",
     "remove_step_folder",
     "snapshot_folder",
     "step_folders",
@@ -38,6 +40,11 @@ __all__ = [
 
 _GENERATION = re.compile(r"g(\d{6,})")
 _STEP = re.compile(r"s(\d{10,})")
+
+MANIFEST_SCHEMES = frozenset({"file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+"""Storage the daemon writes committed manifests to: local and shared file systems and the
+object stores fsspec serves. Not chained URLs (``blockcache::...``), ``memory://``, ``http://``
+and the like, which a worker could name to make the daemon grow, or connect out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +109,46 @@ def job_folder(shard: Shard, job_id: str) -> str | None:
         and _name(job) == job_id
     ):
         return job
+    return None
+
+
+def job_step_folder(folder: str, job_id: str) -> str | None:
+    """Why ``folder`` is no step folder of job ``job_id`` the daemon may write a manifest
+    into, or ``None`` when it is one: ``<root>/<job_id>/g<generation>/s<step>`` on storage of
+    :data:`MANIFEST_SCHEMES`, an absolute path if local, whose real path (symbolic links
+    resolved) still ends in those three names and whose ``trainguard`` sub-folder, if there,
+    is no symbolic link. The daemon can write wherever it prunes: this keeps a worker of one
+    job from naming another job's folder (or any other place) as its checkpoint's, and so
+    from making the daemon overwrite that job's manifests (``docs/threat-model.md``).
+
+    Raises:
+        OSError: a local path could not be resolved.
+    """
+    parts = urlsplit(folder)
+    if parts.scheme not in MANIFEST_SCHEMES:
+        return f"storage {parts.scheme or 'without a scheme'!r} is not one manifests go to"
+    step = folder.rstrip("/")
+    generation = _parent(step)
+    if not (
+        _STEP.fullmatch(_name(step))
+        and _GENERATION.fullmatch(_name(generation))
+        and _name(_parent(generation)) == job_id
+    ):
+        return f"not a <root>/{job_id}/g<generation>/s<step> folder"
+    if parts.scheme != "file":
+        return None
+    path = Path(uri_to_path(step))
+    if not path.is_absolute():
+        return "a relative path"
+    real = path.resolve()
+    if (real.parent.parent.name, real.parent.name, real.name) != (
+        job_id,
+        _name(generation),
+        _name(step),
+    ):
+        return f"its real path {real} is not the job's"
+    if (real / "trainguard").is_symlink():
+        return "its trainguard folder is a symbolic link"
     return None
 
 

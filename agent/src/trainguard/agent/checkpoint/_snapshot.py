@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
-from trainguard.agent.checkpoint._layout import fs_of
+from trainguard.agent.checkpoint._layout import fs_of, job_step_folder
 from trainguard.schemas import (
     CheckpointMeta,
     DataCursor,
@@ -56,8 +56,15 @@ def _local_path(uri: str) -> Path | None:
     return Path(unquote(parts.path)) if parts.scheme == "file" else None
 
 
-def _read(uri: str) -> bytes:
-    """The bytes at ``uri`` (``file://`` locally, else through fsspec).
+_HEAD_MAX_BYTES = 4 << 20
+"""A head holds rank 0's metadata and cursor (a checkpoint event's, under 64 KiB) and about 150
+bytes per part of 1,024 ranks: far below this at any world size. Larger is not a head."""
+
+
+def _read(uri: str, limit: int) -> bytes:
+    """The bytes at ``uri`` (``file://`` locally, else through fsspec), at most ``limit + 1``
+    of them: a file replaced by a huge one costs no more memory than that before the caller
+    refuses it.
 
     Raises:
         FileNotFoundError: nothing there.
@@ -65,9 +72,11 @@ def _read(uri: str) -> bytes:
     """
     path = _local_path(uri)
     if path is not None:
-        return path.read_bytes()
+        with path.open("rb") as f:
+            return f.read(limit + 1)
     fs, where = fs_of(uri)
-    return bytes(fs.cat_file(where))
+    with fs.open(where, "rb") as f:
+        return bytes(f.read(limit + 1))
 
 
 def _write(uri: str, data: bytes) -> None:
@@ -100,21 +109,29 @@ def _write(uri: str, data: bytes) -> None:
 def store_manifest(split: SplitManifest) -> None:
     """Store a committed snapshot's manifest in its step folder: every part, then the head.
 
+    Only into a step folder of the manifest's own job (:func:`._layout.job_step_folder`):
+    the folder comes from rank 0's checkpoint event, which a worker writes.
+
     Args:
         split: ``split_manifest`` of the manifest; ``split.ref.folder`` is where it goes.
 
     Raises:
+        ValueError: the folder is not a step folder of the job; nothing is written.
         OSError: the storage refused or failed; what was written is harmless (a head is
             written last, and a part without its head is never read).
     """
     folder = split.ref.folder
+    refused = job_step_folder(folder, split.ref.job_id)
+    if refused is not None:
+        raise ValueError(f"{folder}: {refused}")
     for ref, data in zip(split.head.parts, split.parts, strict=True):
         _write(part_path(folder, ref.first_rank), data)
     _write(head_path(folder), split.head_bytes)
 
 
 def _verified(uri: str, digest: str, size: int | None, what: str) -> bytes:
-    """The bytes at ``uri`` once they hash to ``digest`` (and have ``size`` bytes, if given).
+    """The bytes at ``uri`` once they hash to ``digest`` (and have ``size`` bytes, if given;
+    else at most :data:`_HEAD_MAX_BYTES`).
 
     Raises:
         ShardMissing: nothing at ``uri``.
@@ -122,7 +139,7 @@ def _verified(uri: str, digest: str, size: int | None, what: str) -> bytes:
         ShardError: the storage failed.
     """
     try:
-        data = _read(uri)
+        data = _read(uri, _HEAD_MAX_BYTES if size is None else size)
     except FileNotFoundError as exc:
         raise ShardMissing(f"{what} {uri} does not exist") from exc
     except OSError as exc:

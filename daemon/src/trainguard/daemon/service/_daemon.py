@@ -76,6 +76,7 @@ import hashlib
 import itertools
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import orjson
@@ -146,6 +147,7 @@ from trainguard.schemas import (
     Restore,
     Resume,
     SchemaError,
+    SplitManifest,
     add_mac,
     decode,
     encode,
@@ -283,6 +285,9 @@ class DaemonService:
         )
         self._snapshot_due = time.monotonic() + config.snapshot_interval_s
         self._snapshot_folded = 0  # counters["folded"] at the last round
+        # Manifests are stored on a thread of their own (:meth:`_store`).
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="trainguard-manifests")
+        self._storing: Future[None] | None = None
         self._watch = BusWatch(
             self.metrics,
             self._positions,
@@ -957,11 +962,13 @@ class DaemonService:
         head (``docs/checkpoints.md``, "Manifests").
 
         The write comes before the record joins the partition's transaction, so a committed
-        record on ``manifests`` means the manifest was stored, unless storing failed: that is
-        counted and logged (a warning when the whole manifest is on the bus for restores to
-        read, an error when only its head is), never fatal: the commit stands. The write is
-        given :data:`_STORE_TIMEOUT_S`; a store that has not answered by then is left to
-        finish in its thread.
+        record on ``manifests`` means the manifest was stored, unless storing failed or was
+        refused: that is counted and logged (a warning when the whole manifest is on the bus
+        for restores to read, an error when only its head is), never fatal: the commit
+        stands. Storing runs on a thread of its own and is given :data:`_STORE_TIMEOUT_S`;
+        one that has not answered by then is left to finish, and until it has, later
+        manifests are not stored (storage that hangs stalls the fold once, not per commit,
+        and ties up no other thread). A head too large for a record is stored only.
         """
         split = split_manifest(manifest)
         # Readers decode ``manifests`` with the codec's default limit, so a whole manifest
@@ -974,10 +981,11 @@ class DaemonService:
             with contextlib.suppress(MessageTooLarge):
                 value = encode(self._sign(manifest), max_bytes=limit)
         fits = value is not None
-        try:
-            await asyncio.wait_for(asyncio.to_thread(store_manifest, split), _STORE_TIMEOUT_S)
-            self.metrics.manifest_stored(True)
-        except (OSError, TimeoutError) as exc:
+        if value is None:
+            with contextlib.suppress(MessageTooLarge):
+                value = encode(self._sign(split.head), max_bytes=limit)
+        stored = await self._store(split)
+        if stored is not None:
             self.metrics.manifest_stored(False)
             # Published whole, the manifest still serves restores from the bus; as a head
             # only, a restore to this snapshot fails over to an older one.
@@ -986,13 +994,36 @@ class DaemonService:
                 job_id=job,
                 snapshot=manifest.snapshot_id,
                 folder=split.ref.folder,
-                error=f"{type(exc).__name__}: {exc}",
+                error=stored,
                 restores_read="the bus" if fits else "nothing: an older snapshot is used",
             )
+        else:
+            self.metrics.manifest_stored(True)
         if value is None:
-            value = encode(self._sign(split.head))
-        await self._out(partition, "manifests", job, value)
+            log.error(
+                "manifest head larger than a record: not published on manifests",
+                job_id=job,
+                snapshot=manifest.snapshot_id,
+                head_bytes=len(split.head_bytes),
+                limit=limit,
+            )
+        else:
+            await self._out(partition, "manifests", job, value)
         log.info("committed", job_id=job, snapshot=manifest.snapshot_id, step=manifest.step)
+
+    async def _store(self, split: SplitManifest) -> str | None:
+        """Store ``split`` beside its checkpoint (:meth:`_publish_commit`); ``None`` when it
+        was, else why not. Never raises: a storage library may raise anything."""
+        if self._storing is not None and not self._storing.done():
+            return f"an earlier manifest's store has not returned for over {_STORE_TIMEOUT_S:g} s"
+        self._storing = self._store_thread.submit(store_manifest, split)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self._storing), _STORE_TIMEOUT_S)
+        except TimeoutError:
+            return f"storage did not answer within {_STORE_TIMEOUT_S:g} s"
+        except Exception as exc:  # fsspec back-ends raise what they like
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     async def _issue(self, partition: int, job: str, command: Command) -> None:
         sent = self._sent_commands.get(job)
