@@ -134,6 +134,9 @@ async def test_a_manifest_larger_than_a_record_is_published_as_its_head(
         log = await read_manifests(bus, JOB)
         assert log.manifests == ()
         assert "has digest" in log.unreadable[head.snapshot_id]
+        # Looking for another snapshot reads no part of this one (nor finds it unreadable).
+        log = await read_manifests(bus, JOB, snapshot_id=f"{JOB}/g0/s999")
+        assert (log.manifests, log.unreadable, log.others) == ((), {}, (head.snapshot_id,))
 
 
 async def test_a_manifest_storage_refuses_is_logged_and_counted_and_the_commit_stands(

@@ -429,7 +429,9 @@ class Agent:
         c = self.config
         try:
             job = snapshot_id.partition("/")[0]
-            log = read_job_manifests(self._bus_config(), job, c.restore_timeout_s, c.keys.verify)
+            log = read_job_manifests(
+                self._bus_config(), job, c.restore_timeout_s, c.keys.verify, snapshot_id
+            )
         except RestoreTimeout:
             return []
         return [m for m in log.manifests if m.snapshot_id == snapshot_id]
