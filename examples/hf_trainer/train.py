@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +211,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: deterministic torch on one thread, then :func:`train`."""
+def main(
+    argv: Sequence[str] | None = None, train: Callable[[argparse.Namespace], None] = train
+) -> None:
+    """Entry point: deterministic torch on one thread, then ``train`` (this module's
+    :func:`train`; ``examples/accelerate_loop`` passes its own)."""
     args = parse_args(argv)
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],

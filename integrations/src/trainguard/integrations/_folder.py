@@ -8,10 +8,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from trainguard.agent import Agent, digest_files
+from trainguard.agent import Agent, Snapshot, digest_files
 from trainguard.schemas import Checkpoint, DataCursor, StoredFile
 
-__all__ = ["RANK_FILE", "announce_folder", "rank_of"]
+__all__ = ["RANK_FILE", "announce_folder", "load_folder", "rank_of"]
 
 RANK_FILE = re.compile(r"^(?:rng_state|random_states)_(\d+)\.(?:pth|pkl)$")
 """The per-rank RNG files: the ``Trainer``'s ``rng_state_<r>.pth``, Accelerate's
@@ -66,3 +66,25 @@ def _broadcast(shared: tuple[StoredFile, ...] | None) -> tuple[StoredFile, ...]:
     if shared is None:
         raise RuntimeError("rank 0's file list did not arrive (no process group is up)")
     return shared
+
+
+def load_folder(agent: Agent, target: Snapshot, data_version: str) -> Path:
+    """The framework's folder of ``target``, once it is known to fit this run and this rank's
+    shard and every file it lists are verified (:meth:`Agent.load_files`).
+
+    Raises:
+        ValueError: ``target`` was trained on another data version or world size.
+        ShardError: as :meth:`Agent.load_files` (reported to the daemon first).
+    """
+    if target.cursor.data_version != data_version:
+        raise ValueError(
+            f"snapshot {target.snapshot_id} was trained on data {target.cursor.data_version}, "
+            f"this run has {data_version}"
+        )
+    world_size = agent.config.world_size
+    if target.world_size != world_size:
+        raise ValueError(
+            f"snapshot {target.snapshot_id} has world size {target.world_size}, this run "
+            f"{world_size}"
+        )
+    return agent.load_files(target)

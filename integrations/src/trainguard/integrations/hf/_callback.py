@@ -9,7 +9,7 @@ import structlog
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from trainguard.agent import Agent, ConfigError, Snapshot
-from trainguard.integrations._folder import announce_folder
+from trainguard.integrations._folder import announce_folder, load_folder
 from trainguard.integrations._position import StepPosition
 from trainguard.schemas import DataCursor
 
@@ -122,17 +122,7 @@ class TrainguardCallback(TrainerCallback):
         self._target = target
         if target is None:
             return None
-        if target.cursor.data_version != self.data_version:
-            raise ValueError(
-                f"snapshot {target.snapshot_id} was trained on data {target.cursor.data_version},"
-                f" this run has {self.data_version}"
-            )
-        if target.world_size != self.agent.config.world_size:
-            raise ValueError(
-                f"snapshot {target.snapshot_id} has world size {target.world_size}, this run "
-                f"{self.agent.config.world_size}"
-            )
-        return str(self.agent.load_files(target))
+        return str(load_folder(self.agent, target, self.data_version))
 
     def cursor(self, step: int) -> DataCursor:
         """The data cursor after optimizer step ``step``.
