@@ -15,7 +15,8 @@ Each round trains ``--steps`` steps per side, the order of the sides rotated eve
   ``TrainguardCallback``. Step time = median interval between consecutive ``on_step_end``
   calls of a timing callback placed last (it spans the whole cycle: the step, its log, the
   trainguard hooks).
-* **Accelerate**: the loop of ``examples/accelerate_loop`` (stateful loader), with and without
+* **Accelerate**: the loop of ``examples/accelerate_loop`` (its ``CharLM``, a stateful loader),
+  with and without
   ``TrainguardAccelerate.step`` (``agent.step`` and its loss), no saves; step time = median of
   the loop's step intervals.
 
@@ -52,7 +53,9 @@ from torch.utils.data import DataLoader  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from examples.charlm.data import ByteWindows  # noqa: E402
-from examples.hf_trainer.train import Windows, build_model  # noqa: E402
+from examples.charlm.model import CharLM, ModelConfig, next_byte_loss  # noqa: E402
+from examples.hf_trainer.common import Windows  # noqa: E402
+from examples.hf_trainer.train import build_model  # noqa: E402
 from trainguard.agent import Agent, AgentConfig  # noqa: E402
 from trainguard.integrations.accelerate import TrainguardAccelerate  # noqa: E402
 from trainguard.integrations.hf import TrainguardCallback  # noqa: E402
@@ -143,7 +146,7 @@ def accelerate_side(
             use_stateful_dataloader=True, use_seedable_sampler=True, data_seed=0
         ),
     )
-    model = build_model(0, 32)
+    model = CharLM(ModelConfig(context=31, d_model=32, n_heads=2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = DataLoader(
         data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)
@@ -157,8 +160,7 @@ def accelerate_side(
         )
         wrapper.start()
         for step, batch in enumerate(wrapper.batches(), start=1):
-            batch.pop("sample_id")
-            loss = model(**batch).loss
+            loss = next_byte_loss(model, batch["input_ids"])
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()

@@ -1,6 +1,8 @@
-"""Train the tiny GPT-2 of ``examples/hf_trainer`` with a hand-written Accelerate loop under
-trainguard: ``TrainguardAccelerate`` saves, announces and restores its state, the stateful
-loader keeps the data position.
+"""Train a tiny byte-level transformer (``examples/charlm``'s ``CharLM``, built from its
+``ModelConfig``: 2 layers, width 32) on ``examples/hf_trainer``'s data with a hand-written
+Accelerate loop under trainguard: ``TrainguardAccelerate`` saves, announces and restores its
+state, the stateful loader keeps the data position. No transformers import: a restarted worker
+starts in the time torch and accelerate take.
 
 From the repository root::
 
@@ -26,9 +28,9 @@ from torch.utils.data import DataLoader
 
 from examples.charlm.data import ByteWindows
 from examples.charlm.ledger import LedgerWriter, ledger_path
-from examples.charlm.model import parameter_digest
+from examples.charlm.model import CharLM, ModelConfig, next_byte_loss, parameter_digest
 from examples.charlm.train import atomic_write
-from examples.hf_trainer.train import Windows, agent_config, build_model, main
+from examples.hf_trainer.common import Windows, agent_config, main
 from trainguard.agent import Agent, exit_on_config_error
 from trainguard.integrations.accelerate import TrainguardAccelerate
 
@@ -44,11 +46,12 @@ def train(args: argparse.Namespace) -> None:
             use_stateful_dataloader=True, use_seedable_sampler=True, data_seed=args.seed
         ),
     )
-    env = {"TRAINGUARD_JOB": DEFAULT_JOB, **os.environ}
-    with Agent(agent_config(args.out, env)) as agent:
+    with Agent(agent_config(args.out, os.environ, DEFAULT_JOB)) as agent:
         rank = agent.config.rank
         data = Windows(ByteWindows.from_stdlib(args.context), args.samples)
-        model = build_model(args.seed, args.context)
+        torch.manual_seed(args.seed)
+        # The inputs are a window's first ``context`` bytes: the model predicts bytes 2..context.
+        model = CharLM(ModelConfig(context=args.context - 1, d_model=32, n_heads=2))
         set_seed(args.seed)  # the dropout stream, the same on every rank
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         # A generator of its own: each pass draws a seed from it, not from the dropout stream.
@@ -67,7 +70,7 @@ def train(args: argparse.Namespace) -> None:
                     step += 1
                     ids = batch.pop("sample_id")
                     ledger.record(step, ids.tolist())
-                    loss = agent.perturb_loss(step, model(**batch).loss)
+                    loss = agent.perturb_loss(step, next_byte_loss(model, batch["input_ids"]))
                     accelerator.backward(loss)
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                     optimizer.step()
@@ -89,4 +92,4 @@ def train(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     # examples/hf_trainer's command line and set-up (deterministic, one thread), this loop.
     with exit_on_config_error():
-        main(train=train)
+        main(train)

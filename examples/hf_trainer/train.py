@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
-from torch.utils.data import Dataset
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -42,29 +37,12 @@ from examples.charlm.data import ByteWindows
 from examples.charlm.ledger import LedgerWriter, ledger_path
 from examples.charlm.model import parameter_digest
 from examples.charlm.train import atomic_write
-from trainguard.agent import Agent, AgentConfig, exit_on_config_error
+from examples.hf_trainer.common import Windows, agent_config, main
+from trainguard.agent import Agent, exit_on_config_error
 from trainguard.integrations.hf import TrainguardCallback
 
 #: The agent's job id when ``TRAINGUARD_JOB`` is not set.
 DEFAULT_JOB = "hf-trainer"
-
-
-class Windows(Dataset[dict[str, torch.Tensor]]):
-    """The first ``samples`` byte windows of ``data`` as the ``Trainer`` feeds a causal LM:
-    ``input_ids`` = ``labels`` (the model shifts them), plus ``sample_id`` for the ledger."""
-
-    def __init__(self, data: ByteWindows, samples: int) -> None:
-        self.data = data
-        self.samples = min(samples, len(data))
-        self.version = f"{data.version}:{self.samples}"
-
-    def __len__(self) -> int:
-        return self.samples
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        sample_id, window = self.data[index]
-        ids = window[:-1]
-        return {"input_ids": ids, "labels": ids, "sample_id": torch.tensor(sample_id)}
 
 
 class LedgerTrainer(Trainer):
@@ -113,22 +91,6 @@ class Pace(TrainerCallback):
         time.sleep(max(0.0, self.period - (time.perf_counter() - self.began)))
 
 
-def agent_config(out: Path, env: Mapping[str, str]) -> AgentConfig:
-    """The agent's settings: ``env`` over this example's defaults (job :data:`DEFAULT_JOB`,
-    bus ``<out>/bus.db``, shards under ``<out>/checkpoints``).
-
-    Raises:
-        ConfigError: as :meth:`AgentConfig.resolve`.
-    """
-    out = out.resolve()
-    defaults = {
-        "TRAINGUARD_JOB": DEFAULT_JOB,
-        "TRAINGUARD_BUS": f"sqlite://{out / 'bus.db'}",
-        "TRAINGUARD_CHECKPOINT_DIR": str(out / "checkpoints"),
-    }
-    return AgentConfig.resolve(env={**defaults, **env})
-
-
 def build_model(seed: int, context: int) -> GPT2LMHeadModel:
     """A 2-layer GPT-2 over bytes (vocabulary 256, width 32, dropout 0.1), from ``seed``."""
     torch.manual_seed(seed)
@@ -146,7 +108,7 @@ def build_model(seed: int, context: int) -> GPT2LMHeadModel:
 
 def train(args: argparse.Namespace) -> None:
     """Train to ``args.steps`` from scratch or from the daemon's restore target."""
-    with Agent(agent_config(args.out, os.environ)) as agent:
+    with Agent(agent_config(args.out, os.environ, DEFAULT_JOB)) as agent:
         rank = agent.config.rank
         data = Windows(ByteWindows.from_stdlib(args.context), args.samples)
         guard = TrainguardCallback(agent, data_version=data.version)
@@ -187,48 +149,7 @@ def train(args: argparse.Namespace) -> None:
             atomic_write(args.out / "final.sha256", f"{digest}\n".encode())
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (``sys.argv[1:]`` if ``None``)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps to reach")
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between saves")
-    parser.add_argument("--per-rank-batch", type=int, default=4, help="samples per rank per step")
-    parser.add_argument("--samples", type=int, default=200, help="dataset size (windows)")
-    parser.add_argument("--context", type=int, default=32, help="tokens (bytes) per sample")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    parser.add_argument(
-        "--step-period",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="each step lasts at least S seconds (numbers unchanged)",
-    )
-    args = parser.parse_args(argv)
-    if args.steps < 1 or args.checkpoint_every < 1 or args.samples < 1:
-        parser.error("--steps, --checkpoint-every and --samples must be >= 1")
-    return args
-
-
-def main(
-    argv: Sequence[str] | None = None, train: Callable[[argparse.Namespace], None] = train
-) -> None:
-    """Entry point: deterministic torch on one thread, then ``train`` (this module's
-    :func:`train`; ``examples/accelerate_loop`` passes its own)."""
-    args = parse_args(argv)
-    structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-    # One thread per process: accelerate otherwise sets cores / local ranks when it is unset.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    train(args)
-
-
 if __name__ == "__main__":
     # A bad setting exits 78, which trainguard run and the daemon do not restart.
     with exit_on_config_error():
-        main()
+        main(train)

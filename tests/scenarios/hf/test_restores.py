@@ -3,15 +3,17 @@ Accelerate loop (``examples/accelerate_loop``): 2 ranks, DDP over gloo on CPU, `
 run`` under a real daemon on the embedded bus.
 
 For each, one job lives through every fault in turn, each in another generation, so that the
-processes' start-up (importing transformers takes seconds) is paid as few times as possible:
+processes' start-up (seconds: importing torch, accelerate, transformers) is paid as few times
+as possible:
 
-1. a hang of rank 1 after step 27 (generation 0; steps paced at 0.15 s so that the daemon has
+1. a hang of rank 1 after step 27 (generation 0, paced by :data:`PACE` so that the daemon has
    learnt the pace; not a step that saves: the other rank would wait for it in the save's
-   collective, in the declared phase ``checkpoint``, whose limit is long): the daemon's progress timeout restores the newest committed snapshot,
-   step 20;
+   collective, in the declared phase ``checkpoint``, whose limit is long): the daemon's
+   progress timeout restores the newest committed snapshot, step 20;
 2. the test corrupts a byte of that snapshot's optimizer state (``optimizer.pt`` written by
-   the ``Trainer``, ``optimizer.bin`` by ``save_state``) as soon as step 20 commits: the restored ranks find it before the ``Trainer`` reads it, the
-   daemon is told and restores step 10;
+   the ``Trainer``, ``optimizer.bin`` by ``save_state``) as soon as step 20 commits: the
+   restored ranks find it before the framework reads it, the daemon is told and restores
+   step 10;
 3. a NaN loss on rank 0 at step 33: restored from the newest snapshot before its onset;
 4. a SIGKILL of a random rank at a random step in 41-49: restored.
 
@@ -36,6 +38,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 STEPS = 60
 JOB = "hf-scenario"
 
+PACE = "slow@step=1,rank=0,factor=6,steps=26"
+"""Generation 0 runs at about 6 x a step's own time (rank 1 waits for rank 0 in every
+all-reduce) until step 26, so that the daemon learns a pace before the hang; the later
+generations run at full speed."""
+
 FRAMEWORKS = {
     "hf_trainer": "hf/g000000/checkpoint-20/optimizer.pt",
     "accelerate_loop": "accelerate/g000000/step-20/optimizer.bin",
@@ -50,7 +57,7 @@ def test_hang_corrupt_file_nan_and_kill_are_each_restored_exactly(
     seed = random.randrange(1 << 30)
     pick = random.Random(seed)
     kill_step, kill_rank = pick.randint(41, 49), pick.randrange(2)
-    faults = f"hang@step=27,rank=1;nan@step=33,rank=0;kill@step={kill_step},rank={kill_rank}"
+    faults = f"{PACE};hang@step=27,rank=1;nan@step=33,rank=0;kill@step={kill_step},rank={kill_rank}"
     reference = jobs.reference(example, tmp_path / "reference", steps=STEPS)
     workdir = tmp_path / "job"
     workdir.mkdir()
@@ -60,7 +67,7 @@ def test_hang_corrupt_file_nan_and_kill_are_each_restored_exactly(
     run = JobRun(bus, workdir, shape, reference, context=context, job=JOB)
     try:
         run.start_daemon()
-        jobs.start(run, example, faults, extra=["--step-period", "0.15"])
+        jobs.start(run, example, faults)
         run.wait_for("step 20's commit", lambda m: isinstance(m, Manifest) and m.step == 20)
         jobs.corrupt(run.out / "checkpoints" / JOB / FRAMEWORKS[example])
         code = run.finish(timeout_s=300)
