@@ -7,7 +7,9 @@ with :data:`EXIT_CONFIG`, which ``trainguard run`` and the daemon do not restart
 The data cursor (:class:`GlobalOrder`, :class:`ResumableDistributedSampler`) makes a restore
 resume with no sample skipped or repeated; :class:`LoaderState` checkpoints a torchdata
 ``StatefulDataLoader`` with workers, and its consumed cursor; :func:`dataset_version` binds a
-checkpoint to the data it was trained on; :func:`ordered_allreduce` makes DDP's gradient
+checkpoint to the data it was trained on; :func:`digest_files` with
+:meth:`Agent.checkpoint_files` and :meth:`Agent.load_files` announce and verify a checkpoint
+folder a framework wrote (``trainguard.integrations``); :func:`ordered_allreduce` makes DDP's gradient
 averaging independent of its bucket layout, so that restores are bitwise exact with 3 or more
 ranks (``docs/bitwise.md``).
 
@@ -35,6 +37,7 @@ from trainguard.agent._errors import (
     StorageUnavailable,
 )
 from trainguard.agent._exit import exit_on_config_error
+from trainguard.agent.checkpoint._files import digest_files
 from trainguard.agent.checkpoint._snapshot import Snapshot
 from trainguard.agent.data._cursor import (
     MAX_DATASET_LEN,
@@ -84,6 +87,7 @@ __all__ = [
     "StorageUnavailable",
     "dataset_manifest",
     "dataset_version",
+    "digest_files",
     "epoch_permutation",
     "exit_on_config_error",
     "ordered_allreduce",

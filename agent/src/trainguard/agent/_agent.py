@@ -7,9 +7,10 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 from urllib.parse import urlsplit
@@ -35,6 +36,7 @@ from trainguard.agent.checkpoint._dcp import (
     step_folder_uri,
     storage_writer,
 )
+from trainguard.agent.checkpoint._files import INDEX_KEY, files_index, index_files, verify_files
 from trainguard.agent.checkpoint._manifests import fetch_manifest, read_job_manifests
 from trainguard.agent.checkpoint._probe import probe_storage
 from trainguard.agent.checkpoint._shards import (
@@ -62,6 +64,7 @@ from trainguard.schemas import (
     Resume,
     SnapshotRef,
     StepRange,
+    StoredFile,
     encode,
     files_digest,
 )
@@ -912,6 +915,18 @@ class Agent:
             SchemaViolation: ``step`` or ``cursor`` is out of the wire contract's range.
             AgentError: the agent is closed.
         """
+        return self._checkpoint(step, state, cursor=cursor, blocking=blocking, plain=False)
+
+    def _checkpoint(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        cursor: DataCursor,
+        blocking: bool,
+        plain: bool,
+    ) -> Future[Checkpoint]:
+        """:meth:`checkpoint`; ``plain``: a ``torch.save`` shard whatever ``checkpoint_format``."""
         if self._state == "closed":
             raise AgentError("the agent is closed")
         if RESERVED_KEY in state:
@@ -927,7 +942,7 @@ class Agent:
             self._phase = previous
         # Freshly made objects: only the caller's state needs a copy for a background write.
         own = {"rng": capture_rng(), "cursor": dataclasses.asdict(cursor), "step": step}
-        if self.config.checkpoint_format == "dcp":
+        if self.config.checkpoint_format == "dcp" and not plain:
             return self._checkpoint_dcp(template, state, own, blocking=blocking)
         if not blocking:
             try:
@@ -949,6 +964,62 @@ class Agent:
         finally:
             self._phase = previous
         return done
+
+    def checkpoint_files(
+        self,
+        step: int,
+        folder: str | Path,
+        files: Sequence[StoredFile],
+        *,
+        cursor: DataCursor,
+        blocking: bool = True,
+    ) -> Future[Checkpoint]:
+        """Announce ``step``'s checkpoint that a framework wrote into ``folder`` (the Hugging
+        Face ``Trainer``'s ``checkpoint-<step>``, Accelerate's ``save_state`` folder).
+
+        The files are not copied: this rank's shard (a ``torch.save`` file, written and
+        announced as :meth:`checkpoint` does, whatever ``checkpoint_format``) holds an index of
+        ``files`` (name, size, SHA-256: :func:`~trainguard.agent.digest_files`) besides the
+        RNG states, ``cursor`` and ``step``. List every file this rank reads back on a restore,
+        also those another rank wrote (rank 0's model, for instance): :meth:`load_files`
+        checks each of them before the framework opens it. The files must not change once
+        announced: a framework that saves a step again must save it into another folder.
+
+        Returns and raises as :meth:`checkpoint`.
+        """
+        state = {INDEX_KEY: files_index(folder, files)}
+        return self._checkpoint(step, state, cursor=cursor, blocking=blocking, plain=True)
+
+    def load_files(self, target: Snapshot | SnapshotRef | Manifest) -> Path:
+        """Verify this rank's part of ``target``, a snapshot of :meth:`checkpoint_files`;
+        return the framework's checkpoint folder, to be loaded by the framework itself.
+
+        This rank's shard is verified and read as :meth:`load` does (the RNG states it holds
+        are put back), then every file its index lists is read whole and checked against its
+        size and SHA-256; nothing of the folder has been deserialized when this returns or
+        raises. Call it last before the framework loads the folder.
+
+        Raises:
+            ShardCorrupt: the shard, or a file, does not match its digest.
+            ShardMissing: the shard or a file is gone.
+            ShardError: the shard is not an index of files, or cannot be read.
+            AgentError: as :meth:`load`.
+
+            Before raising, the snapshot is reported as :meth:`load` says, so that the daemon
+            restores an older one.
+        """
+        if isinstance(target, SnapshotRef):
+            target = self._open(target)
+        elif isinstance(target, Manifest):
+            target = Snapshot.of(target)
+        state = self.load(target)
+        try:
+            folder, files = index_files(state.get(INDEX_KEY), f"snapshot {target.snapshot_id}")
+            verify_files(folder, files)
+        except ShardError as exc:
+            self._failed_load(target.job_id, target.snapshot_id, target.step, exc)
+            raise
+        return folder
 
     def wait_checkpoints(self) -> None:
         """Block until the background checkpoint write (if any) has finished; never raises

@@ -1,0 +1,93 @@
+"""Issue 17 end to end for the Hugging Face ``Trainer`` (``examples/hf_trainer``) and an
+Accelerate loop (``examples/accelerate_loop``): 2 ranks, DDP over gloo on CPU, ``trainguard
+run`` under a real daemon on the embedded bus.
+
+For each, one job lives through every fault in turn, each in another generation, so that the
+processes' start-up (seconds: importing torch, accelerate, transformers) is paid as few times
+as possible:
+
+1. a hang of rank 1 after step 27 (generation 0, paced by :data:`PACE` so that the daemon has
+   learnt the pace; not a step that saves: the other rank would wait for it in the save's
+   collective, in the declared phase ``checkpoint``, whose limit is long): the daemon's
+   progress timeout restores the newest committed snapshot, step 20;
+2. the test corrupts a byte of that snapshot's optimizer state (``optimizer.pt`` written by
+   the ``Trainer``, ``optimizer.bin`` by ``save_state``) as soon as step 20 commits: the
+   restored ranks find it before the framework reads it, the daemon is told and restores
+   step 10;
+3. a NaN loss on rank 0 at step 33: restored from the newest snapshot before its onset;
+4. a SIGKILL of a random rank at a random step in 41-49: restored.
+
+The job then finishes, bitwise equal to an uninterrupted run, every sample trained exactly
+once per step (the ledgers).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.scenarios.harness import JobRun, Shape, assert_exact, assert_targets_newest_good
+from tests.scenarios.hf import jobs
+from tests.support.buses import BusFactory
+from trainguard.schemas import Lifecycle, Manifest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+STEPS = 60
+JOB = "hf-scenario"
+
+PACE = "slow@step=1,rank=0,factor=6,steps=26"
+"""Generation 0 runs at about 6 x a step's own time (rank 1 waits for rank 0 in every
+all-reduce) until step 26, so that the daemon learns a pace before the hang; the later
+generations run at full speed."""
+
+FRAMEWORKS = {
+    "hf_trainer": "hf/g000000/checkpoint-20/optimizer.pt",
+    "accelerate_loop": "accelerate/g000000/step-20/optimizer.bin",
+}
+"""Example -> the file of step 20's snapshot the test corrupts, under ``checkpoints/<job>/``."""
+
+
+@pytest.mark.parametrize("example", sorted(FRAMEWORKS))
+def test_hang_corrupt_file_nan_and_kill_are_each_restored_exactly(
+    tmp_path: Path, example: str
+) -> None:
+    seed = random.randrange(1 << 30)
+    pick = random.Random(seed)
+    kill_step, kill_rank = pick.randint(41, 49), pick.randrange(2)
+    faults = f"{PACE};hang@step=27,rank=1;nan@step=33,rank=0;kill@step={kill_step},rank={kill_rank}"
+    reference = jobs.reference(example, tmp_path / "reference", steps=STEPS)
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    bus = BusFactory("sqlite", f"sqlite://{workdir / 'bus.db'}", "t.")
+    shape = Shape(steps=STEPS, checkpoint_every=10)
+    context = f"{example}, seed {seed}: {faults}"
+    run = JobRun(bus, workdir, shape, reference, context=context, job=JOB)
+    try:
+        run.start_daemon()
+        jobs.start(run, example, faults)
+        run.wait_for("step 20's commit", lambda m: isinstance(m, Manifest) and m.step == 20)
+        jobs.corrupt(run.out / "checkpoints" / JOB / FRAMEWORKS[example])
+        code = run.finish(timeout_s=300)
+        record = run.record()
+    finally:
+        run.close()
+
+    restores = sorted(record.restores(), key=lambda r: r.generation)
+    targets = [(r.generation, r.target.snapshot_id if r.target else None) for r in restores]
+    assert [g for g, _ in targets] == [1, 2, 3, 4], f"{targets} {run.describe()}"
+    assert targets[0][1] == f"{JOB}/g0/s20", f"{targets} {run.describe()}"
+    assert targets[1][1] == f"{JOB}/g0/s10", f"{targets} {run.describe()}"
+    rejected = {
+        (e.message.generation, e.message.snapshot_id)
+        for e in record.events
+        if isinstance(e.message, Lifecycle) and e.message.kind == "error" and e.message.snapshot_id
+    }
+    assert rejected == {(1, f"{JOB}/g0/s20")}, f"{rejected} {run.describe()}"
+    causes = [d["cause"] for d in record.decisions() if d["decision"] == "incident_opened"]
+    assert "progress_timeout" in causes, f"{causes} {run.describe()}"
+    assert "nan_loss" in causes, f"{causes} {run.describe()}"
+    assert_targets_newest_good(run, record)
+    assert_exact(run, code, record)
