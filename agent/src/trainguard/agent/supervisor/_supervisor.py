@@ -587,7 +587,7 @@ class Supervisor:
             commands = await self._follow_commands(bus, stop)
             listener = asyncio.ensure_future(self._listen(commands))
             # Launcher mode: the workers' step files; plain mode: torchrun's error file.
-            self._step_dir = Path(tempfile.mkdtemp(prefix="trainguard-run-"))
+            self._step_dir = Path(tempfile.mkdtemp(prefix="trainguard-steps-"))
             if self._c.daemon_timeout_s > 0:
                 self._tasks.append(asyncio.ensure_future(self._watch_daemon(bus)))
             try:
