@@ -21,6 +21,11 @@ GRACE_S = 2.0
 over the process group, which blocks while a rank is dead or stuck, so such workers end by the
 SIGKILL: a short grace keeps the scenarios short (``docs/integrations-lightning.md``)."""
 
+FINISH_S = 600.0
+"""Seconds a scenario's job may take: a few seconds of training, but every generation starts
+Lightning's processes again, which took over two minutes each on this 2-core machine at a load
+average of 21 (other suites beside it); a test fails on its assertions, not on the clock."""
+
 HEARTBEAT_S = 0.25
 """Heartbeat interval of the workers, seconds: the progress timeout has its 8 step times
 within 2 s of training."""
@@ -89,7 +94,7 @@ def reference(basetemp: Path) -> Path:
         args=("--daemon-timeout", "0"),  # no daemon on purpose
     )
     try:
-        code = sup.wait(300)
+        code = sup.wait(FINISH_S)
     finally:
         stop_process(sup)
     assert code == 0, f"the reference run failed ({code}); see {out / 'supervisor.log'}"
