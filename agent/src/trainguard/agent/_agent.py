@@ -680,6 +680,7 @@ class Agent:
                 first.
             ConfigError, RestoreTimeout: instead, as :meth:`restore_target`, when that restore
                 targets the job's initial state and ``init_from``'s manifest cannot be read.
+            RuntimeError: an ``error`` fault of ``TRAINGUARD_FAULTS`` scheduled for this step.
         """
         now = time.monotonic()
         last = self._last_step_at

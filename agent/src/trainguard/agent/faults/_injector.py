@@ -6,7 +6,7 @@ is due:
 * :meth:`FaultInjector.pace` in ``Agent.step`` before the step is recorded (``slow``);
 * :meth:`FaultInjector.loss` in ``Agent.perturb_loss`` (``nan``, ``spike``);
 * :meth:`FaultInjector.after_step` in ``Agent.step`` after the step is recorded (``kill``,
-  ``exit``, ``hang``, ``bitflip``);
+  ``exit``, ``error``, ``hang``, ``bitflip``);
 * :meth:`FaultInjector.before_write` before a checkpoint shard is written
   (``stall-checkpoint``).
 
@@ -33,7 +33,7 @@ from trainguard.agent.faults._plan import Fault
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["FaultInjector", "Scalable"]
+__all__ = ["FaultInjector", "InjectedError", "Scalable"]
 
 
 class Scalable(Protocol):
@@ -45,6 +45,11 @@ class Scalable(Protocol):
 _L = TypeVar("_L", bound=Scalable)
 
 _LOSS_KINDS = frozenset({"nan", "spike"})
+_STEP_KINDS = frozenset({"kill", "exit", "error", "hang", "bitflip"})
+
+
+class InjectedError(RuntimeError):
+    """The exception of an ``error`` fault: an uncaught error of the training loop."""
 
 
 class FaultInjector:
@@ -108,8 +113,13 @@ class FaultInjector:
         return cast(_L, loss * spike.factor)
 
     def after_step(self, step: int) -> None:
-        """``kill`` and ``exit`` do not return, ``hang`` returns after its ``seconds``,
-        ``bitflip`` corrupts the watched model. A dictionary lookup when nothing is due."""
+        """``kill`` and ``exit`` do not return, ``error`` raises :class:`InjectedError`,
+        ``hang`` returns after its ``seconds``, ``bitflip`` corrupts the watched model. A
+        dictionary lookup when nothing is due.
+
+        Raises:
+            InjectedError: an ``error`` fault of ``step``.
+        """
         fault = self._by_step.get(step)
         if fault is None:
             return
@@ -127,13 +137,15 @@ class FaultInjector:
                 why="the training loop did not register its model with agent.watch()",
             )
             return
-        if fault.kind not in ("kill", "exit", "hang", "bitflip") or not self._fires(fault):
+        if fault.kind not in _STEP_KINDS or not self._fires(fault):
             return
         match fault.kind:
             case "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             case "exit":
                 os._exit(fault.code)
+            case "error":
+                raise InjectedError(f"injected fault {fault.marker(self._rank)}")
             case "hang":
                 if math.isinf(fault.seconds):
                     threading.Event().wait()

@@ -9,6 +9,10 @@ loop reports them to :meth:`Agent.step <trainguard.agent.Agent.step>`:
 * ``exit@step=N,rank=R,code=C``: after step N, the rank ends with ``os._exit(C)`` (default 1;
   no clean-up, no ``finally`` blocks, no lifecycle event), as a process dying on a fatal error
   would.
+* ``error@step=N,rank=R``: after step N, :meth:`Agent.step <trainguard.agent.Agent.step>`
+  raises ``InjectedError`` (a ``RuntimeError``) into the training loop, as a bug or a failed
+  collective would: the process ends with the exception's traceback, unless the loop catches
+  it.
 * ``hang@step=N,rank=R,seconds=S``: after step N, the training thread sleeps ``S`` seconds
   (default: for ever) while the agent's background thread keeps sending heartbeats, as in a
   stuck collective: alive, not progressing.
@@ -44,11 +48,14 @@ from trainguard.agent._errors import ConfigError
 
 __all__ = ["Fault", "FaultKind", "parse_faults"]
 
-FaultKind = Literal["kill", "exit", "hang", "slow", "nan", "spike", "bitflip", "stall-checkpoint"]
+FaultKind = Literal[
+    "kill", "exit", "error", "hang", "slow", "nan", "spike", "bitflip", "stall-checkpoint"
+]
 
 _KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "kill": (frozenset({"step", "rank"}), frozenset()),
     "exit": (frozenset({"step", "rank"}), frozenset({"code"})),
+    "error": (frozenset({"step", "rank"}), frozenset()),
     "hang": (frozenset({"step", "rank"}), frozenset({"seconds"})),
     "slow": (frozenset({"step", "rank", "factor"}), frozenset({"steps"})),
     "nan": (frozenset({"step", "rank"}), frozenset()),

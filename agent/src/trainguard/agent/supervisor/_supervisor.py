@@ -9,7 +9,9 @@ Two ways to start workers:
   ``MASTER_PORT``). Each rank's death is reported with its rank and signal the moment it
   happens.
 * **plain mode**: one command (a script, or ``torchrun ...``) whose exit is reported for the
-  ranks it hosts (``ranks``).
+  ranks it hosts (``ranks``). It gets a ``TORCHELASTIC_ERROR_FILE`` (unless the environment
+  names one), so that a failed torchrun's exit report names the rank that failed and its error
+  (:mod:`._torchelastic`).
 
 An ``in_process`` restore leaves the workers running (their agents reload at the restore's
 step boundary): the supervisor only adopts its generation, for the exits it reports from then
@@ -143,6 +145,7 @@ from trainguard.agent.supervisor._spool import (
     read_spool,
 )
 from trainguard.agent.supervisor._stderr import StderrTail, last_words
+from trainguard.agent.supervisor._torchelastic import ERROR_FILE_ENV, describe_failure
 from trainguard.schemas import (
     EXIT_CONFIG,
     Abort,
@@ -324,6 +327,7 @@ class _Worker:
     step_file: Path | None = None
     spool: Path | None = None
     stderr: StderrTail | None = None
+    error_file: Path | None = None  # plain mode: the worker's TORCHELASTIC_ERROR_FILE
 
 
 class Supervisor:
@@ -582,8 +586,8 @@ class Supervisor:
             await or_stop(self._forward_leftovers(bus), stop)
             commands = await self._follow_commands(bus, stop)
             listener = asyncio.ensure_future(self._listen(commands))
-            if self._c.nproc_per_node is not None:
-                self._step_dir = Path(tempfile.mkdtemp(prefix="trainguard-steps-"))
+            # Launcher mode: the workers' step files; plain mode: torchrun's error file.
+            self._step_dir = Path(tempfile.mkdtemp(prefix="trainguard-steps-"))
             if self._c.daemon_timeout_s > 0:
                 self._tasks.append(asyncio.ensure_future(self._watch_daemon(bus)))
             try:
@@ -1078,7 +1082,25 @@ class Supervisor:
 
     def _step_file(self, rank: int) -> Path | None:
         """``rank``'s step file (launcher mode), or ``None``."""
-        return None if self._step_dir is None else self._step_dir / f"rank{rank}.step"
+        if self._step_dir is None or self._c.nproc_per_node is None:
+            return None
+        return self._step_dir / f"rank{rank}.step"
+
+    def _error_file(self, env: dict[str, str]) -> Path | None:
+        """Plain mode: the ``TORCHELASTIC_ERROR_FILE`` of the worker about to start with
+        ``env`` (the operator's, or one in this supervisor's folder, set in ``env``), emptied
+        of a previous generation's failure (:mod:`._torchelastic`); launcher mode: ``None``."""
+        if self._c.nproc_per_node is not None or self._step_dir is None:
+            return None
+        path = Path(env.setdefault(ERROR_FILE_ENV, str(self._step_dir / "torchelastic-error.json")))
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning(
+                "torchrun's error file not emptied: not read", path=str(path), error=str(exc)
+            )
+            return None
+        return path
 
     def _port(self) -> int:
         if self._c.master_port is not None:
@@ -1105,6 +1127,7 @@ class Supervisor:
             spool = self._spool_dir(ranks)
             if spool is not None:
                 env[SPOOL_DIR_ENV] = str(spool)
+            error_file = self._error_file(env)
             stderr = StderrTail()
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -1118,7 +1141,9 @@ class Supervisor:
                 stderr.close()
                 raise
             stderr.start(asyncio.get_running_loop())
-            worker = _Worker(ranks, proc, step_file=step_file, spool=spool, stderr=stderr)
+            worker = _Worker(
+                ranks, proc, step_file=step_file, spool=spool, stderr=stderr, error_file=error_file
+            )
             self._workers.append(worker)
             self._report("started", worker)
             worker.watcher = asyncio.ensure_future(self._watch(worker))
@@ -1188,7 +1213,8 @@ class Supervisor:
     ) -> None:
         """Queue this supervisor's lifecycle report ``kind`` of ``worker`` in its outbox
         (``then`` runs once the bus has it). The exit (``code`` given) of a worker that failed
-        carries the last words of its stderr as ``message`` (:func:`._stderr.last_words`),
+        carries the last words of its stderr as ``message`` (:func:`._stderr.last_words`), or
+        for a torchrun in plain mode its failed rank and error (:mod:`._torchelastic`),
         unless a signal that comes from outside the process ended it (:data:`_SENT_SIGNALS`)."""
         exit_code = signal_no = step = None
         said = ""
@@ -1198,7 +1224,9 @@ class Supervisor:
                 step = read_step_file(worker.step_file)
             if code != 0 and -code not in _SENT_SIGNALS and worker.stderr is not None:
                 worker.stderr.drain()  # what it wrote just before it ended
-                said = last_words(worker.stderr.text)
+                text = worker.stderr.text
+                said = describe_failure(worker.error_file, text) if worker.error_file else ""
+                said = said or last_words(text)
         event = Lifecycle(
             job_id=self._c.job_id,
             generation=self._generation,

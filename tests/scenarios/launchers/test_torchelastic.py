@@ -1,0 +1,89 @@
+"""What a plain-mode exit report says about a failed torchrun (``agent/supervisor/
+_torchelastic.py``), from the texts torch 2.13's torchrun writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainguard.agent.supervisor._torchelastic import describe_failure, error_file_message
+
+SIGNALLED = """\
+[W1204 17:00:11.0 api.py:900] Sending process 8574 closing signal SIGTERM
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+fail.py FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-04_17:00:11
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 8574)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 8574
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_17:00:11
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 8575)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 8575
+======================================================
+"""
+
+RAISED = """\
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_16:59:46
+  host      : localhost
+  rank      : 3 (local_rank: 1)
+  exitcode  : 1 (pid: 8355)
+  error_file: /tmp/torchelastic_x/attempt_0/1/error.json
+  traceback : Traceback (most recent call last):
+    File "/tmp/trt/fail.py", line 8, in main
+      raise RuntimeError("boom on rank 1")
+  RuntimeError: boom on rank 1
+============================================================
+"""
+
+
+def _error_file(tmp_path: Path, message: object) -> Path:
+    path = tmp_path / "error.json"
+    path.write_text(json.dumps({"message": message}))
+    return path
+
+
+def test_a_signal_is_named_from_the_root_cause_block() -> None:
+    assert describe_failure(None, SIGNALLED) == (
+        "torchrun: rank 1 (local rank 1) failed: exit code -9: Signal 9 (SIGKILL) received by "
+        "PID 8575"
+    )
+
+
+def test_the_error_file_s_message_names_the_exception(tmp_path: Path) -> None:
+    error = _error_file(
+        tmp_path,
+        {"message": "RuntimeError: boom on rank 1", "extraInfo": {"timestamp": "1"}},
+    )
+
+    assert describe_failure(error, RAISED) == (
+        "torchrun: rank 3 (local rank 1) failed: RuntimeError: boom on rank 1"
+    )
+    # The error file alone (the block cut off the kept stderr tail): no rank, the error still.
+    assert describe_failure(error, "") == "torchrun: a rank failed: RuntimeError: boom on rank 1"
+
+
+def test_a_traceback_without_error_file_gives_the_exit_code_only() -> None:
+    assert describe_failure(None, RAISED) == "torchrun: rank 3 (local rank 1) failed: exit code 1"
+
+
+def test_nothing_is_said_for_what_is_no_torchrun(tmp_path: Path) -> None:
+    assert describe_failure(tmp_path / "missing.json", "Traceback ...\nValueError: x\n") == ""
+    (tmp_path / "junk.json").write_text("not json")
+    assert error_file_message(tmp_path / "junk.json") == ""
+    assert error_file_message(_error_file(tmp_path, "RuntimeError: newer format")) == (
+        "RuntimeError: newer format"
+    )
