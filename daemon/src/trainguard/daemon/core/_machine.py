@@ -25,6 +25,9 @@ A :class:`Tick` runs steps 1, the gap rule of 3, and 4 only, after noting the co
 the first tick naming it, never from the input that decided it (a daemon catching up on a
 backlog decides from old inputs but acts now). A :class:`~trainguard.schemas.JobRequest` (stop
 or continue the job) is folded by :mod:`trainguard.daemon.core._stop` in any phase, also a final one.
+A :class:`~trainguard.schemas.HeartbeatBatch` (a node's heartbeats in one record) is folded as
+the heartbeats it carries, each as if it had come alone at the batch's append time
+(:func:`_on_batch`), so a batched job is judged exactly as an unbatched one.
 Recovery (incidents, restore retries, abort) lives in :mod:`trainguard.daemon.core._recovery`; the
 detectors in :mod:`trainguard.daemon.core.detectors._stall` and
 :mod:`trainguard.daemon.core.detectors._divergence` (``docs/detection.md`` tabulates them).
@@ -116,6 +119,7 @@ from trainguard.schemas import (
     DataCursorEvent,
     Event,
     Heartbeat,
+    HeartbeatBatch,
     JobRequest,
     Lifecycle,
     Resume,
@@ -150,6 +154,8 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
         case Observed(at_ns=at_ns, event=event):
             if isinstance(event, JobRequest):
                 return on_request(state, event, at_ns, config)
+            if isinstance(event, HeartbeatBatch):
+                return _on_batch(state, event, item, config)
             broken = _broken_rule(state, event, at_ns, config)
             if (
                 broken is None
@@ -182,6 +188,37 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
             return _expire(state, config, bridged)
         case _:
             assert_never(item)
+
+
+def _on_batch(
+    state: JobState, batch: HeartbeatBatch, item: Observed, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Fold a node's batch of heartbeats: each entry through :func:`decide` as the heartbeat
+    of its rank, observed alone at the batch's append time and offset, so that state and
+    decisions are those of the heartbeats sent one by one. The entries' rejections (all of
+    them for a batch the bus delivered twice: duplicates) become one :class:`Rejected`, so
+    the record is dead-lettered once; every other decision keeps its order."""
+    if batch.job_id != state.job_id:
+        return state, (_wrong_job(state, batch),)
+    decisions: list[Decision] = []
+    refused: list[Rejected] = []
+    for beat in batch.heartbeats():
+        state, decided = decide(state, item._replace(event=beat), config)
+        for decision in decided:
+            if type(decision) is Rejected:
+                refused.append(decision)
+            else:
+                decisions.append(decision)
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        decisions.append(
+            Rejected(
+                code=refused[0].code,
+                reason=f"{len(refused)} of {len(batch.beats)} heartbeats of the batch from host "
+                f"{batch.host} (pid {batch.pid}) refused: {refused[0].reason}{more}",
+            )
+        )
+    return state, tuple(decisions)
 
 
 def _bridged(state: JobState, at_ns: int, config: MachineConfig) -> tuple[JobState, Decisions]:
@@ -417,14 +454,14 @@ def _rejection(
     return Rejected(code=code, reason=reason)
 
 
-def _wrong_job(state: JobState, event: Event) -> Rejected:
+def _wrong_job(state: JobState, event: Event | HeartbeatBatch) -> Rejected:
     return Rejected(
         code="wrong_job",
         reason=f"{_sender(event)} is for job {event.job_id!r}, not {state.job_id!r}",
     )
 
 
-def _sender(event: Event) -> str:
+def _sender(event: Event | HeartbeatBatch) -> str:
     """``"Heartbeat from rank 1 on host h0 (pid 42)"``: an event named for a reason."""
     who = "supervisor" if event.rank is None else f"rank {event.rank}"
     return f"{type(event).__name__} from {who} on host {event.host} (pid {event.pid})"
