@@ -19,16 +19,24 @@ Printed per variant: records, bytes on the wire per rank heartbeat, CPU microsec
 record and per rank heartbeat (``time.process_time``; each round interleaves the variants and a
 figure keeps its least time over ``--rounds``), and the ratio batched / plain per heartbeat.
 Figures are printed, never asserted.
+
+With ``--kafka HOST:PORT --kafka-data DIR`` both variants' heartbeat records are also sent to a
+Kafka broker whose log folder is ``DIR`` (``deploy/kafka/kafka-dev start --dir D``: ``D/data``),
+each to a fresh topic prefix, and the bytes its ``events`` partition holds are reported per
+rank heartbeat (Kafka's record and batch framing included; no compression, as the bus sends).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import NamedTuple
 
+from trainguard.agent.bus import BusConfig, open_bus
 from trainguard.agent.keys._keystore import DaemonKeys, KeyStore
 from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.core._intake import Refused, take
@@ -87,6 +95,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--kafka", help="HOST:PORT of a Kafka broker to measure bytes on")
+    parser.add_argument("--kafka-data", type=Path, help="that broker's log folder")
     args = parser.parse_args()
     config = MachineConfig(daemon_id="bench")
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,6 +113,15 @@ def main() -> None:
         }
         best = _measure(variants, keys, config, args.rounds)
     _print(args, variants, best)
+    if args.kafka and args.kafka_data:
+        beats = args.ranks * args.seconds
+        for name, records in variants.items():
+            size = asyncio.run(
+                _on_kafka(args.kafka, args.kafka_data, records[_first_beat(records) :])
+            )
+            print(
+                f"Kafka, {name}: {size:,} bytes in the events log, {size / beats:.0f} per heartbeat"
+            )
 
 
 def _measure(
@@ -158,6 +177,22 @@ def _print(
         f"batched / plain: CPU per heartbeat x{best['batched'] / best['plain']:.2f}, "
         f"bytes per heartbeat x{sizes['batched'] / sizes['plain']:.2f}"
     )
+
+
+async def _on_kafka(bootstrap: str, records: list[_Record]) -> str:
+    """Send ``records`` to a fresh topic prefix of the broker; return the prefix once all are
+    acknowledged."""
+    prefix = f"bench-{uuid.uuid4().hex[:8]}."
+    async with open_bus(BusConfig(url=f"kafka://{bootstrap}", prefix=prefix)) as bus:
+        deliveries = [await bus.send("events", JOB, r.value or b"") for r in records]
+        await asyncio.gather(*deliveries)
+    return prefix
+
+
+def _events_bytes(data: Path, prefix: str) -> int:
+    """The bytes of ``prefix``'s ``events`` logs in the broker's log folder (segments reach
+    the page cache as they are appended)."""
+    return sum(f.stat().st_size for d in data.glob(f"{prefix}events-*") for f in d.glob("*.log"))
 
 
 def _first_beat(records: list[_Record]) -> int:
