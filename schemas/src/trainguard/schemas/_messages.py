@@ -1135,12 +1135,14 @@ class HeartbeatBatch:
     def heartbeats(self) -> tuple[Heartbeat, ...]:
         """The batch's entries as the heartbeats their ranks built, in order (no ``auth``:
         the batch's MAC vouches for them)."""
-        job, host = self.job_id, self.host
-        return tuple(
-            Heartbeat(
-                job_id=job, host=host, **dict(zip(_BEAT_FIELDS, _beat_values(b), strict=True))
-            )
-            for b in self.beats
+        return tuple(self.heartbeat(b) for b in self.beats)
+
+    def heartbeat(self, beat: BatchedBeat) -> Heartbeat:
+        """Entry ``beat`` as the heartbeat its rank built (job and host the batch's)."""
+        return Heartbeat(
+            job_id=self.job_id,
+            host=self.host,
+            **dict(zip(_BEAT_FIELDS, _beat_values(beat), strict=True)),
         )
 
 
