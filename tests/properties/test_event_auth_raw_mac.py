@@ -22,7 +22,14 @@ from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.core._inputs import Observed
 from trainguard.daemon.core._intake import INPUT_TYPES, AuthRefusal, RawRecord, Refused, Taken, take
 from trainguard.daemon.service._security import EventAuth
-from trainguard.schemas import ClockTick, Event, JobRequest, canonical_bytes, encode
+from trainguard.schemas import (
+    ClockTick,
+    Event,
+    HeartbeatBatch,
+    JobRequest,
+    canonical_bytes,
+    encode,
+)
 
 JOB = "auth-job"
 
@@ -65,7 +72,7 @@ class _Spy:
         self.auth, self.raw, self.judged = auth, raw, 0
 
     def refuse(
-        self, record: RawRecord, message: Event | JobRequest | ClockTick
+        self, record: RawRecord, message: Event | JobRequest | HeartbeatBatch | ClockTick
     ) -> tuple[AuthRefusal, str] | None:
         self.judged += 1
         return self.auth.refuse(record, message)

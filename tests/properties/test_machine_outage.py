@@ -962,10 +962,13 @@ def test_a_stop_of_a_failed_job_is_late_only_if_nobody_was_heard_since_its_gener
         [i for i in inputs if i.at_ns < late_at], cfg=CFG, outages=[AWAY], until=late_at
     )
     assert (state.phase, state.generation) == ("failed", 3)
-    [stop] = [i for i in inputs if isinstance(i, Observed) and isinstance(i.event, JobRequest)]
+    [stop] = [
+        i.event for i in inputs if isinstance(i, Observed) and isinstance(i.event, JobRequest)
+    ]
+    assert isinstance(stop, JobRequest)
 
     def of(generation: int) -> Observed:
-        return Observed(late_at + S, None, replace(stop.event, generation=generation))
+        return Observed(late_at + S, None, replace(stop, generation=generation))
 
     assert run([of(3)], state) == (state, ())
     joined = structs.replace(state, senders=state.senders.insert((0, "h0", 123), 1))

@@ -35,7 +35,7 @@ from trainguard.daemon.core._decisions import (
 from trainguard.daemon.core._inputs import Input, Observed
 from trainguard.daemon.core._machine import decide, fold
 from trainguard.daemon.core._state import TERMINAL_PHASES, new_job
-from trainguard.schemas import Abort, Checkpoint, Restore
+from trainguard.schemas import Abort, Checkpoint, HeartbeatBatch, Restore
 
 CFG = config()
 MAX_ATTEMPTS = CFG.max_restore_attempts
@@ -113,6 +113,7 @@ def test_generation_fencing(
         item
         for item, decisions in trace
         if isinstance(item, Observed)
+        and not isinstance(item.event, HeartbeatBatch)
         and item.event.generation == state.generation
         and not of_type(decisions, Rejected)
     ]

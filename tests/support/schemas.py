@@ -26,6 +26,7 @@ from trainguard.schemas import (
     DataCursor,
     DataCursorEvent,
     Heartbeat,
+    HeartbeatBatch,
     JobRequest,
     Lifecycle,
     LifecycleKind,
@@ -46,6 +47,7 @@ from trainguard.schemas import (
     StepRange,
     UnknownSchema,
     _schema_files,
+    batched_beat,
     load_schema,
     schema_path,
 )
@@ -130,6 +132,16 @@ heartbeats = st.builds(
     param_checksum=st.none() | st.from_regex(r"[0-9a-f]{1,128}", fullmatch=True),
     step_age_s=st.none() | st.floats(min_value=0, allow_nan=False, allow_infinity=False),
 )
+heartbeat_batches = st.builds(
+    HeartbeatBatch,
+    job_id=job_ids,
+    ts=counts,
+    seq=counts,
+    host=text(1, 60),
+    pid=pids,
+    beats=st.lists(heartbeats.map(batched_beat), min_size=1, max_size=4).map(tuple),
+)
+"""Batches whose entries are arbitrary heartbeats (the schema asks no unique ranks)."""
 checkpoints = st.builds(
     Checkpoint,
     **_event,
@@ -271,12 +283,19 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Any]] = {
     ManifestPart: manifest_parts,
     ClockTick: ticks,
     JobRequest: job_requests,
+    HeartbeatBatch: heartbeat_batches,
 }
 messages = st.one_of(*STRATEGIES.values())
 
 
 def same_message(a: Message, b: Message) -> bool:
     """Equality of messages, with a NaN loss equal to a NaN loss."""
+    if isinstance(a, HeartbeatBatch) and isinstance(b, HeartbeatBatch):
+        return (
+            len(a.beats) == len(b.beats)
+            and all(same_message(x, y) for x, y in zip(a.heartbeats(), b.heartbeats(), strict=True))
+            and dataclasses.replace(a, beats=()) == dataclasses.replace(b, beats=())
+        )
     if (
         isinstance(a, Heartbeat)
         and isinstance(b, Heartbeat)

@@ -96,7 +96,9 @@ class AgentStats:
     Attributes:
         connected: the background thread holds a working bus connection.
         queued: events waiting to be sent.
-        sent: events the bus confirmed.
+        sent: events the bus confirmed, and heartbeats the supervisor's relay took.
+        relayed_heartbeats: heartbeats handed to the supervisor's relay
+            (``heartbeat_relay``), which sends them batched.
         dropped_heartbeats: heartbeats never delivered (more than ``heartbeat_queue`` waited
             while the bus was slow or away, or their send failed).
         dropped_cursors: data-cursor events dropped to make room in a full outbox
@@ -124,6 +126,7 @@ class AgentStats:
     commands_ignored_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
     dropped_cursors: int = 0
     refused_events: int = 0
+    relayed_heartbeats: int = 0
 
 
 class Agent:
@@ -288,6 +291,7 @@ class Agent:
             on_command=self._on_command,
             verify_keys=c.keys.verify,
             event_key=c.keys.event,
+            relay=c.heartbeat_relay,
         )
 
     def _step_recorder(self) -> StepRecorder | None:
@@ -361,6 +365,7 @@ class Agent:
             connected=link.connected,
             queued=link.queued,
             sent=link.sent,
+            relayed_heartbeats=link.relayed_heartbeats,
             dropped_heartbeats=link.dropped_heartbeats,
             send_errors=link.send_errors,
             last_error=link.last_error,

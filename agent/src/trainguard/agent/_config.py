@@ -61,6 +61,7 @@ _ENVIRONMENT: Mapping[str, tuple[str, ...]] = {
     "step_file": ("TRAINGUARD_STEP_FILE",),
     "outbox_max_events": ("TRAINGUARD_OUTBOX_MAX_EVENTS",),
     "spool_dir": ("TRAINGUARD_SPOOL_DIR",),
+    "heartbeat_relay": ("TRAINGUARD_HEARTBEAT_RELAY",),
     "close_timeout_s": ("TRAINGUARD_CLOSE_TIMEOUT",),
 }
 """Setting name -> the environment variables that set it, highest precedence first; each
@@ -139,6 +140,10 @@ class AgentConfig:
         spool_dir: the folder of this worker's spool (``TRAINGUARD_SPOOL_DIR``, set by
             ``trainguard run``), in which events wait until the bus took them, so that the
             supervisor can forward them after the process ended; ``None``: no spool.
+        heartbeat_relay: the socket of the supervisor's heartbeat relay
+            (``TRAINGUARD_HEARTBEAT_RELAY``, set by ``trainguard run --batch-heartbeats``):
+            heartbeats go there, and the supervisor sends its node's heartbeats as one
+            ``heartbeat-batch`` record; ``None`` (default): each heartbeat goes to the bus.
         close_timeout_s: seconds leaving the ``with`` block (:meth:`Agent.close`) waits for
             the bus to take the queued events (``TRAINGUARD_CLOSE_TIMEOUT``), default 30; what
             is left stays in the spool.
@@ -175,6 +180,7 @@ class AgentConfig:
     heartbeat_queue: int = 16
     outbox_max_events: int = 100_000
     spool_dir: Path | None = None
+    heartbeat_relay: Path | None = None
     close_timeout_s: float = 30.0
     keys: AgentKeys = field(default_factory=AgentKeys)
     step_file: Path | None = None

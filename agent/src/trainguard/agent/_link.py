@@ -20,6 +20,12 @@ an event never overtakes one with a lower ``seq``. The outbox (:mod:`._outbox`) 
 * heartbeats are dropped, oldest first, when more than ``ring`` of them wait: only the newest
   progress matters, and a backlog would grow without limit while the bus is away.
 
+With the supervisor's heartbeat relay (``TRAINGUARD_HEARTBEAT_RELAY``, from ``trainguard run
+--batch-heartbeats``) heartbeats go to the relay's Unix datagram socket instead of the bus, one
+non-blocking ``send`` each, and the supervisor sends the node's heartbeats batched
+(:mod:`trainguard.agent.supervisor._beat_relay`); one the relay does not take (none
+listening, its buffer full) goes on the bus as before.
+
 With a spool folder (``TRAINGUARD_SPOOL_DIR``, from the supervisor) every event but the
 heartbeats is also written to this process's spool file the moment it is queued, and marked
 once the bus took it (:mod:`._spool`); what the process could not deliver before it ended,
@@ -44,6 +50,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -199,6 +206,8 @@ class Link:
         verify_keys: the daemon's public keys (see :class:`Commands`).
         event_key: the job's event key: every event is sent with its MAC; ``None`` sends
             events unauthenticated.
+        relay: the socket of the supervisor's heartbeat relay, or ``None``: heartbeats go to
+            the bus (module docstring).
 
     Raises:
         BusURLError: ``bus_config.url`` is not a bus URL.
@@ -206,7 +215,8 @@ class Link:
     Attributes (counters, read from any thread):
         commands: the job's commands heard so far.
         connected: whether the loop holds a working connection.
-        sent: events the bus confirmed.
+        sent: events the bus confirmed, and heartbeats the relay took.
+        relayed_heartbeats: heartbeats the relay took.
         dropped_heartbeats: heartbeats never delivered (ring overflow, failed sends).
         dropped_cursors: data-cursor events dropped to make room in a full outbox.
         refused_events: checkpoint and lifecycle events refused by a full outbox.
@@ -229,6 +239,7 @@ class Link:
         on_command: Callable[[Restore | Resume | Abort], None] | None = None,
         verify_keys: Mapping[str, Ed25519PublicKey] | None = None,
         event_key: EventKey | None = None,
+        relay: Path | None = None,
     ) -> None:
         parse_bus_url(bus_config.url)
         self._bus_config = bus_config
@@ -240,8 +251,11 @@ class Link:
         self._event_key = event_key
         self.connected = False
         self.sent = 0
+        self.relayed_heartbeats = 0
         self.dropped_heartbeats = 0
         self.dropped_cursors = 0
+        self._relay = None if relay is None else str(relay)
+        self._relay_socket: socket.socket | None = None
         self.refused_events = 0
         self.send_errors = 0
         self.last_error: str | None = None
@@ -456,6 +470,8 @@ class Link:
             beats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beats
+            if self._relay_socket is not None:
+                self._relay_socket.close()
 
     async def _heartbeats(self) -> None:
         while not self._stopping:
@@ -587,11 +603,29 @@ class Link:
             self._spool_settled(item.seq)
             self._queue_changed.notify_all()
 
+    def _relay_heartbeats(self, relay: str, batch: list[Queued]) -> list[Queued]:
+        """Hand ``batch`` to the supervisor's relay at ``relay``, in order; return the
+        heartbeats from the first one it did not take on (to be sent on the bus)."""
+        if self._relay_socket is None:
+            self._relay_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._relay_socket.setblocking(False)
+        for n, item in enumerate(batch):
+            try:
+                self._relay_socket.sendto(item.data, relay)
+            except OSError:  # none listening, its buffer full: the bus takes them
+                return batch[n:]
+            with self._queue_changed:
+                self.sent += 1
+                self.relayed_heartbeats += 1
+        return []
+
     async def _send_heartbeats(self, bus: Bus, batch: list[Queued]) -> None:
         """Pipeline ``batch``, the heartbeats that came next (already out of the outbox, so
         that the ring's evictions never touch them); failures drop them."""
         with self._queue_changed:
             self._queue_changed.notify_all()
+        if self._relay is not None:
+            batch = self._relay_heartbeats(self._relay, batch)
         futures: list[asyncio.Future[Any]] = []
         try:
             for item in batch:

@@ -54,6 +54,7 @@ from trainguard.schemas._messages import (
     ClockTick,
     DataCursorEvent,
     Heartbeat,
+    HeartbeatBatch,
     JobRequest,
     Lifecycle,
     Mac,
@@ -89,8 +90,18 @@ _MAC_LAYOUT: Final = re.compile(
 """The ``auth`` member as ``encode`` writes it first, kid and MAC as the schema allows them
 (``common.v1.json``: 16 lowercase hex digits; 44 characters of standard base64)."""
 
-_Maced: TypeAlias = Heartbeat | Checkpoint | DataCursorEvent | Lifecycle | ClockTick | JobRequest
-_MACED_TYPES: Final = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick, JobRequest)
+_Maced: TypeAlias = (
+    Heartbeat | Checkpoint | DataCursorEvent | Lifecycle | ClockTick | JobRequest | HeartbeatBatch
+)
+_MACED_TYPES: Final = (
+    Heartbeat,
+    Checkpoint,
+    DataCursorEvent,
+    Lifecycle,
+    ClockTick,
+    JobRequest,
+    HeartbeatBatch,
+)
 """The message types whose ``auth`` is a MAC."""
 
 _Mac = TypeVar("_Mac", bound=_Maced)
@@ -106,6 +117,7 @@ _Authenticated: TypeAlias = (
     | ManifestHead
     | ClockTick
     | JobRequest
+    | HeartbeatBatch
 )
 """The messages that carry ``auth`` (every one but a manifest's part, which its head's digest
 vouches for)."""
@@ -177,7 +189,8 @@ def add_mac(message: _Mac, kid: str, key: bytes) -> _Mac:
     """``message`` (an event or a tick) with ``auth`` set to its HMAC-SHA256 under ``key``.
 
     Args:
-        message: a heartbeat, checkpoint, data-cursor, lifecycle or tick message.
+        message: a heartbeat, heartbeat batch, checkpoint, data-cursor, lifecycle, job
+            request or tick message.
         kid: the key's id (16 lowercase hex digits).
         key: the job's event key, 32 bytes.
 

@@ -31,8 +31,9 @@ Conventions shared by every message:
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Annotated, ClassVar, Final, Literal, TypeAlias
 
 from trainguard.schemas._wire_types import (
@@ -240,6 +241,45 @@ class CheckpointMeta:
     code_version: Annotated[ShortText, Wire("E.g. the git commit id of the training code.")] = ""
 
 
+# A heartbeat's own fields, shared by :class:`Heartbeat` and the entries of a
+# :class:`HeartbeatBatch` (:class:`BatchedBeat`), so that both say the same on the wire.
+_BeatWorldSize: TypeAlias = Annotated[WorldSize, Wire("World size the rank runs in.")]
+_BeatStep: TypeAlias = Annotated[Step, Wire("Last completed training step.")]
+_BeatPhase: TypeAlias = Annotated[
+    Phase, Wire("What the rank is doing; checkpoint, eval, data and init are long phases.")
+]
+_BeatStepTime: TypeAlias = Annotated[
+    float | None,
+    Wire("Duration of the last step in seconds, or null before the first step.", minimum=0),
+]
+_BeatLoss: TypeAlias = Annotated[
+    MaybeNonFinite | None,
+    Wire(
+        "Last loss (non-finite as nan/inf/-inf), or null when not reported.",
+        comment="A number or null matches the first branch: validators that try the"
+        " branches in order (fastjsonschema raises and catches an exception per failed"
+        " branch) then pass the common cases without trying another.",
+    ),
+]
+_BeatSamples: TypeAlias = Annotated[Count, Wire("Samples this rank has consumed in total.")]
+_BeatChecksum: TypeAlias = Annotated[
+    str | None,
+    Wire(
+        "Cheap deterministic checksum of the parameters at step (lowercase hex), or null.",
+        pattern="^[0-9a-f]{1,128}$",
+    ),
+]
+_BeatStepAge: TypeAlias = Annotated[
+    float | None,
+    Wire(
+        "Since 1.2: seconds from the completion of step to the building of this"
+        " heartbeat (the sender's monotonic clock), or null when no step has completed"
+        " in this process.",
+        minimum=0,
+    ),
+]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _RankEvent:
     """The fields every event a rank sends starts with: job, generation, time, sequence number
@@ -276,42 +316,14 @@ class Heartbeat(_RankEvent):
 
     SCHEMA: ClassVar[str] = "heartbeat/1.2"
     WIRE: ClassVar[Wire] = Wire("Periodic liveness and progress report of one rank.")
-    world_size: Annotated[WorldSize, Wire("World size the rank runs in.")]
-    step: Annotated[Step, Wire("Last completed training step.")]
-    phase: Annotated[
-        Phase,
-        Wire("What the rank is doing; checkpoint, eval, data and init are long phases."),
-    ]
-    step_time_s: Annotated[
-        float | None,
-        Wire("Duration of the last step in seconds, or null before the first step.", minimum=0),
-    ] = None
-    loss: Annotated[
-        MaybeNonFinite | None,
-        Wire(
-            "Last loss (non-finite as nan/inf/-inf), or null when not reported.",
-            comment="A number or null matches the first branch: validators that try the"
-            " branches in order (fastjsonschema raises and catches an exception per failed"
-            " branch) then pass the common cases without trying another.",
-        ),
-    ] = None
-    samples: Annotated[Count, Wire("Samples this rank has consumed in total.")] = 0
-    param_checksum: Annotated[
-        str | None,
-        Wire(
-            "Cheap deterministic checksum of the parameters at step (lowercase hex), or null.",
-            pattern="^[0-9a-f]{1,128}$",
-        ),
-    ] = None
-    step_age_s: Annotated[
-        float | None,
-        Wire(
-            "Since 1.2: seconds from the completion of step to the building of this"
-            " heartbeat (the sender's monotonic clock), or null when no step has completed"
-            " in this process.",
-            minimum=0,
-        ),
-    ] = None
+    world_size: _BeatWorldSize
+    step: _BeatStep
+    phase: _BeatPhase
+    step_time_s: _BeatStepTime = None
+    loss: _BeatLoss = None
+    samples: _BeatSamples = 0
+    param_checksum: _BeatChecksum = None
+    step_age_s: _BeatStepAge = None
     auth: Annotated[Mac | None, _auth("HMAC", since="1.1"), OmittedWhenNone] = None
 
 
@@ -1038,6 +1050,114 @@ class JobRequest:
         return None
 
 
+MAX_BATCHED_BEATS: Final = 256
+"""Most heartbeats one :class:`HeartbeatBatch` carries (a node's ranks; a heartbeat entry is
+about 250 bytes, so a full batch stays well inside the codec's 64 KiB)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchedBeat:
+    """One rank's heartbeat inside a :class:`HeartbeatBatch`: a :class:`Heartbeat` without
+    ``job_id``, ``host`` and ``auth``, which the batch states once for all of its entries.
+
+    Attributes:
+        generation, ts, seq, rank, pid: the rank's, exactly as its own heartbeat would carry
+            them (``seq`` is the rank's own counter, shared with its other events).
+        world_size, step, phase, step_time_s, loss, samples, param_checksum, step_age_s: as
+            in :class:`Heartbeat`, as the rank built it (the time it then waited for its
+            batch is delivery delay to the daemon, like the bus's own).
+    """
+
+    WIRE: ClassVar[Shared] = Shared(
+        "batched_beat",
+        "One rank's heartbeat inside a heartbeat batch: a heartbeat/1 without job_id, host and"
+        " auth, which the batch states once.",
+    )
+    generation: Annotated[Generation, Wire("Generation the rank runs in.")]
+    ts: Annotated[Timestamp, Wire("The rank's wall clock when it built the heartbeat.")]
+    seq: Annotated[Seq, Wire("The rank's own counter (shared with its other events).")]
+    rank: Rank
+    pid: Annotated[Pid, Wire("The rank's worker process.")]
+    world_size: _BeatWorldSize
+    step: _BeatStep
+    phase: _BeatPhase
+    step_time_s: _BeatStepTime = None
+    loss: _BeatLoss = None
+    samples: _BeatSamples = 0
+    param_checksum: _BeatChecksum = None
+    step_age_s: _BeatStepAge = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatBatch:
+    """The heartbeats of one node's ranks in one record (``heartbeat-batch/1``), sent by the
+    node's supervisor instead of one record per rank (``docs/wire-contract.md``, "Heartbeat
+    batches").
+
+    The daemon folds it as the heartbeats it carries, in order, each as if it had come alone at
+    the batch's bus append time (:meth:`heartbeats`). It speaks only for ranks of its own
+    ``host``, and only with heartbeats those ranks built: its sender adds a rank's latest
+    heartbeat only when the rank sent one since the previous batch, so a silent rank is
+    missing from it and is detected as before. It is MACed under the job's event key like any
+    event (the supervisor holds it), so only a holder of that key can speak for a rank.
+
+    Attributes:
+        ts, seq, host, pid: the sender's (the supervisor's) clock, counter, host and process.
+        beats: one entry per rank heard from since the previous batch, ranks unique.
+    """
+
+    SCHEMA: ClassVar[str] = "heartbeat-batch/1.0"
+    WIRE: ClassVar[Wire] = Wire(
+        "The heartbeats of one node's ranks in one record, sent by the node's supervisor; the"
+        " daemon folds each entry as the heartbeat of its rank on host."
+    )
+    job_id: JobId
+    ts: Timestamp
+    seq: Seq
+    host: Annotated[Host, Wire("The node all the batch's ranks run on.")]
+    pid: Annotated[Pid, Wire("The sender's (the supervisor's) process.")]
+    beats: Annotated[
+        tuple[BatchedBeat, ...],
+        Wire(
+            "The ranks' latest heartbeats since the previous batch, one per rank.",
+            minItems=1,
+            maxItems=MAX_BATCHED_BEATS,
+        ),
+    ]
+    auth: Annotated[Mac | None, _auth("HMAC", since=None), OmittedWhenNone] = None
+
+    @property
+    def rank(self) -> None:
+        """Always ``None``: a batch is its supervisor's message (its sender is ``(None, host,
+        pid)``, as for every message of ``events``); its entries name their ranks."""
+        return None
+
+    def heartbeats(self) -> tuple[Heartbeat, ...]:
+        """The batch's entries as the heartbeats their ranks built, in order (no ``auth``:
+        the batch's MAC vouches for them)."""
+        return tuple(self.heartbeat(b) for b in self.beats)
+
+    def heartbeat(self, beat: BatchedBeat) -> Heartbeat:
+        """Entry ``beat`` as the heartbeat its rank built (job and host the batch's)."""
+        return Heartbeat(
+            job_id=self.job_id,
+            host=self.host,
+            **dict(zip(_BEAT_FIELDS, _beat_values(beat), strict=True)),
+        )
+
+
+_BEAT_FIELDS: Final = tuple(f.name for f in fields(BatchedBeat))
+"""A batch entry's fields: a heartbeat's but ``job_id``, ``host`` and ``auth``."""
+_beat_values: Final = operator.attrgetter(*_BEAT_FIELDS)
+
+
+def batched_beat(beat: Heartbeat) -> BatchedBeat:
+    """``beat`` as an entry of a :class:`HeartbeatBatch`: every field as its rank built it
+    (``ts`` and ``step_age_s`` date its building, so the time it waited for its batch counts
+    as delivery delay, as the bus's own does)."""
+    return BatchedBeat(**dict(zip(_BEAT_FIELDS, _beat_values(beat), strict=True)))
+
+
 Event: TypeAlias = Heartbeat | Checkpoint | DataCursorEvent | Lifecycle
 """Reports sent by workers and supervisors on the ``events`` topic (the ``events`` topic also
 carries :class:`JobRequest` and the daemon's :class:`ClockTick`)."""
@@ -1046,7 +1166,14 @@ Command: TypeAlias = Restore | Resume | Abort
 """Messages sent by the daemon on the ``commands`` topic."""
 
 Message: TypeAlias = (
-    Event | Command | Manifest | ManifestHead | ManifestPart | ClockTick | JobRequest
+    Event
+    | Command
+    | Manifest
+    | ManifestHead
+    | ManifestPart
+    | ClockTick
+    | JobRequest
+    | HeartbeatBatch
 )
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
@@ -1062,6 +1189,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     ManifestPart,
     ClockTick,
     JobRequest,
+    HeartbeatBatch,
 )
 """Every top-level message class, one per schema file."""
 
@@ -1096,6 +1224,7 @@ SHARED_TYPES: tuple[object, ...] = (
     Kid,
     Mac,
     Signature,
+    BatchedBeat,
 )
 """The types every message may share, in the order of ``common.v1.json``'s ``$defs``: the
 :class:`~trainguard.schemas._wire_types.Shared` aliases and the dataclasses whose ``WIRE`` is

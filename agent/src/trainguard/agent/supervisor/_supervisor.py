@@ -134,6 +134,7 @@ from trainguard.agent.checkpoint._manifests import read_manifests
 from trainguard.agent.checkpoint._step_file import STEP_FILE_ENV, read_step_file, reset_step_file
 from trainguard.agent.keys._command_gate import CommandGate, Ignored, IgnoreReason, log_ignored
 from trainguard.agent.keys._keystore import AgentKeys
+from trainguard.agent.supervisor._beat_relay import HEARTBEAT_RELAY_ENV, BeatRelay
 from trainguard.agent.supervisor._courier import Courier
 from trainguard.agent.supervisor._daemon_watch import DaemonWatch, poll_interval_s
 from trainguard.agent.supervisor._node_slot import NodeSlot, NodeTaken
@@ -236,6 +237,11 @@ class SupervisorConfig:
             delivers its stop request and exit reports and waits for the daemon's
             confirmation; what the bus has not taken by then stays in the node's spool folder
             (:data:`EXIT_SIGNALLED`). Closing its connections adds at most about 2 s.
+        heartbeat_batch_s: batch this node's heartbeats (``trainguard run
+            --batch-heartbeats``): the workers hand their heartbeats to the supervisor, which
+            sends them every this many seconds as one ``heartbeat-batch`` record
+            (:mod:`._beat_relay`); 0 (default): each rank sends its own. A heartbeat waits at
+            most this long, so keep it well under the daemon's ``heartbeat_timeout_s``.
         state_dir: the per-user state folder; the node slots' lock files
             (:mod:`._node_slot`) go to its ``supervisors`` folder. Default
             :func:`~trainguard.agent.bus.default_state_dir` of the environment.
@@ -259,6 +265,7 @@ class SupervisorConfig:
     daemon_timeout_s: float = 30.0
     warn_every_s: float = 30.0
     stop_timeout_s: float = 20.0
+    heartbeat_batch_s: float = 0.0
     state_dir: Path = field(default_factory=default_state_dir)
 
     def __post_init__(self) -> None:
@@ -286,7 +293,7 @@ class SupervisorConfig:
                 )
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
-        for name in ("daemon_timeout_s", "stop_timeout_s"):
+        for name in ("daemon_timeout_s", "stop_timeout_s", "heartbeat_batch_s"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not 0 < self.warn_every_s < float("inf"):
@@ -374,6 +381,17 @@ class Supervisor:
         journal = f"supervisor-{time.time_ns():019d}-{os.getpid()}{JOURNAL_SUFFIX}"
         self._courier = Courier(config.bus, config.job_id, self._spool_root / journal)
         self._courier_task: asyncio.Task[None] | None = None
+        self._relay = (
+            BeatRelay(
+                config.job_id,
+                config.host,
+                config.keys.event,
+                config.heartbeat_batch_s,
+                functools.partial(next, self._seq),
+            )
+            if config.heartbeat_batch_s > 0
+            else None
+        )
         # Once signalled to stop the job: the monotonic time by which it exits.
         self._stop_by: float | None = None
         self._interrupted = asyncio.Event()  # set from the first signal on
@@ -581,8 +599,11 @@ class Supervisor:
         # (a bad URL, a topic the cluster refuses) fails the run at once.
         bus = await self._patiently("connecting to the bus", self._started_bus, stop)
         lingering: list[asyncio.Future[Any]] = []  # wound down with the bus's close
+        relaying: asyncio.Task[None] | None = None
         try:
             self._courier_task = asyncio.ensure_future(self._courier.run())
+            if self._relay is not None:
+                relaying = await self._start_relay(self._relay, bus)
             await or_stop(self._forward_leftovers(bus), stop)
             commands = await self._follow_commands(bus, stop)
             listener = asyncio.ensure_future(self._listen(commands))
@@ -609,7 +630,28 @@ class Supervisor:
                 if self._step_dir is not None:
                     shutil.rmtree(self._step_dir, ignore_errors=True)
         finally:
+            if relaying is not None:
+                relaying.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relaying
+            if self._relay is not None:
+                self._relay.close()
             await self._wind_down(*lingering, asyncio.ensure_future(bus.close()))
+
+    async def _start_relay(self, relay: BeatRelay, bus: Bus) -> asyncio.Task[None] | None:
+        """Open the heartbeat relay and start its batches on ``bus``; ``None`` (logged) when
+        its socket cannot be made: the workers then send their heartbeats themselves."""
+        try:
+            path = await relay.open()
+        except OSError as exc:
+            log.warning("heartbeats not batched: no relay socket", error=str(exc))
+            relay.close()
+            self._relay = None
+            return None
+        log.info(
+            "batching the node's heartbeats", every_s=self._c.heartbeat_batch_s, relay=str(path)
+        )
+        return asyncio.ensure_future(relay.run(bus))
 
     async def _wind_down(self, *calls: asyncio.Future[Any]) -> None:
         """Wait for the last bus calls (closing connections, a looker's last request), all
@@ -1056,6 +1098,8 @@ class Supervisor:
             "TRAINGUARD_TOPIC_PREFIX": c.bus.prefix,
             "TRAINGUARD_GENERATION": str(self._generation),
         }
+        if self._relay is not None and self._relay.path is not None:
+            base[HEARTBEAT_RELAY_ENV] = str(self._relay.path)
         if c.nproc_per_node is None:
             return [(c.ranks, base)]
         world = c.nnodes * c.nproc_per_node
@@ -1177,6 +1221,8 @@ class Supervisor:
     def _gone(self, worker: _Worker, code: int, *, report: bool) -> None:
         """``worker`` ended with status ``code``: forward what its agents never delivered
         (their spool), then, with ``report``, its exit report."""
+        if self._relay is not None:
+            self._relay.forget(worker.ranks)
         if worker.spool is None:
             if report:
                 self._report("exited", worker, code=code)

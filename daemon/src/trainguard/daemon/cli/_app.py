@@ -440,6 +440,14 @@ def run(
             "confirmation; what the bus has not taken by then stays in this node's spool."
         ),
     ] = 20.0,
+    batch_heartbeats: Annotated[
+        float,
+        typer.Option(
+            envvar="TRAINGUARD_BATCH_HEARTBEATS",
+            help="Send this node's heartbeats as one heartbeat-batch record every this many "
+            "seconds (the workers hand theirs to the supervisor); 0: each rank sends its own.",
+        ),
+    ] = 0.0,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
     """Supervise this node's workers: start COMMAND, report exits, restart on restore orders.
@@ -487,6 +495,7 @@ def run(
             daemon_timeout_s=daemon_timeout,
             warn_every_s=warn_every,
             stop_timeout_s=stop_timeout,
+            heartbeat_batch_s=batch_heartbeats,
         )
         if init_from is not None:
             _check_init_from_patiently(bus_config, init_from, config)

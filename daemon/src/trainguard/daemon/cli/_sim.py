@@ -47,6 +47,13 @@ def _warn(message: str) -> None:
 def sim(
     ranks: Annotated[int, typer.Option(help="World size of the simulated job.")] = 256,
     ranks_per_host: Annotated[int, typer.Option(help="Ranks per node.")] = 8,
+    batch_heartbeats: Annotated[
+        bool,
+        typer.Option(
+            help="Send each node's heartbeats as one heartbeat-batch record (what a supervisor "
+            "with heartbeat batching sends) instead of one record per rank."
+        ),
+    ] = False,
     mtbf: Annotated[
         float, typer.Option(help="Mean time between failures, seconds of training time.")
     ] = 600.0,
@@ -167,6 +174,7 @@ def sim(
         params = SimParams(
             ranks=ranks,
             ranks_per_host=ranks_per_host,
+            batch_heartbeats=batch_heartbeats,
             step_s=step_time,
             checkpoint_cost_s=checkpoint_cost,
             checkpoint_every=max(1, round(interval / step_time)),

@@ -49,7 +49,7 @@ import orjson
 
 from trainguard.daemon.core._decisions import Decision
 from trainguard.daemon.core._machine_config import MachineConfig
-from trainguard.schemas import ClockTick, Event, JobRequest, JSONValue
+from trainguard.schemas import ClockTick, Event, HeartbeatBatch, JobRequest, JSONValue
 
 if TYPE_CHECKING:  # _intake imports this module
     from trainguard.daemon.core._intake import AuthRefusal, RawRecord
@@ -81,7 +81,7 @@ class MalformedAudit(ValueError):
     """An audit entry is not in the format this module writes (named by its position)."""
 
 
-def input_id(message: Event | JobRequest | ClockTick) -> dict[str, JSONValue]:
+def input_id(message: Event | JobRequest | HeartbeatBatch | ClockTick) -> dict[str, JSONValue]:
     """The identity of an input independent of its bus position.
 
     ``{"type": "tick", "daemon_id", "seq"}`` for a tick; ``{"type", "rank", "host", "pid",
@@ -94,6 +94,14 @@ def input_id(message: Event | JobRequest | ClockTick) -> dict[str, JSONValue]:
     kind = message.SCHEMA.partition("/")[0]
     if isinstance(message, ClockTick):
         return {"type": kind, "daemon_id": message.daemon_id, "seq": message.seq}
+    if isinstance(message, HeartbeatBatch):
+        return {
+            "type": kind,
+            "rank": None,
+            "host": message.host,
+            "pid": message.pid,
+            "seq": message.seq,
+        }
     return {
         "type": kind,
         "rank": message.rank,

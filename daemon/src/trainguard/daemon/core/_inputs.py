@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, TypeAlias
 
-from trainguard.schemas import Event, JobRequest
+from trainguard.schemas import Event, HeartbeatBatch, JobRequest
 
 
 class Observed(NamedTuple):
@@ -24,12 +24,13 @@ class Observed(NamedTuple):
         offset: the record's offset in its partition, or ``None`` when the event did not come
             from a bus (tests, what-if runs). Carried for the audit trail; the machine does not
             decide on it.
-        event: the decoded and verified event, or an operator's request about the job.
+        event: the decoded and verified event, an operator's request about the job, or a
+            node's batch of heartbeats (folded as the heartbeats it carries).
     """
 
     at_ns: int
     offset: int | None
-    event: Event | JobRequest
+    event: Event | JobRequest | HeartbeatBatch
 
 
 class Tick(NamedTuple):

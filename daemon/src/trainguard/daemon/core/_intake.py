@@ -40,6 +40,7 @@ from trainguard.schemas import (
     DataCursorEvent,
     Event,
     Heartbeat,
+    HeartbeatBatch,
     JobRequest,
     JSONValue,
     Lifecycle,
@@ -52,7 +53,15 @@ from trainguard.schemas import (
 
 __all__ = ["INPUT_TYPES", "AuthRefusal", "Authenticator", "RawRecord", "Refused", "Taken", "take"]
 
-INPUT_TYPES = (Heartbeat, Checkpoint, DataCursorEvent, Lifecycle, ClockTick, JobRequest)
+INPUT_TYPES = (
+    Heartbeat,
+    Checkpoint,
+    DataCursorEvent,
+    Lifecycle,
+    ClockTick,
+    JobRequest,
+    HeartbeatBatch,
+)
 """The message types the ``events`` topic carries."""
 
 _NS_PER_MS = 1_000_000
@@ -92,7 +101,7 @@ class Authenticator(Protocol):
     """Judges whether a decoded record of ``events`` is authentic."""
 
     def refuse(
-        self, record: RawRecord, message: Event | JobRequest | ClockTick
+        self, record: RawRecord, message: Event | JobRequest | HeartbeatBatch | ClockTick
     ) -> tuple[AuthRefusal, str] | None:
         """``None`` for an authentic record, else why not: a code and a reason for people
         (naming key ids, never keys). ``message`` is the record's decoded value."""
@@ -115,7 +124,7 @@ class Taken(NamedTuple):
 
     job_id: str
     input: Input
-    message: Event | JobRequest | ClockTick
+    message: Event | JobRequest | HeartbeatBatch | ClockTick
 
     @property
     def input_id(self) -> dict[str, JSONValue]:
@@ -158,13 +167,15 @@ def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refuse
     # Keys first: a replay's authenticator (the audit trail) and a job without keys have none,
     # and then cutting the record would be wasted.
     keys = None if auth is None else auth.mac_keys(record)
-    message: Event | JobRequest | ClockTick | None = (
+    message: Event | JobRequest | HeartbeatBatch | ClockTick | None = (
         _verified(record, value, keys) if keys else None
     )
     if message is None:
         try:
             # ``expect`` admits only these types (an annotation costs nothing, a cast a call).
-            decoded: Event | JobRequest | ClockTick = decode(value, expect=INPUT_TYPES)  # type: ignore[assignment]
+            decoded: Event | JobRequest | HeartbeatBatch | ClockTick = decode(
+                value, expect=INPUT_TYPES
+            )  # type: ignore[assignment]
         except SchemaError as exc:
             return Refused(str(exc), "schema", exc)
         message = decoded
@@ -186,7 +197,7 @@ def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refuse
 
 def _verified(
     record: RawRecord, value: bytes, keys: Mapping[str, bytes]
-) -> Event | JobRequest | ClockTick | None:
+) -> Event | JobRequest | HeartbeatBatch | ClockTick | None:
     """The message of a record whose MAC verifies on its raw bytes under one of ``keys``,
     decoded from its canonical bytes (module docstring); ``None`` when the full path must judge
     the record."""

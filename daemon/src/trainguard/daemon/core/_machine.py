@@ -25,6 +25,9 @@ A :class:`Tick` runs steps 1, the gap rule of 3, and 4 only, after noting the co
 the first tick naming it, never from the input that decided it (a daemon catching up on a
 backlog decides from old inputs but acts now). A :class:`~trainguard.schemas.JobRequest` (stop
 or continue the job) is folded by :mod:`trainguard.daemon.core._stop` in any phase, also a final one.
+A :class:`~trainguard.schemas.HeartbeatBatch` (a node's heartbeats in one record) is folded as
+the heartbeats it carries, each as if it had come alone at the batch's append time
+(:func:`_on_batch`), so a batched job is judged exactly as an unbatched one.
 Recovery (incidents, restore retries, abort) lives in :mod:`trainguard.daemon.core._recovery`; the
 detectors in :mod:`trainguard.daemon.core.detectors._stall` and
 :mod:`trainguard.daemon.core.detectors._divergence` (``docs/detection.md`` tabulates them).
@@ -112,10 +115,12 @@ from trainguard.daemon.core.detectors._stall import (
 from trainguard.daemon.core.detectors._trend import advance
 from trainguard.schemas import (
     EXIT_CONFIG,
+    BatchedBeat,
     Checkpoint,
     DataCursorEvent,
     Event,
     Heartbeat,
+    HeartbeatBatch,
     JobRequest,
     Lifecycle,
     Resume,
@@ -150,6 +155,8 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
         case Observed(at_ns=at_ns, event=event):
             if isinstance(event, JobRequest):
                 return on_request(state, event, at_ns, config)
+            if isinstance(event, HeartbeatBatch):
+                return _on_batch(state, event, item, config)
             broken = _broken_rule(state, event, at_ns, config)
             if (
                 broken is None
@@ -182,6 +189,51 @@ def decide(state: JobState, item: Input, config: MachineConfig) -> tuple[JobStat
             return _expire(state, config, bridged)
         case _:
             assert_never(item)
+
+
+def _on_batch(
+    state: JobState, batch: HeartbeatBatch, item: Observed, config: MachineConfig
+) -> tuple[JobState, Decisions]:
+    """Fold a node's batch of heartbeats: each entry as :func:`decide` folds the heartbeat of
+    its rank observed alone at the batch's append time and offset, so that state and
+    decisions are those of the heartbeats sent one by one. An entry that takes decide's hot
+    path (a running generation's heartbeat that breaks no admission rule) is folded as it is,
+    without building its :class:`~trainguard.schemas.Heartbeat`; any other goes through
+    :func:`decide` as that heartbeat. The entries' rejections (all of them for a batch the bus
+    delivered twice: duplicates) become one :class:`Rejected`, so the record is dead-lettered
+    once; every other decision keeps its order."""
+    if batch.job_id != state.job_id:
+        return state, (_wrong_job(state, batch),)
+    at_ns, host = item.at_ns, batch.host
+    decisions: list[Decision] = []
+    refused: list[Rejected] = []
+    for beat in batch.beats:
+        sender = (beat.rank, host, beat.pid)
+        if (
+            state.phase not in TERMINAL_PHASES
+            and state.world_size_generation == state.generation
+            and _broken_sender_rule(state, beat, sender, at_ns, config) is None
+        ):
+            state, bridged = _bridged(state, at_ns, config)
+            state, decided = _on_heartbeat(state, beat, at_ns, sender, config)
+            state, decided = _settled(state, config, bridged + decided if bridged else decided)
+        else:
+            state, decided = decide(state, item._replace(event=batch.heartbeat(beat)), config)
+        for decision in decided:
+            if type(decision) is Rejected:
+                refused.append(decision)
+            else:
+                decisions.append(decision)
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        decisions.append(
+            Rejected(
+                code=refused[0].code,
+                reason=f"{len(refused)} of {len(batch.beats)} heartbeats of the batch from host "
+                f"{batch.host} (pid {batch.pid}) refused: {refused[0].reason}{more}",
+            )
+        )
+    return state, tuple(decisions)
 
 
 def _bridged(state: JobState, at_ns: int, config: MachineConfig) -> tuple[JobState, Decisions]:
@@ -319,7 +371,7 @@ def _advance(state: JobState, at_ns: int) -> JobState:
     return structs.replace(state, clock_ns=clock, generation_started_ns=started)
 
 
-def _stated_world_size(event: Event) -> int | None:
+def _stated_world_size(event: Event | BatchedBeat) -> int | None:
     """The world size ``event`` states, if its type carries one."""
     if isinstance(event, DataCursorEvent):
         return None
@@ -345,9 +397,21 @@ def _broken_rule(
     """
     if event.job_id != state.job_id:
         return "wrong_job"
+    return _broken_sender_rule(state, event, (event.rank, event.host, event.pid), at_ns, config)
+
+
+def _broken_sender_rule(
+    state: JobState,
+    event: Event | BatchedBeat,
+    sender: Sender,
+    at_ns: int,
+    config: MachineConfig,
+) -> RejectCode | None:
+    """Rules 2-6 of :func:`_broken_rule` for ``event`` of ``sender`` (an event of the job, or
+    an entry of one of its heartbeat batches, whose sender names the batch's host)."""
     if event.generation != state.generation:
         return "stale_generation" if event.generation < state.generation else "future_generation"
-    last = state.senders.get((event.rank, event.host, event.pid))
+    last = state.senders.get(sender)
     if last is not None and event.seq <= last:
         return "duplicate"
     stated = _stated_world_size(event)
@@ -364,7 +428,7 @@ def _broken_rule(
     return None
 
 
-def _outside(state: JobState, event: Event, stated: int | None) -> list[int]:
+def _outside(state: JobState, event: Event | BatchedBeat, stated: int | None) -> list[int]:
     """The ranks ``event`` names (its sender's, or a supervisor's group) outside the world size
     it states, else the job's (when known)."""
     bound = stated if stated is not None else state.world_size
@@ -417,20 +481,20 @@ def _rejection(
     return Rejected(code=code, reason=reason)
 
 
-def _wrong_job(state: JobState, event: Event) -> Rejected:
+def _wrong_job(state: JobState, event: Event | HeartbeatBatch) -> Rejected:
     return Rejected(
         code="wrong_job",
         reason=f"{_sender(event)} is for job {event.job_id!r}, not {state.job_id!r}",
     )
 
 
-def _sender(event: Event) -> str:
+def _sender(event: Event | HeartbeatBatch) -> str:
     """``"Heartbeat from rank 1 on host h0 (pid 42)"``: an event named for a reason."""
     who = "supervisor" if event.rank is None else f"rank {event.rank}"
     return f"{type(event).__name__} from {who} on host {event.host} (pid {event.pid})"
 
 
-def _group_ranks(event: Event) -> tuple[int, ...]:
+def _group_ranks(event: Event | BatchedBeat) -> tuple[int, ...]:
     """The ranks a supervisor's event speaks for (only lifecycle events have them)."""
     return event.ranks if isinstance(event, Lifecycle) else ()
 
@@ -495,7 +559,11 @@ def _handle(state: JobState, event: Event, config: MachineConfig) -> tuple[JobSt
 
 
 def _on_heartbeat(
-    state: JobState, beat: Heartbeat, at_ns: int, sender: Sender, config: MachineConfig
+    state: JobState,
+    beat: Heartbeat | BatchedBeat,
+    at_ns: int,
+    sender: Sender,
+    config: MachineConfig,
 ) -> tuple[JobState, Decisions]:
     """Fold a heartbeat: the rank's record, and in a running job the detectors it feeds (the hot
     path: O(log32 n) for the maps, O(1) amortised for the rest).
@@ -510,10 +578,12 @@ def _on_heartbeat(
 
     ``at_ns`` is the heartbeat's time; it is recorded here with its ``seq`` (as
     :func:`_accept` does for other events), so that folding a heartbeat copies the state once.
+    ``sender`` is its ``(rank, host, pid)`` (an entry of a heartbeat batch names no host: the
+    batch's).
     """
     clock = at_ns if at_ns > state.clock_ns else state.clock_ns
     started = clock if state.generation_started_ns is None else state.generation_started_ns
-    step, rank, host, phase = beat.step, beat.rank, beat.host, beat.phase
+    step, rank, host, phase = beat.step, beat.rank, sender[1], beat.phase
     watch, trend = state.watch, state.trend
     running = state.phase == "running"
     training = phase != "init"

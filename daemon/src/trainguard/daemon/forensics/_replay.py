@@ -98,6 +98,7 @@ from trainguard.schemas import (
     DataCursorEvent,
     Event,
     Heartbeat,
+    HeartbeatBatch,
     JobRequest,
     JSONValue,
     Lifecycle,
@@ -124,6 +125,7 @@ _NS_PER_MS = 1_000_000
 
 RowKind: TypeAlias = Literal[
     "heartbeat",
+    "heartbeat-batch",
     "checkpoint",
     "data-cursor",
     "lifecycle",
@@ -135,6 +137,7 @@ RowKind: TypeAlias = Literal[
 
 _KINDS: dict[type, RowKind] = {
     Heartbeat: "heartbeat",
+    HeartbeatBatch: "heartbeat-batch",
     Checkpoint: "checkpoint",
     DataCursorEvent: "data-cursor",
     Lifecycle: "lifecycle",
@@ -577,7 +580,11 @@ def _row(
         text = "modelled at a deadline" if synthetic else f"written by {message.daemon_id}"
     else:
         kind = _KINDS[type(message)]
-        rank, stated, text = message.rank, message.generation, summary(message)
+        text = summary(message)
+        if isinstance(message, HeartbeatBatch):
+            ranks = tuple(b.rank for b in message.beats)
+        else:
+            rank, stated = message.rank, message.generation
         if isinstance(message, Lifecycle):
             ranks = message.ranks
     return Row(
@@ -597,9 +604,13 @@ def _row(
     )
 
 
-def summary(event: Event | JobRequest) -> str:
+def summary(event: Event | JobRequest | HeartbeatBatch) -> str:
     """A few words on what ``event`` reports (``step 30 train, 0.31 s/step, loss 1.92``)."""
     match event:
+        case HeartbeatBatch():
+            steps = sorted({b.step for b in event.beats})
+            at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+            return f"{len(event.beats)} heartbeats of host {event.host}, {at}"
         case JobRequest():
             return f"{event.kind} the job" + (f": {event.reason}" if event.reason else "")
         case Heartbeat():

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 _NS_PER_MS = 1_000_000
-_QUIET = frozenset({"heartbeat", "tick", "synthetic-tick"})
+_QUIET = frozenset({"heartbeat", "heartbeat-batch", "tick", "synthetic-tick"})
 """Row kinds folded into one line when they decide nothing."""
 _ROUTINE = frozenset({"stale_generation", "duplicate"})
 """Rejections folded with them."""

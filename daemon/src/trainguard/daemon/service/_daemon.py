@@ -139,6 +139,7 @@ from trainguard.schemas import (
     Abort,
     ClockTick,
     Command,
+    HeartbeatBatch,
     JobRequest,
     JSONValue,
     Manifest,
@@ -1321,10 +1322,13 @@ class DaemonService:
 def _late_report(state: JobState, item: Observed) -> bool:
     """``item`` is a routine late report for the ended job ``state``: an event of its final
     generation from a sender (rank or supervisor, host, pid) that generation already heard
-    from, e.g. the supervisor's ``exited`` after the ranks' ``finished``."""
+    from, e.g. the supervisor's ``exited`` after the ranks' ``finished``; a batch of
+    heartbeats when every heartbeat in it is one."""
     event = item.event
-    return event.generation == state.generation and (
-        (event.rank, event.host, event.pid) in state.senders
+    reports = event.heartbeats() if isinstance(event, HeartbeatBatch) else (event,)
+    return all(
+        r.generation == state.generation and (r.rank, r.host, r.pid) in state.senders
+        for r in reports
     )
 
 

@@ -48,6 +48,7 @@ from trainguard.schemas import (
     Command,
     DataCursorEvent,
     Heartbeat,
+    HeartbeatBatch,
     JobRequest,
     Lifecycle,
     MessageTooLarge,
@@ -132,6 +133,7 @@ _EVENT_TYPES: Final = (
     (DataCursorEvent, "data_cursor"),
     (Lifecycle, "lifecycle"),
     (JobRequest, "job_request"),
+    (HeartbeatBatch, "heartbeat_batch"),
 )
 _PHASES: Final[tuple[JobPhase, ...]] = get_args(JobPhase)
 _CAUSES: Final[tuple[IncidentCause, ...]] = get_args(IncidentCause)

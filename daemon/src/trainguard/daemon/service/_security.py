@@ -49,7 +49,14 @@ from typing import Final
 from trainguard.agent.keys import DEFAULT_KEYS_DIR, DaemonKeys, KeyStore, KeyStoreError
 from trainguard.daemon.core import AuthRefusal, RawRecord
 from trainguard.daemon.service._settings import SecurityConfig
-from trainguard.schemas import ClockTick, Event, JobRequest, Unauthenticated, verify_mac
+from trainguard.schemas import (
+    ClockTick,
+    Event,
+    HeartbeatBatch,
+    JobRequest,
+    Unauthenticated,
+    verify_mac,
+)
 
 __all__ = ["REFRESH_S", "EventAuth", "load_keys"]
 
@@ -113,7 +120,7 @@ class EventAuth:
         self._refreshed: dict[str, float] = {}
 
     def refuse(
-        self, record: RawRecord, message: Event | JobRequest | ClockTick
+        self, record: RawRecord, message: Event | JobRequest | HeartbeatBatch | ClockTick
     ) -> tuple[AuthRefusal, str] | None:
         """``None`` when ``record`` is authentic, else ``(code, reason)``; ``key_error`` when
         the job's key files cannot be used (the reason names the file, never a key)."""
@@ -126,7 +133,10 @@ class EventAuth:
             return "key_error", f"event keys of job {message.job_id!r} cannot be used: {exc}"
 
     def _judge(
-        self, keys: DaemonKeys, record: RawRecord, message: Event | JobRequest | ClockTick
+        self,
+        keys: DaemonKeys,
+        record: RawRecord,
+        message: Event | JobRequest | HeartbeatBatch | ClockTick,
     ) -> tuple[AuthRefusal, str] | None:
         job = message.job_id
         accepted = self._accepted(keys, job)

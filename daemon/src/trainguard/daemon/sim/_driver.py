@@ -138,6 +138,8 @@ class Measured:
         realtime: whether the run was in real time (Kafka).
         wall_s: wall seconds the run took.
         records: records the simulated ranks sent.
+        heartbeats: heartbeats the simulated ranks sent (a batch counts its entries).
+        batches: ``heartbeat-batch`` records among ``records``.
         rounds: rounds of the simulated clock (embedded bus).
         lag_s: per round (embedded) or per batch (Kafka), wall seconds from its records being
             appended to the daemon's committed position passing them.
@@ -151,6 +153,8 @@ class Measured:
     realtime: bool
     wall_s: float = 0.0
     records: int = 0
+    heartbeats: int = 0
+    batches: int = 0
     rounds: int = 0
     lag_s: list[float] = field(default_factory=list)
     daemons: list[DaemonRun] = field(default_factory=list)
@@ -324,6 +328,7 @@ def run_simulation(config: SimConfig) -> Measured:
     with _daemon(settings, config.run_dir, simulated) as daemon:
         asyncio.run(_run(config, model, wire, gate, daemon, measured))
     measured.daemons = daemon.runs
+    measured.heartbeats, measured.batches = wire.heartbeats, wire.batches
     measured.wall_s = time.monotonic() - began
     measured.ignored = {str(reason): count for reason, count in gate.ignored.items()}
     return measured

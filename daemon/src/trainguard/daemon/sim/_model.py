@@ -89,6 +89,9 @@ class SimParams:
             >= 0.
         samples_per_rank: samples each rank consumes per step, >= 1.
         dataset_samples: samples in one epoch, >= 1.
+        batch_heartbeats: the ranks' heartbeats travel batched per node, one
+            ``heartbeat-batch`` record of each node's ranks per heartbeat instant (as a node's
+            supervisor sends them with ``heartbeat_batching``), instead of one record per rank.
 
     Raises:
         ValueError: a value out of its range.
@@ -106,6 +109,7 @@ class SimParams:
     exit_report_s: float = 0.05
     samples_per_rank: int = 8
     dataset_samples: int = 1 << 40
+    batch_heartbeats: bool = False
 
     def __post_init__(self) -> None:
         if self.ranks < 2:

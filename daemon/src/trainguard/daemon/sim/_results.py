@@ -72,6 +72,9 @@ def summarize(measured: Measured, params: SimParams, mtbf_s: float, bus: str) ->
     cpu = sum(s["cpu_s"] for s in stats)
     folded = sum(s["folded"] for s in stats)
     goodput = acc.goodput(params.step_s)
+    # What the ranks sent counted one per rank: a batch as the heartbeats it carries.
+    batched = measured.heartbeats - measured.batches if measured.batches else 0
+    rank_events = measured.records + batched
     data: dict[str, Any] = {
         "bus": bus,
         "time": "real" if measured.realtime else "simulated",
@@ -102,11 +105,19 @@ def summarize(measured: Measured, params: SimParams, mtbf_s: float, bus: str) ->
         "checkpoints": acc.checkpoints,
         "records": measured.records,
         "records_per_simulated_s": measured.records / acc.wall_s() if acc.wall_s() else None,
+        "heartbeats": measured.heartbeats,
+        "heartbeat_batches": measured.batches,
+        "rank_events": rank_events,
         "rounds": measured.rounds,
         "lag_s": _quantiles(measured.lag_s),
         "daemon_cpu_s": cpu if stats else None,
         "daemon_folded": folded if stats else None,
         "daemon_cpu_us_per_record": 1e6 * cpu / folded if stats and folded else None,
+        "daemon_cpu_us_per_rank_event": (
+            1e6 * cpu / folded * measured.records / rank_events
+            if stats and folded and rank_events
+            else None
+        ),
         "daemon_max_rss_mb": max(s["max_rss_bytes"] for s in stats) / 2**20 if stats else None,
         "daemon_runs": [
             {"pid": r.pid, "ready_s": r.ready_s, "stats": r.stats} for r in measured.daemons
@@ -201,6 +212,10 @@ def print_summary(summary: SimSummary, console: Console) -> None:
             " / ".join(_num(lag[k], ".3f", " s") for k in ("p50", "p99", "max")),
         ),
         ("CPU per record folded", _num(d["daemon_cpu_us_per_record"], ".1f", " us")),
+        (
+            "CPU per rank event (a batch's heartbeats each)",
+            _num(d["daemon_cpu_us_per_rank_event"], ".1f", " us"),
+        ),
         ("peak RSS", _num(d["daemon_max_rss_mb"], ".0f", " MB")),
         ("ready after start", ready),
         ("commands", ", ".join(f"{k} {v}" for k, v in sorted(d["commands"].items())) or "-"),

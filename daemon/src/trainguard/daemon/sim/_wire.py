@@ -10,6 +10,11 @@ keys, as ``encode`` writes them); the MAC is the HMAC-SHA256 of those canonical 
 as :func:`~trainguard.schemas.add_mac` lays it out. The first rank's record is checked against
 ``encode(add_mac(message))`` byte for byte, so a change of the contract fails loudly here
 instead of feeding the daemon records no agent would send.
+
+With ``SimParams.batch_heartbeats`` the heartbeats of one instant go as one ``heartbeat-batch``
+record per node instead, from the node's supervisor: entries are the ranks' heartbeats without
+``job_id`` and ``host`` (edited from one template per variant, as above), and the first batch of
+each instant is decoded and encoded again through the codec and checked byte for byte.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from trainguard.schemas import (
     DataCursorEvent,
     Event,
     Heartbeat,
+    HeartbeatBatch,
     Lifecycle,
     add_mac,
+    decode,
     encode,
 )
 
@@ -88,6 +95,10 @@ class Wire:
         self._key = event_key
         self._mac = None if event_key is None else hmac.new(event_key[1], digestmod=hashlib.sha256)
         self._seq: dict[tuple[int | None, int, int], int] = {}
+        self.heartbeats = 0
+        """Rank heartbeats encoded so far, batched or not."""
+        self.batches = 0
+        """``heartbeat-batch`` records encoded so far."""
         digest = hashlib.sha256(f"{job_id}/dataset".encode()).hexdigest()
         self.data_version = f"sha256:{digest[:16]}"
 
@@ -95,7 +106,8 @@ class Wire:
 
     def encode(self, emission: Emission) -> list[bytes]:
         """The record values of ``emission``, one per rank (two per rank for shards: the
-        ``checkpoint`` and its ``data-cursor`` event), in rank order.
+        ``checkpoint`` and its ``data-cursor`` event; one per node for batched heartbeats), in
+        rank order.
 
         Raises:
             WireError: the first rank's fast encoding differs from the codec's.
@@ -160,7 +172,57 @@ class Wire:
         def variant(rank: int) -> tuple[bool, bool]:
             return rank in b.nan_ranks, rank in b.odd_ranks
 
+        self.heartbeats += len(b.ranks)
+        if self._p.batch_heartbeats:
+            return self._batches(b, message, variant)
         return self._render(b.ranks, b.generation, b.at_ms, message, variant)
+
+    def _batches(
+        self,
+        b: Beats,
+        message: Callable[[int, dict[str, Any]], Event],
+        variant: Callable[[int], object],
+    ) -> list[bytes]:
+        """One ``heartbeat-batch`` record per node of ``b.ranks``' heartbeats (module
+        docstring), in the order of the nodes' first ranks."""
+        nodes: dict[int, list[int]] = {}
+        for rank in b.ranks:
+            nodes.setdefault(self._host_of(rank), []).append(rank)
+        templates: dict[object, dict[str, Any]] = {}
+        out: list[bytes] = []
+        for host, ranks in nodes.items():
+            entries = []
+            for rank in ranks:
+                head = self._head(rank, b.generation, b.at_ms)
+                kind = variant(rank)
+                entry = templates.get(kind)
+                if entry is None:
+                    entry = orjson.loads(encode(message(rank, head)))
+                    for batch_field in ("schema", "job_id", "host"):
+                        del entry[batch_field]
+                    templates[kind] = entry
+                del head["job_id"], head["host"]
+                entries.append({**entry, **head})
+            pid = supervisor_pid(host)
+            batch = {
+                "schema": HeartbeatBatch.SCHEMA,
+                "job_id": self._job,
+                "ts": b.at_ms * _NS_PER_MS,
+                "seq": self._next_seq(None, host, pid),
+                "host": host_name(host),
+                "pid": pid,
+                "beats": entries,
+            }
+            canonical = orjson.dumps(batch, option=orjson.OPT_SORT_KEYS)
+            if out:
+                out.append(self._seal(canonical))
+                continue
+            first = decode(canonical, expect=HeartbeatBatch)  # validated
+            if encode(first) != canonical:
+                raise WireError("the simulator's heartbeat batch differs from the codec's")
+            out.append(self._sealed(first))
+        self.batches += len(out)
+        return out
 
     def _shards(self, s: Shards) -> list[bytes]:
         cursor = self.cursor(s.step)
@@ -251,7 +313,7 @@ class Wire:
             out.append(self._seal(orjson.dumps(wire, option=orjson.OPT_SORT_KEYS)))
         return out
 
-    def _sealed(self, message: Event) -> bytes:
+    def _sealed(self, message: Event | HeartbeatBatch) -> bytes:
         """``message`` through the codec (validated), MACed, and checked against the fast
         path's layout.
 
