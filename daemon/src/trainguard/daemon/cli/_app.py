@@ -440,6 +440,14 @@ def run(
             "confirmation; what the bus has not taken by then stays in this node's spool."
         ),
     ] = 20.0,
+    warm: Annotated[
+        bool,
+        typer.Option(
+            help="Keep a warm spare per local rank (--nproc-per-node) and restart ranks from "
+            "their spares, cold when none is ready; COMMAND must call "
+            "trainguard.agent.await_handoff() (docs/warm-restarts.md)."
+        ),
+    ] = False,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
     """Supervise this node's workers: start COMMAND, report exits, restart on restore orders.
@@ -487,6 +495,7 @@ def run(
             daemon_timeout_s=daemon_timeout,
             warn_every_s=warn_every,
             stop_timeout_s=stop_timeout,
+            warm=warm,
         )
         if init_from is not None:
             _check_init_from_patiently(bus_config, init_from, config)
