@@ -85,6 +85,7 @@ from rich.console import Console
 
 from trainguard.daemon.demo._harness import (
     JobRecord,
+    Stamped,
     charlm_command,
     charlm_env,
     handed_off_pids,
@@ -94,7 +95,7 @@ from trainguard.daemon.demo._harness import (
     stop_process,
     supervise,
 )
-from trainguard.schemas import Heartbeat, Lifecycle, Restore, Resume
+from trainguard.schemas import ClockTick, Heartbeat, Lifecycle, Restore, Resume
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS_SCRIPT = REPO / "bench" / "charlm_variants.py"
@@ -295,8 +296,9 @@ def trainguard_incidents(
         for e in record.events
         if isinstance(e.message, Lifecycle) and e.message.kind == "exited" and e.message.signal
     ]
-    restores = [c for c in record.commands if isinstance(c.message, Restore)]
-    resumes = {c.message.generation: c for c in record.commands if isinstance(c.message, Resume)}
+    sent = command_times(record)
+    restores = [Stamped(sent[c.seq], c) for c in record.restores() if c.seq in sent]
+    resumes = {c.generation: Stamped(sent[c.seq], c) for c in record.resumes() if c.seq in sent}
     incidents = []
     for index, (step, rank, killed) in enumerate(kills):
         incident = Incident(step, rank)
@@ -346,6 +348,21 @@ def trainguard_incidents(
         )
         _set(marks, "back", _first_ts(b.ts / 1e9 for b in beats if b.step >= incident.reached))
     return incidents
+
+
+def command_times(record: JobRecord) -> dict[int, int]:
+    """When each command the daemon issued was on the bus, ms since the epoch, by its ``seq``:
+    its record's append time while ``commands`` still holds it, else the append time of the
+    first tick naming it (the daemon appends one right after it publishes a command). A run
+    longer than a minute needs the ticks: the embedded bus compacts ``commands`` to each
+    job's latest command once it is a minute old."""
+    out = {
+        c.message.seq: c.at_ms for c in record.commands if isinstance(c.message, Restore | Resume)
+    }
+    for e in record.events:
+        if isinstance(e.message, ClockTick) and e.message.command_seq:
+            out.setdefault(e.message.command_seq, e.at_ms)
+    return out
 
 
 def attempts_by_step(records: list[LedgerRecord]) -> list[LedgerRecord]:
