@@ -1,10 +1,12 @@
-"""Recovery benchmark (issue 3): how fast a killed rank is detected and training resumes, on
-both buses, next to plain ``torchrun`` restarting the same job.
+"""Recovery benchmark (issues 3 and 18): how fast a killed rank is detected and training
+resumes, on both buses, with cold and warm restarts (``trainguard run --warm``), next to plain
+``torchrun`` restarting the same job.
 
 Usage (from the repository root)::
 
     python bench/recovery.py [--kills 10] [--kafka host:port | --no-kafka] [--torchrun-kills 3]
-                             [--markdown] [--json FILE]   # --help lists the rest
+                             [--kill-every STEPS] [--no-warm] [--markdown] [--json FILE]
+                             # --help lists the rest
 
 The job is ``examples/charlm`` (2 ranks, DDP over gloo, CPU, deterministic), with
 ``--kills`` SIGKILLs injected through ``TRAINGUARD_FAULTS`` at spread-out steps (every
@@ -13,14 +15,15 @@ once per job, so one run holds every incident.
 
 * **trainguard**, once per bus (embedded SQLite, then Kafka: ``--kafka``, or a broker started
   with ``deploy/kafka/kafka-dev``): ``trainguard daemon`` and ``trainguard run
-  --nproc-per-node 2`` (the supervisor) as separate processes, as in production.
-* **torchrun**: ``torchrun --standalone --max-restarts 3 --nproc-per-node 2`` running the same
-  job with the first ``--torchrun-kills`` kills (torchrun allows 3 restarts here). The agent
-  still runs inside, publishing to a bus file nobody reads, but with no daemon and no supervisor
-  every restart is generation 0, so charlm starts from scratch: what plain torchrun gives a
-  script without resume logic. The variant "+ local resume" runs
-  ``bench/charlm_variants.py local-resume``: the same job resuming from its newest complete
-  local checkpoint after a restart, as a user with their own resume logic would.
+  --nproc-per-node 2`` (the supervisor) as separate processes, as in production; and again
+  with ``trainguard run --warm`` (``docs/warm-restarts.md``), whose restores hand the ranks
+  spares that waited at charlm's hand-off point. A restore whose spares were not ready yet
+  starts cold: the "warm restores" column counts the restores that started every rank from a
+  spare (from the supervisor's log), and the warm path's figures are those restores'.
+* ``--kill-every`` spaces the kills further apart (default ``2 * checkpoint_every`` steps), so
+  that the spares a restore used are ready again by the next kill (a spare's start-up takes
+  seconds, more on a loaded machine). Pacing the job instead (charlm's ``--step-period``) would
+  add a step period to every "resumed" below.
 
 The runs go torchrun, trainguard on SQLite, torchrun + local resume, trainguard on Kafka (the
 broker up throughout), so that a drift of the machine's load does not land on one side; each
@@ -44,8 +47,10 @@ Per kill: steps lost = the last step reached before the kill (ledger) - the step
 from. Per run: final parameters bitwise equal to an uninterrupted reference run (cached under
 ``~/.cache/trainguard/bench``), and the sample ledger exact (per step, the samples of the
 latest attempt equal the reference's; for torchrun the attempts are told apart by the step going
-back, as its restarts keep generation 0). The target, checked on both buses: the restore
-command within 1 s of the exit report, at the median. Figures are printed, never asserted; the
+back, as its restarts keep generation 0). The targets, checked on both buses: the restore
+command within 1 s of the exit report, at the median (issue 3); kill to first step past the
+restore within 1 s at the median for the warm path, and at least 3 times faster than torchrun's
+in the same run (issue 18). Figures are printed, never asserted; the
 exit status is 0 unless a run failed.
 
 torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it, a restarted worker
@@ -80,15 +85,17 @@ from rich.console import Console
 
 from trainguard.daemon.demo._harness import (
     JobRecord,
+    Stamped,
     charlm_command,
     charlm_env,
+    handed_off_pids,
     read_job_record,
     reference_run,
     start_daemon,
     stop_process,
     supervise,
 )
-from trainguard.schemas import Heartbeat, Lifecycle, Restore, Resume
+from trainguard.schemas import ClockTick, Heartbeat, Lifecycle, Restore, Resume
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS_SCRIPT = REPO / "bench" / "charlm_variants.py"
@@ -99,6 +106,10 @@ HEARTBEAT_S = 0.1
 """Heartbeat period of the workers, seconds: the resolution of "resumed" and "back"."""
 TARGET_S = 1.0
 """Target: kill (exit report) to restore command, median, seconds."""
+WARM_TARGET_S = 1.0
+"""Target of the warm path: kill to first step past the restore, median, seconds."""
+WARM_SPEEDUP = 3.0
+"""Target of the warm path: at least this many times faster than torchrun (medians)."""
 RUN_TIMEOUT_S = 900.0
 TORCHRUN_RESTARTS = 3
 
@@ -136,28 +147,33 @@ class Plan:
 
     def charlm_args(self, out: Path) -> list[str]:
         """charlm's arguments writing to ``out``."""
+        return self.command(out)[3:]
+
+    def command(self, out: Path) -> list[str]:
+        """charlm's command line writing to ``out``."""
         return charlm_command(
             out, steps=self.steps, checkpoint_every=self.checkpoint_every, seed=self.seed
-        )[3:]
+        )
 
 
-def make_plan(kills: int, checkpoint_every: int, seed: int) -> Plan:
-    """Kill ``i`` (0-based) at step ``2 * checkpoint_every * (i + 1) + offset``, ``offset`` drawn
-    from ``3 .. checkpoint_every - 1``, on rank ``(i + 1) % 2``; the job runs ``2 *
-    checkpoint_every`` steps past the last kill's window.
+def make_plan(kills: int, checkpoint_every: int, seed: int, kill_every: int | None = None) -> Plan:
+    """Kill ``i`` (0-based) at step ``kill_every * (i + 1) + offset`` (``kill_every`` default
+    ``2 * checkpoint_every``), ``offset`` drawn from ``3 .. checkpoint_every - 1``, on rank
+    ``(i + 1) % 2``; the job runs ``2 * checkpoint_every`` steps past the last kill's window.
 
     Raises:
-        ValueError: ``checkpoint_every`` < 4 (no room for an offset) or ``kills`` < 1.
+        ValueError: ``checkpoint_every`` < 4 (no room for an offset), ``kills`` < 1, or
+            ``kill_every`` < ``checkpoint_every``.
     """
-    if checkpoint_every < 4 or kills < 1:
-        raise ValueError("need --checkpoint-every >= 4 and --kills >= 1")
+    spacing = 2 * checkpoint_every if kill_every is None else kill_every
+    if checkpoint_every < 4 or kills < 1 or spacing < checkpoint_every:
+        raise ValueError("need --checkpoint-every >= 4, --kills >= 1, --kill-every >= it")
     rng = random.Random(seed)
-    spacing = 2 * checkpoint_every
     schedule = tuple(
         (spacing * (i + 1) + rng.randrange(3, checkpoint_every), (i + 1) % WORLD_SIZE)
         for i in range(kills)
     )
-    return Plan(spacing * (kills + 2), checkpoint_every, seed, schedule)
+    return Plan(spacing * (kills + 1) + 2 * checkpoint_every, checkpoint_every, seed, schedule)
 
 
 # -- results ---------------------------------------------------------------------------------
@@ -178,6 +194,8 @@ class Incident:
         restored_step: the step training restarted from.
         restores: restore commands issued for the kill (trainguard; more than one when a
             restored generation failed and the daemon retried).
+        warm: every rank of the generation that trained after it came from a spare
+            (``trainguard run --warm``).
     """
 
     step: int
@@ -186,6 +204,7 @@ class Incident:
     reached: int = 0
     restored_step: int = 0
     restores: int = 0
+    warm: bool = False
 
     def span(self, start: str, end: str) -> float | None:
         """Seconds from mark ``start`` to mark ``end``, ``None`` when either is missing."""
@@ -215,6 +234,7 @@ class RunResult:
         notes: anything odd about the run.
         logs: where its logs are.
         load: the machine's 1-minute load average at the run's start and end.
+        warm: the run used ``trainguard run --warm``.
     """
 
     name: str
@@ -228,6 +248,7 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     logs: str = ""
     load: tuple[float, float] = (0.0, 0.0)
+    warm: bool = False
 
 
 def kill_times(out: Path, plan: Plan, count: int) -> list[tuple[int, int, float | None]]:
@@ -255,7 +276,10 @@ def _set(marks: dict[str, float], name: str, value: float | None) -> None:
 
 
 def trainguard_incidents(
-    record: JobRecord, ledger: list[LedgerRecord], kills: list[tuple[int, int, float | None]]
+    record: JobRecord,
+    ledger: list[LedgerRecord],
+    kills: list[tuple[int, int, float | None]],
+    handed_off: frozenset[int] = frozenset(),
 ) -> list[Incident]:
     """The incidents of a trainguard run, one per kill.
 
@@ -263,15 +287,18 @@ def trainguard_incidents(
     kills die of a signal), its restore the first restore command after that report. When the
     restored generation failed too and the daemon retried (more restores before the next
     kill), the workers' marks (spawned .. resumed) are those of the generation that trained,
-    and :attr:`Incident.restores` counts the commands.
+    and :attr:`Incident.restores` counts the commands; :attr:`Incident.warm` says whether
+    every worker the supervisor started in that generation was a spare (its pid among
+    ``handed_off``).
     """
     exits = [
         e
         for e in record.events
         if isinstance(e.message, Lifecycle) and e.message.kind == "exited" and e.message.signal
     ]
-    restores = [c for c in record.commands if isinstance(c.message, Restore)]
-    resumes = {c.message.generation: c for c in record.commands if isinstance(c.message, Resume)}
+    sent = command_times(record)
+    restores = [Stamped(sent[c.seq], c) for c in record.restores() if c.seq in sent]
+    resumes = {c.generation: Stamped(sent[c.seq], c) for c in record.resumes() if c.seq in sent}
     incidents = []
     for index, (step, rank, killed) in enumerate(kills):
         incident = Incident(step, rank)
@@ -298,11 +325,9 @@ def trainguard_incidents(
             for e in record.events
             if isinstance(e.message, Lifecycle) and e.message.generation == final.generation
         ]
-        _set(
-            marks,
-            "spawned",
-            _last_ts(m.ts / 1e9 for m in lifecycles if m.kind == "started" and m.rank is None),
-        )
+        spawned = [m for m in lifecycles if m.kind == "started" and m.rank is None]
+        incident.warm = bool(spawned) and all(m.pid in handed_off for m in spawned)
+        _set(marks, "spawned", _last_ts(m.ts / 1e9 for m in spawned))
         _set(
             marks,
             "started",
@@ -323,6 +348,21 @@ def trainguard_incidents(
         )
         _set(marks, "back", _first_ts(b.ts / 1e9 for b in beats if b.step >= incident.reached))
     return incidents
+
+
+def command_times(record: JobRecord) -> dict[int, int]:
+    """When each command the daemon issued was on the bus, ms since the epoch, by its ``seq``:
+    its record's append time while ``commands`` still holds it, else the append time of the
+    first tick naming it (the daemon appends one right after it publishes a command). A run
+    longer than a minute needs the ticks: the embedded bus compacts ``commands`` to each
+    job's latest command once it is a minute old."""
+    out = {
+        c.message.seq: c.at_ms for c in record.commands if isinstance(c.message, Restore | Resume)
+    }
+    for e in record.events:
+        if isinstance(e.message, ClockTick) and e.message.command_seq:
+            out.setdefault(e.message.command_seq, e.at_ms)
+    return out
 
 
 def attempts_by_step(records: list[LedgerRecord]) -> list[LedgerRecord]:
@@ -434,26 +474,26 @@ def run_ledger(out: Path) -> list[LedgerRecord]:
 
 
 def run_trainguard(
-    name: str, bus_url: str, plan: Plan, workdir: Path, reference: Path
+    name: str, bus_url: str, plan: Plan, workdir: Path, reference: Path, *, warm: bool = False
 ) -> RunResult:
-    """The job under a daemon and a supervisor on ``bus_url``, with every kill of ``plan``."""
+    """The job under a daemon and a supervisor on ``bus_url`` (``--warm`` with ``warm``),
+    with every kill of ``plan``."""
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "run"
     prefix = f"bench-{uuid.uuid4().hex[:8]}."
-    result = RunResult(name, logs=str(workdir), load=(os.getloadavg()[0], 0.0))
+    result = RunResult(name, logs=str(workdir), load=(os.getloadavg()[0], 0.0), warm=warm)
     daemon = start_daemon(bus_url, prefix=prefix, log_path=workdir / "daemon.log")
     began = time.monotonic()
     try:
         sup = supervise(
             JOB,
-            charlm_command(
-                out, steps=plan.steps, checkpoint_every=plan.checkpoint_every, seed=plan.seed
-            ),
+            plan.command(out),
             bus_url=bus_url,
             prefix=prefix,
             nproc_per_node=WORLD_SIZE,
             log_path=workdir / "supervisor.log",
             env=charlm_env(out, REPO, faults=plan.faults(), heartbeat_interval_s=HEARTBEAT_S),
+            args=["--warm"] if warm else [],
         )
         try:
             result.exit_code = sup.wait(RUN_TIMEOUT_S)
@@ -467,7 +507,9 @@ def run_trainguard(
     record = asyncio.run(read_job_record(bus_url, prefix, JOB))
     ledger = run_ledger(out)
     kills = kill_times(out, plan, len(plan.kills))
-    result.incidents = trainguard_incidents(record, ledger, kills)
+    result.incidents = trainguard_incidents(
+        record, ledger, kills, handed_off_pids(workdir / "supervisor.log")
+    )
     result.restores = len(record.restores())
     if result.restores != len(plan.kills):
         result.notes.append(f"{result.restores} restores for {len(plan.kills)} kills")
@@ -580,8 +622,17 @@ def startup_anatomy() -> dict[str, float]:
 # -- report ----------------------------------------------------------------------------------
 
 
-def _spans(result: RunResult, start: str, end: str) -> list[float]:
-    return [s for i in result.incidents if (s := i.span(start, end)) is not None]
+def _counted(result: RunResult) -> list[Incident]:
+    """The incidents a run's figures are of: for a warm run those restored from spares only
+    (the others were cold restarts, counted in the "warm restores" column)."""
+    return [i for i in result.incidents if i.warm] if result.warm else result.incidents
+
+
+def _spans(result: RunResult, start: str, end: str, *, every: bool = False) -> list[float]:
+    """Seconds from ``start`` to ``end`` of each incident (:func:`_counted`, or all of them
+    with ``every``) that has both."""
+    incidents = result.incidents if every else _counted(result)
+    return [s for i in incidents if (s := i.span(start, end)) is not None]
 
 
 def _median(values: Sequence[float], digits: int = 2) -> str:
@@ -596,7 +647,7 @@ def build_report(
     report = Report()
     rows = []
     for result in tg:
-        reported = _spans(result, "exited_bus", "restore")
+        reported = _spans(result, "exited_bus", "restore", every=True)
         p50 = statistics.median(reported) if reported else None
         verdict = "FAIL" if p50 is None or p50 > TARGET_S else "PASS"
         rows.append(
@@ -604,7 +655,7 @@ def build_report(
                 result.name,
                 f"{result.restores}/{len(plan.kills)}",
                 *format_quantiles(reported, 1e3, 0),
-                _median([s * 1e3 for s in _spans(result, "killed", "restore")], 0),
+                _median([s * 1e3 for s in _spans(result, "killed", "restore", every=True)], 0),
                 verdict,
             ]
         )
@@ -624,13 +675,60 @@ def build_report(
             rows,
         )
     )
+    torchrun = _spans(tr[0], "killed", "resumed") if tr else []
     rows = []
-    for result in [*tg, *tr]:
-        lost = [i.steps_lost for i in result.incidents if "resumed" in i.marks]
+    for result in tg:
+        if not result.warm:
+            continue
+        warm = _spans(result, "killed", "resumed")
+        cold = next(
+            (
+                _spans(r, "killed", "resumed")
+                for r in tg
+                if r.name == result.name.replace(" --warm", "")
+            ),
+            [],
+        )
+        p50 = statistics.median(warm) if warm else None
+        speedup = statistics.median(torchrun) / p50 if p50 and torchrun else None
+        passed = p50 is not None and p50 <= WARM_TARGET_S and (speedup or 0) >= WARM_SPEEDUP
         rows.append(
             [
                 result.name,
-                str(len(result.incidents)),
+                f"{sum(i.warm for i in result.incidents)}/{len(result.incidents)}",
+                _median(warm),
+                _median(_spans(result, "killed", "resumed", every=True)),
+                _median(cold),
+                _median(torchrun),
+                "-" if speedup is None else f"{speedup:.1f}x",
+                "PASS" if passed else "FAIL",
+            ]
+        )
+    if rows:
+        report.tables.append(
+            (
+                f"Warm restarts: kill -> first step past the restore, p50 s (target: <= "
+                f"{WARM_TARGET_S:g} s and >= {WARM_SPEEDUP:g}x faster than torchrun)",
+                [
+                    "run",
+                    "warm restores/kills",
+                    "warm p50",
+                    "p50 of every kill",
+                    "cold run p50",
+                    "torchrun p50",
+                    "torchrun / warm",
+                    "verdict",
+                ],
+                rows,
+            )
+        )
+    rows = []
+    for result in [*tg, *tr]:
+        lost = [i.steps_lost for i in _counted(result) if "resumed" in i.marks]
+        rows.append(
+            [
+                result.name,
+                str(len(_counted(result))),
                 *format_quantiles(_spans(result, "killed", "resumed")),
                 _median(_spans(result, "killed", "back")),
                 f"{statistics.fmean(lost):.1f} ({max(lost)})" if lost else "-",
@@ -729,6 +827,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="leave TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset (see the module docstring)",
     )
+    parser.add_argument(
+        "--kill-every",
+        type=int,
+        help="steps between kills (default 2 x checkpoint-every): room for spares to warm up",
+    )
+    parser.add_argument("--no-warm", action="store_true", help="skip the --warm runs")
     parser.add_argument("--workdir", type=Path, help="keep runs here (default: a temp folder)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument("--json", type=Path, help="write every incident's marks here")
@@ -736,7 +840,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= args.torchrun_kills <= min(TORCHRUN_RESTARTS, args.kills):
         parser.error(f"--torchrun-kills must be in 0..{min(TORCHRUN_RESTARTS, args.kills)}")
     console = Console(width=160)
-    plan = make_plan(args.kills, args.checkpoint_every, args.seed)
+    try:
+        plan = make_plan(args.kills, args.checkpoint_every, args.seed, args.kill_every)
+    except ValueError as exc:
+        parser.error(str(exc))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="trainguard-bench-recovery-"))
 
     def say(text: str) -> None:
@@ -775,10 +882,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     with brokers as broker:
         if args.torchrun_kills:
             torchrun("torchrun", ["-m", "examples.charlm.train"], "torchrun")
-        say("trainguard, embedded SQLite bus…")
-        sqlite_url = f"sqlite:///{workdir / 'tg-sqlite' / 'bus.db'}"
-        tg.append(
-            run_trainguard("trainguard, SQLite", sqlite_url, plan, workdir / "tg-sqlite", reference)
+
+        def trainguard(name: str, bus_url: str, folder: str) -> None:
+            say(f"{name}…")
+            tg.append(run_trainguard(name, bus_url, plan, workdir / folder, reference))
+            if not args.no_warm:
+                say(f"{name} --warm…")
+                warm_url = bus_url.replace(folder, f"{folder}-warm")
+                tg.append(
+                    run_trainguard(
+                        f"{name} --warm",
+                        warm_url,
+                        plan,
+                        workdir / f"{folder}-warm",
+                        reference,
+                        warm=True,
+                    )
+                )
+
+        trainguard(
+            "trainguard, SQLite", f"sqlite:///{workdir / 'tg-sqlite' / 'bus.db'}", "tg-sqlite"
         )
         if args.torchrun_kills:
             torchrun(
@@ -789,16 +912,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if broker is None:
             say("Kafka run skipped" + ("" if args.no_kafka else ": no broker"))
         else:
-            say(f"trainguard, Kafka at {broker.address}…")
-            tg.append(
-                run_trainguard(
-                    "trainguard, Kafka",
-                    f"kafka://{broker.address}",
-                    plan,
-                    workdir / "tg-kafka",
-                    reference,
-                )
-            )
+            trainguard("trainguard, Kafka", f"kafka://{broker.address}", "tg-kafka")
     say("worker start-up anatomy…")
     anatomy = startup_anatomy()
     report = build_report(plan, tg, tr, anatomy)

@@ -55,6 +55,7 @@ from trainguard.agent import (
     RestoreRequested,
     ResumableDistributedSampler,
     Snapshot,
+    await_handoff,
     exit_on_config_error,
     ordered_allreduce,
 )
@@ -216,6 +217,23 @@ def build_run(config: TrainConfig, rank: int, world_size: int) -> Run:
         generator=torch.Generator().manual_seed(derive_seed(config.seed, "loader", rank)),
     )
     return Run(model, wrapped, optimizer, sampler, loader, data)
+
+
+def warm_up(config: TrainConfig) -> None:
+    """Pay before the hand-off point what a new worker's first steps would pay after it, on a
+    throwaway model: torch's lazy imports (``torch.optim.AdamW``'s constructor imports
+    ``torch._dynamo``, 2 s of a worker's start here), autograd's first backward pass, and
+    ``torch.save``/``torch.load``'s first use. Draws from torch's global generator, which
+    :func:`build_run` reseeds: the numbers of the run are unchanged."""
+    model = CharLM(config.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    windows = torch.zeros(1, config.model.context + 1, dtype=torch.long)
+    next_byte_loss(model, windows).backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)
 
 
 def capture_state(run: Run) -> dict[str, Any]:
@@ -546,9 +564,10 @@ def _step_range(text: str) -> StepRange:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: parse arguments, make torch deterministic, join the process group, train."""
+    """Entry point: parse arguments, make torch deterministic, wait at the hand-off point
+    (a warm spare of ``trainguard run --warm`` waits there for its rank), join the process
+    group, train."""
     config, faults = parse_args(argv)
-    settings = agent_config(config, os.environ, faults)
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
@@ -564,6 +583,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     # every worker's start here (4.1 s against 2.1-2.6 s for `import torch` alone), paid again
     # by every restarted worker.
     torch._C._set_deterministic_algorithms(True)
+    warm_up(config)
+    # Everything above is the same in every generation; from here on the rank's generation,
+    # rendezvous port and files are read (docs/warm-restarts.md).
+    await_handoff()
+    settings = agent_config(config, os.environ, faults)
     if "WORLD_SIZE" in os.environ and config.sync:
         if config.pg_timeout is None:
             dist.init_process_group("gloo")

@@ -51,6 +51,11 @@ def test_the_demo_recovers_exactly(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "bitwise equal" in done.stdout
     assert "exact: nothing skipped, nothing repeated" in done.stdout
+    # The supervisor keeps warm spares; whether the restart came from them is said.
+    assert re.search(r"restart +(│ +)?(warm: every rank|cold: the spares)", done.stdout), (
+        done.stdout
+    )
+    assert "time to resume" in done.stdout
 
 
 @pytest.mark.slow

@@ -155,3 +155,10 @@ def test_agent_takes_a_config_or_settings_not_both():
     config = AgentConfig(job_id="j")
     with pytest.raises(ConfigError, match="not both"):
         Agent(config, job_id="k")
+
+
+def test_a_warm_spare_that_was_not_handed_off_gets_no_settings() -> None:
+    """A spare's environment names no generation: an agent made from it would train with
+    stale state, so its settings are refused until ``await_handoff`` took the variable away."""
+    with pytest.raises(ConfigError, match="await_handoff"):
+        AgentConfig.resolve(env={"TRAINGUARD_JOB": "j", "TRAINGUARD_SPARE_FD": "5"})

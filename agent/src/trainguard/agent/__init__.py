@@ -2,8 +2,10 @@
 
 ``from trainguard.agent import Agent`` is the entry point for training code; see
 :class:`Agent` (and :class:`RestoreRequested`, the one exception a training loop catches).
-:func:`exit_on_config_error` around a script's entry point makes a :class:`ConfigError` exit
-with :data:`EXIT_CONFIG`, which ``trainguard run`` and the daemon do not restart.
+:func:`await_handoff` marks where a warm spare of ``trainguard run --warm`` waits for its
+rank (``docs/warm-restarts.md``). :func:`exit_on_config_error` around a script's entry point
+makes a :class:`ConfigError` exit with :data:`EXIT_CONFIG`, which ``trainguard run`` and the
+daemon do not restart.
 The data cursor (:class:`GlobalOrder`, :class:`ResumableDistributedSampler`) makes a restore
 resume with no sample skipped or repeated; :class:`LoaderState` checkpoints a torchdata
 ``StatefulDataLoader`` with workers, and its consumed cursor; :func:`dataset_version` binds a
@@ -37,6 +39,7 @@ from trainguard.agent._errors import (
     StorageUnavailable,
 )
 from trainguard.agent._exit import exit_on_config_error
+from trainguard.agent._handoff import await_handoff
 from trainguard.agent.checkpoint._files import digest_files
 from trainguard.agent.checkpoint._snapshot import Snapshot
 from trainguard.agent.data._cursor import (
@@ -85,6 +88,7 @@ __all__ = [
     "Snapshot",
     "StaleGeneration",
     "StorageUnavailable",
+    "await_handoff",
     "dataset_manifest",
     "dataset_version",
     "digest_files",

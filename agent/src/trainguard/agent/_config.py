@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from trainguard.agent._errors import ConfigError
+from trainguard.agent._handoff import SPARE_FD_ENV
 from trainguard.agent.bus import (
     DEFAULT_BUS_URL,
     BusURLError,
@@ -245,9 +246,18 @@ class AgentConfig:
 
         Raises:
             ConfigError: unknown setting, ``job_id`` missing, an environment variable that does
-                not parse, or an invalid value (see the class docstring).
+                not parse, or an invalid value (see the class docstring); or ``env`` is a warm
+                spare's that was not handed off yet (``TRAINGUARD_SPARE_FD`` set).
         """
         env = os.environ if env is None else env
+        if SPARE_FD_ENV in env:
+            # A spare's environment lacks its generation: an agent made from it would train
+            # with stale state (docs/warm-restarts.md).
+            raise ConfigError(
+                f"this process is a warm spare of trainguard run --warm ({SPARE_FD_ENV} is "
+                "set): call trainguard.agent.await_handoff() before the agent's settings are "
+                "read (docs/warm-restarts.md)"
+            )
         try:
             values = from_environment(cls, env, _ENVIRONMENT)
             kafka_security = load_kafka_security(env=env)

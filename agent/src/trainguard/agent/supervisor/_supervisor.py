@@ -13,6 +13,11 @@ Two ways to start workers:
   names one), so that a failed torchrun's exit report names the rank that failed and its error
   (:mod:`._torchelastic`).
 
+**Warm spares** (``warm``, launcher mode): the supervisor keeps a spare process per local rank
+waiting at the script's hand-off point, and starts each rank of a restored generation from its
+spare when one is ready, cold otherwise (:mod:`._spares`, ``docs/warm-restarts.md``). Spares
+are started with the first generation and again after each ``resume``.
+
 An ``in_process`` restore leaves the workers running (their agents reload at the restore's
 step boundary): the supervisor only adopts its generation, for the exits it reports from then
 on; if that restore fails, the daemon's next one restarts.
@@ -91,7 +96,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import functools
 import itertools
 import os
@@ -99,7 +103,6 @@ import re
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -138,7 +141,9 @@ from trainguard.agent.supervisor._beat_relay import HEARTBEAT_RELAY_ENV, BeatRel
 from trainguard.agent.supervisor._courier import Courier
 from trainguard.agent.supervisor._daemon_watch import DaemonWatch, poll_interval_s
 from trainguard.agent.supervisor._node_slot import NodeSlot, NodeTaken
+from trainguard.agent.supervisor._process import die_with_parent, signal_group
 from trainguard.agent.supervisor._requests import encode_request
+from trainguard.agent.supervisor._spares import SparePool
 from trainguard.agent.supervisor._spool import (
     JOURNAL_SUFFIX,
     SPOOL_DIR_ENV,
@@ -245,6 +250,10 @@ class SupervisorConfig:
         state_dir: the per-user state folder; the node slots' lock files
             (:mod:`._node_slot`) go to its ``supervisors`` folder. Default
             :func:`~trainguard.agent.bus.default_state_dir` of the environment.
+        warm: keep a warm spare per local rank (launcher mode only) and restart each rank
+            from its spare when it is ready, cold otherwise (:mod:`._spares`,
+            ``docs/warm-restarts.md``); the worker command must call
+            :func:`trainguard.agent.await_handoff`.
     """
 
     job_id: str
@@ -267,6 +276,7 @@ class SupervisorConfig:
     stop_timeout_s: float = 20.0
     heartbeat_batch_s: float = 0.0
     state_dir: Path = field(default_factory=default_state_dir)
+    warm: bool = False
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for settings that could only fail later, less clearly."""
@@ -276,6 +286,8 @@ class SupervisorConfig:
             raise ConfigError(f"worker command {self.command[0]!r} not found")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ConfigError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.warm and self.nproc_per_node is None:
+            raise ConfigError("warm spares need --nproc-per-node (launcher mode)")
         if self.nnodes < 1:
             raise ConfigError(f"nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -395,6 +407,7 @@ class Supervisor:
         # Once signalled to stop the job: the monotonic time by which it exits.
         self._stop_by: float | None = None
         self._interrupted = asyncio.Event()  # set from the first signal on
+        self._spares = SparePool(config.command) if config.warm else None
 
     @property
     def undelivered(self) -> int:
@@ -626,6 +639,8 @@ class Supervisor:
                         await or_stop(asyncio.wait(self._tasks), self._interrupted)
                 lingering += [t for t in self._tasks if not t.done()]
                 lingering.append(asyncio.ensure_future(commands.close()))
+                if self._spares is not None:
+                    await self._spares.close()
                 await self._stop_workers(report=False)
                 if self._step_dir is not None:
                     shutil.rmtree(self._step_dir, ignore_errors=True)
@@ -822,6 +837,10 @@ class Supervisor:
                 command = self._admit(record.value, record.offset)
                 if isinstance(command, Restore | Abort):
                     await self._orders.put(command)
+                elif isinstance(command, Resume):
+                    # The restore is done: warm the spares it used up now, not while they
+                    # would take the restoring workers' CPU.
+                    await self._fill_spares()
 
     async def _supervise(self, bus: Bus, stop: asyncio.Event) -> int:
         if self._plan == "finished":
@@ -885,6 +904,7 @@ class Supervisor:
         :meth:`_join` chose; the last two wait for the daemon's restore (no workers meanwhile)."""
         if self._plan == "start":
             await self._start_workers(bus)
+            await self._fill_spares()
             return
         self._failed = True  # nothing runs here until the daemon orders a restore
         if self._plan == "rejoin":
@@ -1124,6 +1144,11 @@ class Supervisor:
             )
         return out
 
+    async def _fill_spares(self) -> None:
+        """Start a spare for every local rank that has none (``warm``)."""
+        if self._spares is not None and not self._closing.is_set():
+            await self._spares.fill(self._worker_env(0))  # a port is no spare's business
+
     def _step_file(self, rank: int) -> Path | None:
         """``rank``'s step file (launcher mode), or ``None``."""
         if self._step_dir is None or self._c.nproc_per_node is None:
@@ -1172,19 +1197,12 @@ class Supervisor:
             if spool is not None:
                 env[SPOOL_DIR_ENV] = str(spool)
             error_file = self._error_file(env)
-            stderr = StderrTail()
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *self._c.command,
-                    env=env,
-                    stderr=stderr.write_fd,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            except BaseException:
-                stderr.close()
-                raise
-            stderr.start(asyncio.get_running_loop())
+            pool = self._spares
+            spare = None if pool is None else pool.take(ranks)
+            if pool is not None and spare is not None and await pool.hand_off(spare, env):
+                proc, stderr = spare.proc, spare.stderr
+            else:
+                proc, stderr = await self._spawn(env)
             worker = _Worker(
                 ranks, proc, step_file=step_file, spool=spool, stderr=stderr, error_file=error_file
             )
@@ -1192,6 +1210,23 @@ class Supervisor:
             self._report("started", worker)
             worker.watcher = asyncio.ensure_future(self._watch(worker))
         log.info("workers started", generation=self._generation, ranks=self._c.local_ranks())
+
+    async def _spawn(self, env: Mapping[str, str]) -> tuple[asyncio.subprocess.Process, StderrTail]:
+        """Start the worker command cold with ``env``: the process and its stderr pipe."""
+        stderr = StderrTail()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._c.command,
+                env=env,
+                stderr=stderr.write_fd,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+        except BaseException:
+            stderr.close()
+            raise
+        stderr.start(asyncio.get_running_loop())
+        return proc, stderr
 
     def _spool_dir(self, ranks: tuple[int, ...]) -> Path | None:
         """A new spool folder for a worker hosting ``ranks`` (``None``, logged, if it cannot be
@@ -1324,10 +1359,10 @@ class Supervisor:
         for w in workers:
             if w.watcher is not None:
                 w.watcher.cancel()
-            _signal_group(w.proc.pid, signal.SIGTERM)
+            signal_group(w.proc.pid, signal.SIGTERM)
             # A stopped process (SIGSTOP: a hang trainguard restores from) acts on the SIGTERM
             # only once continued, else it would take the whole grace (as systemd does too).
-            _signal_group(w.proc.pid, signal.SIGCONT)
+            signal_group(w.proc.pid, signal.SIGCONT)
         grace = self._c.grace_s
         if self._stop_by is not None:
             grace = max(0.0, min(grace, self._stop_by - time.monotonic()))
@@ -1338,7 +1373,7 @@ class Supervisor:
         await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
         for w in workers:
             # The group may hold grandchildren (torchrun's workers) even after the leader died.
-            _signal_group(w.proc.pid, signal.SIGKILL)
+            signal_group(w.proc.pid, signal.SIGKILL)
         # Awaited, not cancelled: on Python 3.11 a cancelled gather ends with a CancelledError
         # nobody retrieves ("_GatheringFuture exception was never retrieved" at exit).
         codes = await exited
@@ -1522,18 +1557,6 @@ def _ended(abort: Abort) -> int:
     return EXIT_ABORTED
 
 
-def _die_with_parent() -> None:
-    """In the forked worker, before exec: have Linux SIGKILL it when the supervisor dies
-    (``prctl(PR_SET_PDEATHSIG)``), so that a killed supervisor leaves no orphan training on
-    unsupervised. Elsewhere a no-op."""
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
 _SENT_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 """Signals another process sends (a kill, the OOM killer, a stop): what the worker wrote last
 does not say why it ended, so its exit report quotes nothing (a ``SIGABRT`` or ``SIGSEGV`` it
@@ -1552,8 +1575,3 @@ def _is_request(data: bytes) -> bool:
 def _remove_file(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)

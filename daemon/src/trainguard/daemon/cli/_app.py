@@ -448,6 +448,14 @@ def run(
             "seconds (the workers hand theirs to the supervisor); 0: each rank sends its own.",
         ),
     ] = 0.0,
+    warm: Annotated[
+        bool,
+        typer.Option(
+            help="Keep a warm spare per local rank (--nproc-per-node) and restart ranks from "
+            "their spares, cold when none is ready; COMMAND must call "
+            "trainguard.agent.await_handoff() (docs/warm-restarts.md)."
+        ),
+    ] = False,
     console: Annotated[bool, typer.Option(help="Human-readable logs instead of JSON.")] = False,
 ) -> None:
     """Supervise this node's workers: start COMMAND, report exits, restart on restore orders.
@@ -496,6 +504,7 @@ def run(
             warn_every_s=warn_every,
             stop_timeout_s=stop_timeout,
             heartbeat_batch_s=batch_heartbeats,
+            warm=warm,
         )
         if init_from is not None:
             _check_init_from_patiently(bus_config, init_from, config)

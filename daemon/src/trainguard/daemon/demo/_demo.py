@@ -14,7 +14,9 @@ per distinct run (sources, training data, steps, checkpoint interval, world size
 steps, torch version and CPU kernels: ``_harness._reference_key``; the training seed is
 fixed, so the default demo reuses one), at most :data:`CACHE_KEEP` of them. The daemon
 restores in process where it can (``restore_mode = "in_process"``: non-finite loss, loss
-spike, checksum mismatch), as charlm reloads in process.
+spike, checksum mismatch), as charlm reloads in process; the supervisor keeps warm spares
+(``trainguard run --warm``, ``docs/warm-restarts.md``), and the summary says whether the
+restart came from them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from trainguard.daemon.demo._harness import (
     charlm_command,
     charlm_env,
     follow_job,
+    handed_off_pids,
     read_job_record,
     reference_run,
     start_daemon,
@@ -213,6 +216,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
             nproc_per_node=WORLD_SIZE,
             log_path=workdir / "supervisor.log",
             env=charlm_env(out, repo, faults=faults),
+            args=["--warm"],
         )
         try:
             sent = asyncio.run(_watch(bus_url, prefix, options.steps, sup, daemon, console))
@@ -243,7 +247,9 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
         )
     elif skips:
         console.print("[yellow]several restores skipped batches: no reference run to compare")
-    ok = _summary(record, code, out, reference, console, sent)
+    ok = _summary(
+        record, code, out, reference, console, sent, handed_off_pids(workdir / "supervisor.log")
+    )
     if options.fault is None:
         ok = ok and len(record.restores()) == 1
     console.print(f"[dim]logs: {workdir}/daemon.log, {workdir}/supervisor.log[/dim]")
@@ -350,9 +356,11 @@ def _summary(
     reference: Path,
     console: Console,
     sent: dict[int, int],
+    handed_off: frozenset[int],
 ) -> bool:
     """Print the summary table; return whether the run recovered exactly. ``sent``: restore
-    command append times by generation, as :func:`_watch` saw them."""
+    command append times by generation, as :func:`_watch` saw them; ``handed_off``: the pids
+    of the warm spares the supervisor handed off."""
     from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
 
     paths = [ledger_path(out, r) for r in range(WORLD_SIZE)]
@@ -380,6 +388,21 @@ def _summary(
     first = restores[0] if restores else None
     if first is not None and first.mode == "in_process":
         table.add_row("restore mode", f"in process at step {first.at_step}")
+    elif first is not None:
+        spawned = {
+            e.message.pid
+            for e in record.events
+            if isinstance(e.message, Lifecycle)
+            and e.message.kind == "started"
+            and e.message.rank is None
+            and e.message.generation == first.generation
+        }
+        table.add_row(
+            "restart",
+            "warm: every rank from its spare (docs/warm-restarts.md)"
+            if spawned and spawned <= handed_off
+            else "cold: the spares were not ready yet (they start with the job and take seconds)",
+        )
     if died is not None and restore_at is not None and first is not None:
         target_step = first.target.step if first.target else 0
         table.add_row(

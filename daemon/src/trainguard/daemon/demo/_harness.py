@@ -134,6 +134,21 @@ def supervise(
     )
 
 
+def handed_off_pids(log_path: Path) -> frozenset[int]:
+    """The pids of the warm spares a supervisor handed off (its log's ``spare handed off``
+    entries, JSON lines; ``trainguard run --warm``, ``docs/warm-restarts.md``); lines that are
+    no such entry (a worker's own output) are skipped."""
+    pids = set()
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            entry = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == "spare handed off":
+            pids.add(int(entry["pid"]))
+    return frozenset(pids)
+
+
 def stop_process(
     proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 30
 ) -> int:
