@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,15 +50,39 @@ exit "$FAKE_STATUS"
 """
 
 
-def _fake_slurm(tmp_path: Path, status: int, restarts: int = 0) -> tuple[int, list[str]]:
-    """Run the recipe on a fake 2-node allocation whose ``trainguard run`` exits ``status``;
-    its exit status and the commands it ran (``srun``, ``scontrol``, ``trainguard``)."""
+SRUN_ONE_NODE = """#!/usr/bin/env bash
+# srun stand-in for one node that forwards SIGTERM to its task, as srun does.
+echo "srun $*" >> "$LOG"
+while [[ $1 == --* ]]; do shift; done
+SLURM_NODEID=0 SLURM_PROCID=0 "$@" &
+task=$!
+trap 'kill -TERM $task' TERM
+wait $task
+wait $task
+"""
+
+TRAINGUARD_UNTIL_TERM = """#!/usr/bin/env bash
+# trainguard run stand-in that trains until SIGTERM, then ends the job stopped (status 4).
+echo "trainguard $*" >> "$LOG"
+trap 'echo "trainguard stopped" >> "$LOG"; exit 4' TERM
+while true; do sleep 0.05; done
+"""
+
+
+def _fake_bin(tmp_path: Path, srun: str = SRUN, trainguard: str = TRAINGUARD) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("trainguard", TRAINGUARD)):
+    for name, text in (("srun", srun), ("scontrol", SCONTROL), ("trainguard", trainguard)):
         path = bin_dir / name
         path.write_text(text)
         path.chmod(0o755)
+    return bin_dir
+
+
+def _fake_slurm(tmp_path: Path, status: int, restarts: int = 0) -> tuple[int, list[str]]:
+    """Run the recipe on a fake 2-node allocation whose ``trainguard run`` exits ``status``;
+    its exit status and the commands it ran (``srun``, ``scontrol``, ``trainguard``)."""
+    bin_dir = _fake_bin(tmp_path)
     log = tmp_path / f"calls-{status}-{restarts}.log"
     env = {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
@@ -85,6 +111,7 @@ def test_the_recipe_is_valid_bash_with_the_directives_it_relies_on() -> None:
     assert "--requeue" in directives
     assert "--ntasks-per-node=1" in directives
     assert "--open-mode=append" in directives  # a requeued job's log goes on in the same file
+    assert "--signal=B:USR1@120" in directives  # the time limit's warning, to requeue
     assert re.search(r"^srun --ntasks-per-node=1 ", text, flags=re.MULTILINE)
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed: syntax and directives checked only")
@@ -148,3 +175,33 @@ def test_a_requeued_job_asks_to_continue(tmp_path: Path) -> None:
     runs = [c for c in calls if c.startswith("trainguard ")]
     assert len(runs) == 2
     assert all(" --grace 5 --continue -- python " in c for c in runs)
+
+
+def test_the_time_limit_s_warning_stops_the_job_and_requeues_it(tmp_path: Path) -> None:
+    """Slurm's USR1 two minutes before the time limit (``--signal=B:USR1@120``): the recipe
+    stops its step (each supervisor then stops the job: status 4, which otherwise means "ended
+    for good") and requeues it; the requeued run continues (``--continue``). It used to end
+    the job for good at every time limit."""
+    bin_dir = _fake_bin(tmp_path, SRUN_ONE_NODE, TRAINGUARD_UNTIL_TERM)
+    log = tmp_path / "calls.log"
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LOG": str(log),
+        "TRAINGUARD_BUS": "kafka://broker:9092",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node-a",
+        "SLURM_NNODES": "1",
+    }
+    script = subprocess.Popen(["bash", str(SCRIPT), "python", "train.py"], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and "trainguard run" in log.read_text()):
+            assert time.monotonic() < deadline, "trainguard run never started"
+            time.sleep(0.05)
+        script.send_signal(signal.SIGUSR1)
+        assert script.wait(timeout=30) == EXIT_STOPPED
+    finally:
+        script.kill()
+    calls = log.read_text().splitlines()
+    assert "trainguard stopped" in calls
+    assert calls[-1] == "scontrol requeue 4242"
