@@ -9,6 +9,10 @@ package imports ``accelerate``.
 
 from __future__ import annotations
 
-from trainguard.integrations.accelerate._guard import TrainguardAccelerate
+from trainguard.integrations._extras import require as _require
+
+_require("trainguard.integrations.accelerate", "accelerate", "accelerate", "torchdata")
+
+from trainguard.integrations.accelerate._guard import TrainguardAccelerate  # noqa: E402
 
 __all__ = ["TrainguardAccelerate"]

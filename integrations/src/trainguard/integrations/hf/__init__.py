@@ -8,6 +8,10 @@ target (``docs/integrations-hf.md``). Importing this package imports ``transform
 
 from __future__ import annotations
 
-from trainguard.integrations.hf._callback import TrainguardCallback
+from trainguard.integrations._extras import require as _require
+
+_require("trainguard.integrations.hf", "hf", "transformers", "accelerate")
+
+from trainguard.integrations.hf._callback import TrainguardCallback  # noqa: E402
 
 __all__ = ["TrainguardCallback"]

@@ -12,9 +12,13 @@ run`` or ``torchrun``. ``docs/integrations-lightning.md`` has the details and th
 
 from __future__ import annotations
 
-from trainguard.integrations.lightning._batches import ResumableBatches
-from trainguard.integrations.lightning._callback import SUPPORTED_STRATEGIES, TrainguardCallback
-from trainguard.integrations.lightning._checkpoint_io import (
+from trainguard.integrations._extras import require as _require
+
+_require("trainguard.integrations.lightning", "lightning", "lightning")
+
+from trainguard.integrations.lightning._batches import ResumableBatches  # noqa: E402
+from trainguard.integrations.lightning._callback import SUPPORTED_STRATEGIES, TrainguardCallback  # noqa: E402
+from trainguard.integrations.lightning._checkpoint_io import (  # noqa: E402
     CHECKPOINT_KEY,
     SCHEME,
     TrainguardCheckpointIO,

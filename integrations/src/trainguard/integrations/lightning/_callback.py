@@ -29,6 +29,11 @@ DeepSpeed (a ``DDPStrategy`` subclass): their sharded saves bypass the ``Checkpo
 
 log = structlog.get_logger("trainguard.integrations.lightning")
 
+_OWN_LAUNCHER = (
+    "TrainguardCallback needs ranks started by `trainguard run --nproc-per-node N` (or "
+    "torchrun), not by Lightning ({}): use strategy='ddp' (docs/integrations-lightning.md)"
+)
+
 
 class TrainguardCallback(Callback):
     """Reports a Lightning ``fit`` to trainguard and makes it restorable at the exact step and
@@ -121,6 +126,12 @@ class TrainguardCallback(Callback):
         id>``), or ``None`` to start afresh."""
         return None if self.target is None else SCHEME + self.target.snapshot_id
 
+    def __reduce__(self) -> Any:
+        """Refused: Lightning's ``ddp_spawn`` pickles the callbacks into processes it starts
+        itself (before :meth:`setup` could refuse it), and the agent inside is this
+        process's."""
+        raise ConfigError(_OWN_LAUNCHER.format("a spawned process cannot take the callback"))
+
     @property
     def start_step(self) -> int:
         """The step training starts after: the target's, or 0."""
@@ -144,6 +155,10 @@ class TrainguardCallback(Callback):
                 f"{[s.__name__ for s in SUPPORTED_STRATEGIES]}, not {type(strategy).__name__} "
                 "(docs/integrations-lightning.md)"
             )
+        # ddp_spawn and ddp_fork are DDPStrategy too: Lightning starts their processes itself.
+        start = getattr(strategy, "_start_method", "popen")
+        if start != "popen":
+            raise ConfigError(_OWN_LAUNCHER.format(f"strategy 'ddp_{start}' starts them"))
         config = self.agent.config
         if (trainer.world_size, trainer.global_rank) != (config.world_size, config.rank):
             raise ConfigError(
