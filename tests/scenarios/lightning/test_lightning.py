@@ -23,6 +23,10 @@ from tests.scenarios.lightning.job import FINISH_S, start_lightning
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PACE = "slow@step=1,rank=0,factor=12,steps=37"
+NAN_PACE = "slow@step=111,rank=1,factor=60,steps=10"
+"""The steps after the NaN last about 60 x their own time, so that the daemon reads the NaN (on
+the next heartbeat, up to a second later) before the job's last step: at full speed on a quiet
+machine the job finished first, its NaN never seen."""
 """Steps 1-37 of generation 0 twelve times as long (about 0.2 s) (DDP makes rank 1 wait for rank 0): the
 daemon's progress timeout applies once it has sampled 8 step times from heartbeats that show a
 new step, and unpaced, the first 40 steps take about as many heartbeats. It ends before the
@@ -41,7 +45,7 @@ def test_a_hang_a_kill_and_a_nan_loss_are_each_restored_and_the_run_ends_exact(
 ) -> None:
     seed = int(os.environ.get("TRAINGUARD_SCENARIO_SEED") or random.SystemRandom().randrange(10**6))
     kill = random.Random(seed).randrange(55, 96)  # in generation 1, before the NaN's step
-    faults = f"{PACE};hang@step=40,rank=0;kill@step={kill},rank=1;nan@step=110,rank=1"
+    faults = f"{PACE};hang@step=40,rank=0;kill@step={kill},rank=1;nan@step=110,rank=1;{NAN_PACE}"
     lit_run.context = f"seed {seed}: {faults}"
     lit_run.start_daemon()
     start_lightning(lit_run, faults)
