@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -360,12 +361,23 @@ def assert_targets_newest_good(run: JobRun, record: JobRecord) -> None:
             for m in decided[restore.generation]
             if reported.get(m["snapshot_id"], restore.generation) >= restore.generation
         ]
+        # A divergence (NaN, spike) goes back to parameters known sound: the reason says to
+        # which step, the last one a finite loss was reported for before the onset (how far
+        # back depends on the job's pace against the heartbeat interval).
+        sound = re.search(r"parameters known sound up to step (\d+)", restore.reason)
+        if sound is not None:
+            good = [m for m in good if _step_of(m["snapshot_id"]) <= int(sound[1])]
         expected = good[-1]["snapshot_id"] if good else None
         actual = restore.target.snapshot_id if restore.target else None
         assert actual == expected, (
             f"restore of generation {restore.generation} targets {actual}, but the newest good "
             f"committed snapshot then was {expected} {run.describe()}"
         )
+
+
+def _step_of(snapshot_id: str) -> int:
+    """The step of a snapshot id ``<job>/g<generation>/s<step>``."""
+    return int(snapshot_id.rsplit("/s", 1)[1])
 
 
 def assert_exact(run: JobRun, code: int, record: JobRecord) -> None:
