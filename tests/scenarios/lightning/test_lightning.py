@@ -55,7 +55,10 @@ def test_a_hang_a_kill_and_a_nan_loss_are_each_restored_and_the_run_ends_exact(
 
     causes = [(d["cause"], d["ranks"]) for d in _incidents(lit_run)]
     assert [c for c, _ in causes] == ["progress_timeout", "exited", "nan_loss"], lit_run.describe()
-    assert [r for _, r in causes[1:]] == [[1], [1]], lit_run.describe()
+    # The kill's rank; the NaN's: whichever rank reported a non-finite loss first (DDP's
+    # all-reduce carries rank 1's NaN gradients to rank 0 within a step).
+    assert causes[1][1] == [1], lit_run.describe()
+    assert causes[2][1] in ([0], [1], [0, 1]), lit_run.describe()
     restores = record.restores()
     assert [(r.generation, r.mode) for r in restores] == [
         (1, "restart"),
