@@ -6,6 +6,7 @@ and a requeue exactly for the exit statuses that are not trainguard's own ends."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -192,7 +193,9 @@ def test_the_time_limit_s_warning_stops_the_job_and_requeues_it(tmp_path: Path) 
         "SLURM_JOB_NODELIST": "node-a",
         "SLURM_NNODES": "1",
     }
-    script = subprocess.Popen(["bash", str(SCRIPT), "python", "train.py"], env=env)
+    script = subprocess.Popen(
+        ["bash", str(SCRIPT), "python", "train.py"], env=env, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 30
         while not (log.exists() and "trainguard run" in log.read_text()):
@@ -201,7 +204,9 @@ def test_the_time_limit_s_warning_stops_the_job_and_requeues_it(tmp_path: Path) 
         script.send_signal(signal.SIGUSR1)
         assert script.wait(timeout=30) == EXIT_STOPPED
     finally:
-        script.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)  # the stand-ins too, should the step hang
+        script.wait()
     calls = log.read_text().splitlines()
     assert "trainguard stopped" in calls
     assert calls[-1] == "scontrol requeue 4242"
