@@ -58,6 +58,7 @@ from trainguard.agent import (
     await_handoff,
     exit_on_config_error,
     ordered_allreduce,
+    wait_for_store,
 )
 from trainguard.schemas import Checkpoint, StepRange
 
@@ -589,6 +590,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     await_handoff()
     settings = agent_config(config, os.environ, faults)
     if "WORLD_SIZE" in os.environ and config.sync:
+        wait_for_store()
         if config.pg_timeout is None:
             dist.init_process_group("gloo")
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -119,3 +120,33 @@ async def test_a_process_that_is_no_spare_passes_the_hand_off_point(tmp_path: Pa
     )  # fmt: skip
     assert await proc.wait() == 0
     assert said.read_text().split() == ["cold", "5", "False"]
+
+
+async def test_the_hand_off_point_never_waits_for_a_rendezvous_store(tmp_path: Path) -> None:
+    """A rank other than 0 of a script that joins no process group passes ``await_handoff`` at
+    once: it never dials ``MASTER_ADDR:MASTER_PORT``, where nothing may ever listen (it waited
+    there for 60 s before). ``wait_for_store``, called on its own, does dial it."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        env = {
+            **worker_env(2),
+            "RANK": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(listener.getsockname()[1]),
+        }
+        said = tmp_path / "said"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", HANDS_OFF.replace("assert 'TRAINGUARD_GEN", "assert 'NOT_GEN"),
+            str(said), env=env,
+        )  # fmt: skip
+        assert await proc.wait() == 0
+        assert said.read_text().split() == ["cold", "2", "False"]
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody dialled the store
+        dials = (
+            "from trainguard.agent import wait_for_store\n"
+            "raise SystemExit(0 if wait_for_store() else 1)\n"
+        )
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", dials, env=env)
+        assert await proc.wait() == 0
+        listener.accept()[0].close()

@@ -3,7 +3,8 @@
 ``from trainguard.agent import Agent`` is the entry point for training code; see
 :class:`Agent` (and :class:`RestoreRequested`, the one exception a training loop catches).
 :func:`await_handoff` marks where a warm spare of ``trainguard run --warm`` waits for its
-rank (``docs/warm-restarts.md``). :func:`exit_on_config_error` around a script's entry point
+rank (``docs/warm-restarts.md``), and :func:`wait_for_store`, called just before
+``init_process_group``, spares a rank other than 0 torch's rendezvous back-off. :func:`exit_on_config_error` around a script's entry point
 makes a :class:`ConfigError` exit with :data:`EXIT_CONFIG`, which ``trainguard run`` and the
 daemon do not restart.
 The data cursor (:class:`GlobalOrder`, :class:`ResumableDistributedSampler`) makes a restore
@@ -39,7 +40,7 @@ from trainguard.agent._errors import (
     StorageUnavailable,
 )
 from trainguard.agent._exit import exit_on_config_error
-from trainguard.agent._handoff import await_handoff
+from trainguard.agent._handoff import await_handoff, wait_for_store
 from trainguard.agent.checkpoint._files import digest_files
 from trainguard.agent.checkpoint._snapshot import Snapshot
 from trainguard.agent.data._cursor import (
@@ -97,6 +98,7 @@ __all__ = [
     "ordered_allreduce",
     "ordered_allreduce_hook",
     "parse_faults",
+    "wait_for_store",
 ]
 
 

@@ -42,9 +42,8 @@ _STORE_WAIT_S = 60.0
 def await_handoff() -> bool:
     """The hand-off point: in a spare, wait until the supervisor hands this process a rank,
     take that rank's environment of the new generation into ``os.environ``, and return
-    ``True``; in any other process return ``False`` at once. Either way, a rank other than 0
-    then waits until rank 0's rendezvous store listens (:func:`wait_for_store`), so that its
-    ``init_process_group`` connects at the first attempt.
+    ``True``; in any other process return ``False`` at once. It never waits for a rendezvous:
+    a script that joins a process group calls :func:`wait_for_store` just before it does.
 
     Call it once, near the top of the script: after the imports and any warm-up that does not
     depend on the rank's generation, before anything reads ``TRAINGUARD_*`` settings,
@@ -73,7 +72,6 @@ def await_handoff() -> bool:
         ):
             raise ValueError(f"hand-off message is not an object of strings: {message[:200]!r}")
         os.environ.update(env)
-    wait_for_store()
     return named is not None
 
 
@@ -82,6 +80,10 @@ def wait_for_store(timeout_s: float = _STORE_WAIT_S) -> bool:
     a process whose ``RANK`` is set and not 0 (rank 0 hosts the store); return at once for any
     other. Whether the store answered (``False``: it did not within ``timeout_s`` seconds, or
     there is none to wait for).
+
+    Call it right before ``init_process_group`` (``env://`` rendezvous, rank 0 hosting the
+    ``TCPStore``), and only then: in a job whose rank 0 starts no store (no process group,
+    or torchrun's agent store) a rank would wait ``timeout_s`` for nothing.
 
     Why: torch's TCPStore client that finds no server retries with an exponential back-off
     (0.01-0.7 s measured here, ``bench/RESULTS.md``), so a rank that reaches the rendezvous
