@@ -4,9 +4,16 @@ _torchelastic.py``), from the texts torch 2.13's torchrun writes."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from trainguard.agent.supervisor._torchelastic import describe_failure, error_file_message
+import pytest
+
+from trainguard.agent.supervisor._torchelastic import (
+    describe_failure,
+    error_file_message,
+    torchrun_max_restarts,
+)
 
 SIGNALLED = """\
 [W1204 17:00:11.0 api.py:900] Sending process 8574 closing signal SIGTERM
@@ -87,3 +94,32 @@ def test_nothing_is_said_for_what_is_no_torchrun(tmp_path: Path) -> None:
     assert error_file_message(_error_file(tmp_path, "RuntimeError: newer format")) == (
         "RuntimeError: newer format"
     )
+
+
+@pytest.mark.parametrize(
+    ("command", "restarts"),
+    [
+        (["torchrun", "--standalone", "--max-restarts", "3", "train.py"], 3),
+        (["/opt/venv/bin/torchrun", "--max_restarts=2", "train.py"], 2),
+        (["torchrun", "--max-re", "1", "train.py"], 1),  # argparse's abbreviation
+        ([sys.executable, "-u", "-m", "torch.distributed.run", "--max-restarts", "4", "t.py"], 4),
+        (["python3", "-m", "torch.distributed.launch", "--max-restarts=1", "t.py"], 1),
+        (["torchrun", "--nproc-per-node", "2", "train.py", "--max-restarts", "5"], 0),
+        (["torchrun", "--nproc-per-node", "2", "-m", "examples.lightning.train"], 0),
+        (["torchrun", "--no-such-option", "train.py"], None),  # torchrun refuses it itself
+        ([sys.executable, "train.py", "--max-restarts", "3"], None),
+        (["python", "-m", "examples.charlm.train", "--max-restarts", "3"], None),
+        (["bash", "-c", "torchrun --max-restarts 3 t.py"], None),
+    ],
+)
+def test_torchruns_own_restarts_are_read_as_torchrun_reads_them(
+    command: list[str], restarts: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PET_MAX_RESTARTS", raising=False)
+    assert torchrun_max_restarts(command) == restarts
+
+
+def test_torchruns_restarts_may_come_from_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    assert torchrun_max_restarts(["torchrun", "--standalone", "train.py"]) == 2
+    assert torchrun_max_restarts(["torchrun", "--max-restarts", "0", "train.py"]) == 0

@@ -43,6 +43,18 @@ def config(tmp_path: Path, **overrides: Any) -> SupervisorConfig:
         ({"master_port": 99999}, "master_port must be 1..65535, got 99999"),
         ({"master_port": 0}, "master_port must be 1..65535"),
         ({"nnodes": 2, "master_port": 65000}, "master_port must be 1..64536 with several nodes"),
+        (
+            {
+                "command": [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--max-restarts=2",
+                    "t.py",
+                ]
+            },
+            "torchrun --max-restarts 2: torchrun would restart the ranks itself",
+        ),
     ],
 )
 def test_bad_settings_fail_before_anything_starts(

@@ -151,7 +151,11 @@ from trainguard.agent.supervisor._spool import (
     read_spool,
 )
 from trainguard.agent.supervisor._stderr import StderrTail, last_words
-from trainguard.agent.supervisor._torchelastic import ERROR_FILE_ENV, describe_failure
+from trainguard.agent.supervisor._torchelastic import (
+    ERROR_FILE_ENV,
+    describe_failure,
+    torchrun_max_restarts,
+)
 from trainguard.schemas import (
     EXIT_CONFIG,
     Abort,
@@ -286,6 +290,14 @@ class SupervisorConfig:
             raise ConfigError(f"worker command {self.command[0]!r} not found")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ConfigError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        restarts = torchrun_max_restarts(self.command)
+        if restarts:
+            raise ConfigError(
+                f"torchrun --max-restarts {restarts}: torchrun would restart the ranks itself, "
+                "in the same generation and behind the daemon's back; run it with "
+                "--max-restarts 0, and trainguard's restores restart it in a new generation "
+                "(docs/launchers.md)"
+            )
         if self.warm and self.nproc_per_node is None:
             raise ConfigError("warm spares need --nproc-per-node (launcher mode)")
         if self.nnodes < 1:

@@ -17,15 +17,22 @@ names no rank. torchrun says more in two places, both read here:
 :func:`describe_failure` makes one line of them: ``torchrun: rank 1 (local rank 1) failed:
 RuntimeError: boom`` (the error file's message), or ``... failed: exit code -9: Signal 9
 (SIGKILL) received by PID 8575`` (the block's).
+
+:func:`torchrun_max_restarts` reads the ``--max-restarts`` a torchrun command line asks for,
+with torchrun's own parser: a torchrun that restarts its ranks itself does so in the same
+generation, behind the daemon's back, so the supervisor refuses it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ERROR_FILE_ENV", "describe_failure", "error_file_message"]
+__all__ = ["ERROR_FILE_ENV", "describe_failure", "error_file_message", "torchrun_max_restarts"]
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 """The variable naming the file torchrun's ``@record`` writes a failure into."""
@@ -87,3 +94,47 @@ def describe_failure(error_file: Path | None, stderr: str) -> str:
     rank = _RANK.match(cause.get("rank", ""))
     who = f"rank {rank['rank']} (local rank {rank['local']})" if rank is not None else "a rank"
     return f"torchrun: {who} failed: {what}"
+
+
+_TORCHRUN_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch"})
+"""The modules ``python -m`` runs torchrun as (``launch`` is its deprecated alias)."""
+
+
+def _torchrun_arguments(command: Sequence[str]) -> list[str] | None:
+    """torchrun's own arguments in ``command`` (``torchrun ARGS`` or ``python [OPTIONS] -m
+    torch.distributed.run ARGS``), or ``None`` when the command runs no torchrun."""
+    if not command:
+        return None
+    if Path(command[0]).name == "torchrun":
+        return list(command[1:])
+    if not Path(command[0]).name.startswith("python"):
+        return None
+    for at, word in enumerate(command[1:-1], start=1):
+        if word == "-m":
+            return list(command[at + 2 :]) if command[at + 1] in _TORCHRUN_MODULES else None
+    return None
+
+
+def torchrun_max_restarts(command: Sequence[str]) -> int | None:
+    """The restarts torchrun would make of its own for worker command ``command``
+    (``--max-restarts``, or ``PET_MAX_RESTARTS`` of this process's environment; torchrun's
+    default is 0), or ``None`` when the command runs no torchrun, torch is not importable here,
+    or torchrun would refuse the arguments itself (it then says why when it runs).
+
+    The arguments are parsed by torchrun's own parser
+    (``torch.distributed.run.get_args_parser``, which accepts the same spellings and
+    abbreviations torchrun does); torch is imported only for a torchrun command.
+    """
+    arguments = _torchrun_arguments(command)
+    if arguments is None:
+        return None
+    try:
+        from torch.distributed.run import get_args_parser
+    except ImportError:
+        return None
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            parsed = get_args_parser().parse_args(arguments)
+        except SystemExit:  # argparse's way to refuse: torchrun will say it when it runs
+            return None
+    return int(parsed.max_restarts)
