@@ -47,6 +47,7 @@ from trainguard.schemas._errors import (
     UnknownSchema,
 )
 from trainguard.schemas._messages import (
+    EVENTS_TOPIC_TYPES,
     EXIT_CONFIG,
     MANIFEST_PART_RANKS,
     MAX_BATCHED_BEATS,
@@ -105,6 +106,7 @@ from trainguard.schemas._wire_types import JSONValue
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "EVENTS_TOPIC_TYPES",
     "EXIT_CONFIG",
     "MANIFEST_DIR",
     "MANIFEST_PART_RANKS",

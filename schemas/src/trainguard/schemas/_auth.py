@@ -49,6 +49,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from trainguard.schemas._codec import DEFAULT_MAX_BYTES, decode_parsed, encode
 from trainguard.schemas._errors import NestingTooDeep, NotJSON, SchemaError
 from trainguard.schemas._messages import (
+    EVENTS_TOPIC_TYPES,
     Abort,
     Checkpoint,
     ClockTick,
@@ -93,16 +94,6 @@ _MAC_LAYOUT: Final = re.compile(
 _Maced: TypeAlias = (
     Heartbeat | Checkpoint | DataCursorEvent | Lifecycle | ClockTick | JobRequest | HeartbeatBatch
 )
-_MACED_TYPES: Final = (
-    Heartbeat,
-    Checkpoint,
-    DataCursorEvent,
-    Lifecycle,
-    ClockTick,
-    JobRequest,
-    HeartbeatBatch,
-)
-"""The message types whose ``auth`` is a MAC."""
 
 _Mac = TypeVar("_Mac", bound=_Maced)
 _Authenticated: TypeAlias = (
@@ -368,7 +359,7 @@ def decode_maced(raw: RawMac) -> _Maced:
             then too (perhaps naming another field).
     """
     # split_mac parsed the canonical bytes already; expect admits only these types.
-    message = cast("_Maced", decode_parsed(raw.wire, expect=_MACED_TYPES))
+    message = cast("_Maced", decode_parsed(raw.wire, expect=EVENTS_TOPIC_TYPES))
     # What decoding the whole gives: the same fields and this auth (split_mac checked it as the
     # schema does). Set on the message just built, which nothing else holds yet, as a frozen
     # dataclass's own __init__ does; dataclasses.replace would cost a second construction

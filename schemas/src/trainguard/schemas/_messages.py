@@ -1193,6 +1193,18 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 )
 """Every top-level message class, one per schema file."""
 
+EVENTS_TOPIC_TYPES: tuple[type[Message], ...] = (
+    Heartbeat,
+    Checkpoint,
+    DataCursorEvent,
+    Lifecycle,
+    ClockTick,
+    JobRequest,
+    HeartbeatBatch,
+)
+"""The message classes the ``events`` topic carries, every one with a MAC as its ``auth``
+(``docs/security.md``): what the daemon's intake decodes and authenticates."""
+
 SHARED_TYPES: tuple[object, ...] = (
     JobId,
     Generation,

@@ -35,15 +35,12 @@ from trainguard.daemon.core._audit_entry import input_id
 from trainguard.daemon.core._inputs import Input, Observed, Tick
 from trainguard.daemon.core._state import new_tuple
 from trainguard.schemas import (
-    Checkpoint,
+    EVENTS_TOPIC_TYPES,
     ClockTick,
-    DataCursorEvent,
     Event,
-    Heartbeat,
     HeartbeatBatch,
     JobRequest,
     JSONValue,
-    Lifecycle,
     SchemaError,
     decode,
     decode_maced,
@@ -53,16 +50,8 @@ from trainguard.schemas import (
 
 __all__ = ["INPUT_TYPES", "AuthRefusal", "Authenticator", "RawRecord", "Refused", "Taken", "take"]
 
-INPUT_TYPES = (
-    Heartbeat,
-    Checkpoint,
-    DataCursorEvent,
-    Lifecycle,
-    ClockTick,
-    JobRequest,
-    HeartbeatBatch,
-)
-"""The message types the ``events`` topic carries."""
+INPUT_TYPES = EVENTS_TOPIC_TYPES
+"""The message types the ``events`` topic carries (the wire contract's list)."""
 
 _NS_PER_MS = 1_000_000
 
