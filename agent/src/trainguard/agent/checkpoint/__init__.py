@@ -5,12 +5,15 @@ verified before loading), :mod:`._checksum` digests parameters for the cross-ran
 detector, :mod:`._step_file` records a worker's last finished step for its supervisor, and
 :mod:`._manifests` reads the signed manifests of committed snapshots from the ``manifests``
 topic, :mod:`._layout` lists and removes the shards' step folders (retention), and :mod:`._dcp`
-writes, verifies and loads DCP (``torch.distributed.checkpoint``) snapshots.
+writes, verifies and loads DCP (``torch.distributed.checkpoint``) snapshots;
+:func:`write_durably` and :func:`sync_folder` (:mod:`._durable`) write local files whole and
+durably, for these and for the daemon's key files.
 """
 
 from __future__ import annotations
 
 from trainguard.agent.checkpoint._dcp import dcp_problems
+from trainguard.agent.checkpoint._durable import sync_folder, write_durably
 from trainguard.agent.checkpoint._layout import (
     StepFolder,
     files_present,
@@ -42,5 +45,7 @@ __all__ = [
     "snapshot_folder",
     "step_folders",
     "store_manifest",
+    "sync_folder",
     "uri_to_path",
+    "write_durably",
 ]

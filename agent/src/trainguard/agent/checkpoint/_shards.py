@@ -25,6 +25,7 @@ from typing import IO, Any, cast
 from urllib.parse import unquote, urlsplit
 
 from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
+from trainguard.agent.checkpoint._durable import sync_folder
 
 __all__ = [
     "HostStager",
@@ -111,7 +112,7 @@ def write_shard(path: Path, state: Mapping[str, Any]) -> WrittenShard:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    sync_folder(path.parent)
     return WrittenShard(path.resolve().as_uri(), sink.size, f"sha256:{sink.sha.hexdigest()}")
 
 
@@ -131,15 +132,6 @@ def _check_loadable(written: str) -> None:
             f"refuses {', '.join(sorted(unsafe))}): store tensors, numbers, strings, lists and "
             "dicts, or allow the classes with torch.serialization.add_safe_globals"
         )
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable (POSIX: the directory entry lives in the directory)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def uri_to_path(uri: str) -> Path:

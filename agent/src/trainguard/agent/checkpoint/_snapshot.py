@@ -19,13 +19,12 @@ was cleaned) is looked for on the bus instead: small manifests are published who
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
+from trainguard.agent.checkpoint._durable import write_durably
 from trainguard.agent.checkpoint._layout import fs_of, job_step_folder
 from trainguard.schemas import (
     CheckpointMeta,
@@ -80,8 +79,8 @@ def _read(uri: str, limit: int) -> bytes:
 
 
 def _write(uri: str, data: bytes) -> None:
-    """Write ``data`` at ``uri`` whole: locally to a temporary file renamed into place after
-    an fsync (a reader never sees half a file), else as one object upload. Locally the file's
+    """Write ``data`` at ``uri`` whole: locally through :func:`._durable.write_durably` (a
+    reader never sees half a file), else as one object upload. Locally the file's
     folder is created, but not its parent: a manifest goes only beside a checkpoint that is
     there.
 
@@ -94,16 +93,7 @@ def _write(uri: str, data: bytes) -> None:
         fs.pipe_file(where, data)
         return
     path.parent.mkdir(exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_durably(path, data)
 
 
 def store_manifest(split: SplitManifest) -> None:

@@ -33,6 +33,7 @@ import orjson
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from trainguard.agent.checkpoint import sync_folder, write_durably
 from trainguard.agent.keys import (
     KEY_BYTES,
     KeyKind,
@@ -115,8 +116,8 @@ class AgentBundle:
         (created 0700); return their paths."""
         _make_dir(folder)
         public, event = folder / "daemon-public-keys.pem", folder / "event-key"
-        _write_file(public, self.public_keys.encode())
-        _write_file(event, (self.event_key + "\n").encode())
+        write_durably(public, self.public_keys.encode())
+        write_durably(event, (self.event_key + "\n").encode())
         return public, event
 
 
@@ -204,12 +205,12 @@ class KeyAdmin:
             _make_dir(target)
             retired_at = self._now()
             meta = self._meta(source, info) | {"retired_at": retired_at}
-            _write_file(target / f"{kid}.json", orjson.dumps(meta))
+            write_durably(target / f"{kid}.json", orjson.dumps(meta))
             for name in _file_names(info.kind, kid):
                 os.replace(source / name, target / name)
             (source / f"{kid}.json").unlink(missing_ok=True)
-            _sync_dir(source)
-            _sync_dir(target)
+            sync_folder(source)
+            sync_folder(target)
             return KeyInfo(info.kind, kid, info.job_id, info.created_at, False, retired_at)
         raise KeyStoreError(f"no live key {kid} in {self.path}")
 
@@ -279,17 +280,17 @@ class KeyAdmin:
                 serialization.PrivateFormat.PKCS8,
                 serialization.NoEncryption(),
             )
-            _write_file(folder / f"{kid}.pem", pem)
-            _write_file(folder / f"{kid}.pub.pem", public_pem(private.public_key()).encode())
+            write_durably(folder / f"{kid}.pem", pem)
+            write_durably(folder / f"{kid}.pub.pem", public_pem(private.public_key()).encode())
         else:
             secret = secrets.token_bytes(KEY_BYTES)
             kid = key_id(secret)
-            _write_file(folder / f"{kid}.key", secret)
+            write_durably(folder / f"{kid}.key", secret)
         info = KeyInfo(kind, kid, job_id, self._now(), True)
         meta = {"kid": kid, "kind": kind, "job_id": job_id, "created_at": info.created_at}
-        _write_file(folder / f"{kid}.json", orjson.dumps(meta | {"retired_at": None}))
-        _write_file(folder / "current", f"{kid}\n".encode())  # after the key is durable
-        _sync_dir(folder)
+        write_durably(folder / f"{kid}.json", orjson.dumps(meta | {"retired_at": None}))
+        write_durably(folder / "current", f"{kid}\n".encode())  # after the key is durable
+        sync_folder(folder)
         return info
 
     def _info(
@@ -339,27 +340,3 @@ def _make_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     for created in missing:
         created.chmod(0o700)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """Write ``path`` with mode 0600 through a temporary file, fsync, atomic rename."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _sync_dir(path: Path) -> None:
-    """fsync a directory, so that renames in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
