@@ -599,6 +599,8 @@ def main() -> None:
     table = Table(nbytes)
     notes: list[str] = []
     loads: list[str] = [f"torch intra-op threads: {torch.get_num_threads()}"]
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ckptbench-", dir=args.dir))
 
     def run(part: str, fn: Callable[[], list[str]]) -> None:
