@@ -403,7 +403,7 @@ def test_a_write_that_fails_records_nothing_and_ends_its_hashing_thread(tmp_path
         fill_then_fail()
     assert ledger.files() == ()
     assert not [t for t in threading.enumerate() if t.name.startswith("trainguard-sha256")]
-    assert _POOL._free.qsize() == _POOL._made  # every chunk buffer is back in the pool
+    assert len(_POOL._free) == _POOL._made  # every chunk buffer is back in the pool
     with fs.create_stream(tmp_path / "g", "wb") as out:
         out.write(b"y" * (2 << 20))
     (written,) = ledger.files()
