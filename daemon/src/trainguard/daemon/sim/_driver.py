@@ -143,6 +143,8 @@ class Measured:
         rounds: rounds of the simulated clock (embedded bus).
         lag_s: per round (embedded) or per batch (Kafka), wall seconds from its records being
             appended to the daemon's committed position passing them.
+        checkpoint_lag_s: embedded bus: the lags of ``lag_s`` whose round carried the shard
+            records of a checkpoint (one per rank, in one instant: the bursts of the fold).
         daemons: every daemon process of the run, in order.
         ignored: commands the ranks' gate did not act on, by reason (``duplicate``:
             re-sent or re-read with the same content).
@@ -157,6 +159,7 @@ class Measured:
     batches: int = 0
     rounds: int = 0
     lag_s: list[float] = field(default_factory=list)
+    checkpoint_lag_s: list[float] = field(default_factory=list)
     daemons: list[DaemonRun] = field(default_factory=list)
     ignored: dict[str, int] = field(default_factory=dict)
     commands: dict[str, int] = field(default_factory=dict)
@@ -417,11 +420,14 @@ class _Runner:
                 last_input = now
                 continue
             batch: list[tuple[int, bytes]] = []
+            checkpoint = False
             until = nxt
             window_end = nxt + round(self.c.window_s * _MS)
             disturbed = model.disturbed
             while True:
-                batch += self._encode(model.advance(until))
+                emitted = model.advance(until)
+                checkpoint = checkpoint or any(isinstance(e, Shards) for e in emitted)
+                batch += self._encode(emitted)
                 now = until
                 nxt = model.next_ms()
                 if disturbed or model.disturbed or model.ended or nxt is None:
@@ -431,17 +437,24 @@ class _Runner:
                 until = nxt
             if batch:
                 last_input = now
-            await self._round(bus, batch, now, expect_tick=False)
+            await self._round(bus, batch, now, expect_tick=False, checkpoint=checkpoint)
             if self.kill_at_ms is not None and now >= self.kill_at_ms:
                 await self._kill_daemon()
         if not model.ended:
             model.finish(now)
 
     async def _round(
-        self, bus: SQLiteBus, batch: list[tuple[int, bytes]], now: int, *, expect_tick: bool
+        self,
+        bus: SQLiteBus,
+        batch: list[tuple[int, bytes]],
+        now: int,
+        *,
+        expect_tick: bool,
+        checkpoint: bool = False,
     ) -> None:
         """Append ``batch`` (model ms, value) with the clock moved to ``now``; wait for the
-        daemon to commit past it; hand the commands to the model."""
+        daemon to commit past it; hand the commands to the model. ``checkpoint``: the batch
+        holds a checkpoint's shard records (its lag is also kept apart)."""
         key = self.c.job_id
         records = [(key, value, self.t0_ms + at) for at, value in batch]
         before = await self._end()
@@ -451,7 +464,10 @@ class _Runner:
         self.m.rounds += 1
         await self._caught_up(before + len(records), expect_tick)
         if records:
-            self.m.lag_s.append(time.monotonic() - appended)
+            lag = time.monotonic() - appended
+            self.m.lag_s.append(lag)
+            if checkpoint:
+                self.m.checkpoint_lag_s.append(lag)
         released = await self._take_commands()
         assert not released, "a round runs the model to its end before its commands"
 
