@@ -6,7 +6,8 @@ decisions that replay).
 The tests drive the failures themselves, by pid, once the supervisor's log says its spares are
 ready (``spare ready``): a worker killed (each rank in turn), a spare killed while it waits, a
 warm restore whose worker is killed before the resume (the second restore then finds no spare
-and starts cold: the fallback), and a hang whose rank the daemon replaces. The job is paced
+and starts cold: the fallback), a spare stopped when it is needed (its rank starts cold), and
+a hang whose rank the daemon replaces. The job is paced
 (``--step-period``) so that it outlasts its spares' start-up on a loaded machine; the pace does
 not change its numbers.
 """
@@ -170,21 +171,21 @@ def test_a_killed_rank_of_either_rank_restarts_from_the_spares_and_ends_exact(
 
 
 def test_a_kill_during_the_warm_restore_falls_back_to_a_cold_restart(job_run: JobRun) -> None:
-    """Rank 1's spare is stopped (SIGSTOP) before rank 0 is killed, so the warm restore of
-    generation 1 cannot finish; its rank 1 (the spare, handed off) is then SIGKILLed. The
-    daemon's next restore finds no spare ready (they are started again only after a resume)
-    and the supervisor starts both ranks cold: the job ends exact."""
+    """Rank 0 is killed; rank 1's spare, handed off for generation 1, is SIGKILLed as soon as
+    the supervisor logs its hand-off (mid-restore: a warm restore takes about half a second).
+    The daemon's next restore finds no spare ready (they are started again only after a
+    resume, and take seconds to get ready) and the supervisor starts both ranks cold: the job
+    ends exact."""
     job_run.context = "warm: kill during the warm restore"
     job_run.start_daemon()
     job_run.start_job(extra=PERIOD, run_args=WARM)
     victim = live_worker(job_run, 0, 0)
     spares = ready_spares(job_run)
     committed(job_run)
-    os.kill(spares[1], signal.SIGSTOP)
     os.kill(victim, signal.SIGKILL)
     wait_log(
         job_run,
-        "hand-off of rank 1's stopped spare",
+        "hand-off of rank 1's spare",
         lambda e: e.get("event") == "spare handed off" and e.get("pid") == spares[1],
     )
     os.kill(spares[1], signal.SIGKILL)
@@ -200,6 +201,34 @@ def test_a_kill_during_the_warm_restore_falls_back_to_a_cold_restart(job_run: Jo
     )
     assert [(k.generation, k.ranks) for k in record.kills()] == [(0, (0,)), (1, (1,))]
     assert [r.generation for r in record.restores()] == [1, 2], job_run.describe()
+    assert_exact(job_run, code, record)
+
+
+def test_a_stopped_spare_is_skipped_and_its_rank_starts_cold(job_run: JobRun) -> None:
+    """Rank 1's spare is stopped (SIGSTOP) before rank 0 is killed: it does not answer the
+    supervisor's ping before the hand-off, so it is killed and rank 1 starts cold, while rank
+    0 starts from its spare; one restore, which does not wait ``restore_timeout_s`` for the
+    stopped spare (the generation's rank 1 is a fresh process, acknowledged), and the job ends
+    exact."""
+    job_run.context = "warm: a stopped spare at the restore"
+    job_run.start_daemon()
+    job_run.start_job(extra=PERIOD, run_args=WARM)
+    victim = live_worker(job_run, 0, 0)
+    spares = ready_spares(job_run)
+    committed(job_run)
+    os.kill(spares[1], signal.SIGSTOP)
+    os.kill(victim, signal.SIGKILL)
+    job_run.wait_for("the resume of 1", resume_of(1))
+    code = job_run.finish()
+    record = job_run.record()
+    started = workers(record, 1)
+    assert started[0] == spares[0], job_run.describe()
+    assert started[1] not in spares.values(), job_run.describe()
+    skipped = [
+        e["pid"] for e in log_entries(job_run) if e.get("event", "").startswith("spare could not")
+    ]
+    assert skipped == [spares[1]], job_run.describe()
+    assert [r.generation for r in record.restores()] == [1], job_run.describe()
     assert_exact(job_run, code, record)
 
 

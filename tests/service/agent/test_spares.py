@@ -76,6 +76,25 @@ async def test_a_ready_spare_becomes_a_worker_of_the_generation_it_is_handed(
         await pool.close()
 
 
+async def test_a_stopped_spare_is_not_handed_off_and_the_rank_starts_cold(tmp_path: Path) -> None:
+    """A ready spare that cannot run (SIGSTOP here; swapped out or stuck alike) does not answer
+    the ping before the hand-off: it is killed and ``hand_off`` says so, so the supervisor
+    starts the rank cold, instead of the restore waiting ``restore_timeout_s`` for it."""
+    said = tmp_path / "said"
+    pool = SparePool([sys.executable, "-c", HANDS_OFF, str(said)])
+    try:
+        await pool.fill([((0,), worker_env(0))])
+        await until(lambda: _ready(pool), "spare ready")
+        spare = pool.take((0,))
+        assert spare is not None
+        os.kill(spare.proc.pid, signal.SIGSTOP)
+        assert not await pool.hand_off(spare, worker_env(3))
+        assert spare.proc.returncode == -signal.SIGKILL
+        assert not said.exists()  # it never ran past its hand-off point
+    finally:
+        await pool.close()
+
+
 def _ready(pool: SparePool) -> bool:
     """Whether rank 0's spare is ready (the pool's own view)."""
     spare = pool._spares.get((0,))

@@ -53,7 +53,7 @@ def config(tmp_path: Path, **overrides: Any) -> SupervisorConfig:
                     "t.py",
                 ]
             },
-            "torchrun --max-restarts 2: torchrun would restart the ranks itself",
+            "torchrun would restart the ranks itself, up to 2 times",
         ),
     ],
 )

@@ -12,8 +12,11 @@ goes on as a freshly started worker of that generation would: it creates its age
 process group, loads the restore target.
 
 The protocol on the socket (both ends in this package): the spare writes ``ready\\n`` once
-it reached the hand-off point; the supervisor writes the JSON object and a newline when it
-hands the spare a rank, or closes the socket to discard it (the spare then exits 0).
+it reached the hand-off point. To hand it a rank, the supervisor first writes ``ping\n`` and
+waits (briefly) for ``pong\n``: a spare that is stopped, swapped out or otherwise stuck does
+not answer and is discarded, and the rank starts cold, instead of the restore waiting for it.
+Then the supervisor writes the JSON object and a newline. It closes the socket to discard the
+spare (which then exits 0).
 """
 
 from __future__ import annotations
@@ -24,13 +27,19 @@ import time
 
 import orjson
 
-__all__ = ["READY", "SPARE_FD_ENV", "await_handoff", "wait_for_store"]
+__all__ = ["PING", "PONG", "READY", "SPARE_FD_ENV", "await_handoff", "wait_for_store"]
 
 SPARE_FD_ENV = "TRAINGUARD_SPARE_FD"
 """The variable naming a spare's end of its socket to the supervisor (a file descriptor)."""
 
 READY = b"ready\n"
 """What a spare writes once it reached the hand-off point."""
+
+PING = b"ping\n"
+"""What the supervisor asks a ready spare right before handing it a rank."""
+
+PONG = b"pong\n"
+"""A spare's answer to :data:`PING`: it is alive and still waiting at the hand-off point."""
 
 _STORE_POLL_S = 0.005
 """Seconds between two attempts to reach rank 0's rendezvous store."""
@@ -63,7 +72,9 @@ def await_handoff() -> bool:
     if named is not None:
         with socket.socket(fileno=int(named)) as channel:
             channel.sendall(READY)
-            message = channel.makefile("rb").readline()
+            lines = channel.makefile("rb")
+            while (message := lines.readline()) == PING:
+                channel.sendall(PONG)
         if not message:
             os._exit(0)
         env = orjson.loads(message)
@@ -81,9 +92,10 @@ def wait_for_store(timeout_s: float = _STORE_WAIT_S) -> bool:
     other. Whether the store answered (``False``: it did not within ``timeout_s`` seconds, or
     there is none to wait for).
 
-    Call it right before ``init_process_group`` (``env://`` rendezvous, rank 0 hosting the
-    ``TCPStore``), and only then: in a job whose rank 0 starts no store (no process group,
-    or torchrun's agent store) a rank would wait ``timeout_s`` for nothing.
+    Call it right before ``init_process_group`` (``env://`` rendezvous), and only then: in a
+    job that starts no store (no process group) a rank would wait ``timeout_s`` for nothing.
+    Under torchrun the store is torchrun's own, listening before any rank starts: it returns
+    at once.
 
     Why: torch's TCPStore client that finds no server retries with an exponential back-off
     (0.01-0.7 s measured here, ``bench/RESULTS.md``), so a rank that reaches the rendezvous

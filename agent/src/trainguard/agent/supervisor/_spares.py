@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import orjson
 import structlog
 
-from trainguard.agent._handoff import READY, SPARE_FD_ENV
+from trainguard.agent._handoff import PING, PONG, READY, SPARE_FD_ENV
 from trainguard.agent.checkpoint._step_file import STEP_FILE_ENV
 from trainguard.agent.supervisor._process import die_with_parent, signal_group
 from trainguard.agent.supervisor._spool import SPOOL_DIR_ENV
@@ -49,6 +49,13 @@ sent at the hand-off."""
 
 MAX_EARLY_EXITS = 3
 """Spares of one rank that may exit before they are ready, in a row, before the pool is off."""
+
+ANSWER_TIMEOUT_S = 2.0
+"""Seconds a ready spare has to answer the ``ping`` right before its hand-off; one that does
+not (stopped, swapped out, stuck) is killed and its rank starts cold. Generous: a waiting
+spare answers from a blocked ``readline``, milliseconds even on a loaded machine, while the
+restore would otherwise wait ``restore_timeout_s`` (120 s by default) for a spare that never
+runs."""
 
 
 @dataclass(eq=False)  # compared by identity
@@ -138,11 +145,12 @@ class SparePool:
         said = asyncio.ensure_future(loop.sock_recv(spare.channel, len(READY)))
         try:
             await asyncio.wait({exited, said}, return_when=asyncio.FIRST_COMPLETED)
-            if said.done() and not said.exception() and said.result() == READY:
+            answer = said.result() if said.done() and not said.exception() else None
+            if answer == READY:
                 spare.ready.set()
                 self._early_exits[spare.ranks] = 0
                 log.info("spare ready", ranks=spare.ranks, pid=spare.proc.pid)
-            elif not exited.done():
+            elif not exited.done() and answer != b"":  # b"": it closed the socket, exiting
                 log.warning(
                     "spare said something else than ready: discarded",
                     ranks=spare.ranks,
@@ -161,15 +169,17 @@ class SparePool:
             self._early_exits[spare.ranks] = self._early_exits.get(spare.ranks, 0) + 1
         early = self._early_exits.get(spare.ranks, 0)
         if code == EXIT_CONFIG or early >= MAX_EARLY_EXITS:
+            if not self._off:
+                log.error(
+                    "spares exit before they reach the hand-off point: warm restarts off, "
+                    "every restart is cold (see the spare's last words: the script fails "
+                    "before trainguard.agent.await_handoff(), or reads its settings before "
+                    "calling it: docs/warm-restarts.md)",
+                    ranks=spare.ranks,
+                    exit_code=code,
+                    last_words=words or None,
+                )
             self._off = True
-            log.error(
-                "spares exit before they reach the hand-off point: warm restarts off, every "
-                "restart is cold (the script must call trainguard.agent.await_handoff() before "
-                "it reads its settings: docs/warm-restarts.md)",
-                ranks=spare.ranks,
-                exit_code=code,
-                last_words=words or None,
-            )
             return
         log.warning(
             "spare exited while waiting: starting another",
@@ -198,18 +208,26 @@ class SparePool:
 
     async def hand_off(self, spare: Spare, env: Mapping[str, str]) -> bool:
         """Send ``spare`` (from :meth:`take`) what ``env``, its rank's worker environment of
-        the new generation, has that its own has not; whether it took it. When it did not (it
-        died meanwhile), it is stopped and its pipes closed: start the rank cold."""
+        the new generation, has that its own has not; whether it took it. First the spare must
+        answer a ``ping`` within :data:`ANSWER_TIMEOUT_S`. When it does not, or the hand-off
+        fails (it died meanwhile), it is killed and its pipes closed: start the rank cold."""
         message = {k: v for k, v in env.items() if spare.env.get(k) != v}
         loop = asyncio.get_running_loop()
         try:
+            await loop.sock_sendall(spare.channel, PING)
+            answer = await asyncio.wait_for(
+                loop.sock_recv(spare.channel, len(PONG)), ANSWER_TIMEOUT_S
+            )
+            if answer != PONG:
+                raise OSError(f"it answered {answer!r} to ping")
             await loop.sock_sendall(spare.channel, orjson.dumps(message) + b"\n")
-        except OSError as exc:
+        except (OSError, TimeoutError) as exc:
+            why = str(exc) or f"no answer to ping within {ANSWER_TIMEOUT_S:g} s"
             log.warning(
                 "spare could not be handed off: the rank starts cold",
                 ranks=spare.ranks,
                 pid=spare.proc.pid,
-                error=str(exc),
+                error=why,
             )
             signal_group(spare.proc.pid, signal.SIGKILL)
             await spare.proc.wait()

@@ -293,10 +293,10 @@ class SupervisorConfig:
         restarts = torchrun_max_restarts(self.command)
         if restarts:
             raise ConfigError(
-                f"torchrun --max-restarts {restarts}: torchrun would restart the ranks itself, "
-                "in the same generation and behind the daemon's back; run it with "
-                "--max-restarts 0, and trainguard's restores restart it in a new generation "
-                "(docs/launchers.md)"
+                f"torchrun would restart the ranks itself, up to {restarts} times "
+                "(--max-restarts, or PET_MAX_RESTARTS), in the same generation and behind the "
+                "daemon's back; run it with --max-restarts 0, and trainguard's restores restart "
+                "it in a new generation (docs/launchers.md)"
             )
         if self.warm and self.nproc_per_node is None:
             raise ConfigError("warm spares need --nproc-per-node (launcher mode)")
