@@ -133,6 +133,18 @@ def committed(run: JobRun) -> None:
     run.wait_for("a committed snapshot", lambda m: isinstance(m, Manifest))
 
 
+def ready_to_kill_rank_0(run: JobRun, context: str) -> tuple[int, dict[int, int]]:
+    """Start the daemon and the warm job, wait for generation 0's rank 0, both spares ready and
+    a commit; return rank 0's pid and the spares' pids by rank."""
+    run.context = context
+    run.start_daemon()
+    run.start_job(extra=PERIOD, run_args=WARM)
+    victim = live_worker(run, 0, 0)
+    spares = ready_spares(run)
+    committed(run)
+    return victim, spares
+
+
 def gone(pid: int) -> bool:
     """Whether no process ``pid`` exists (reaped: its supervisor waited for it)."""
     try:
@@ -176,12 +188,7 @@ def test_a_kill_during_the_warm_restore_falls_back_to_a_cold_restart(job_run: Jo
     The daemon's next restore finds no spare ready (they are started again only after a
     resume, and take seconds to get ready) and the supervisor starts both ranks cold: the job
     ends exact."""
-    job_run.context = "warm: kill during the warm restore"
-    job_run.start_daemon()
-    job_run.start_job(extra=PERIOD, run_args=WARM)
-    victim = live_worker(job_run, 0, 0)
-    spares = ready_spares(job_run)
-    committed(job_run)
+    victim, spares = ready_to_kill_rank_0(job_run, "warm: kill during the warm restore")
     os.kill(victim, signal.SIGKILL)
     wait_log(
         job_run,
@@ -210,12 +217,7 @@ def test_a_stopped_spare_is_skipped_and_its_rank_starts_cold(job_run: JobRun) ->
     0 starts from its spare; one restore, which does not wait ``restore_timeout_s`` for the
     stopped spare (the generation's rank 1 is a fresh process, acknowledged), and the job ends
     exact."""
-    job_run.context = "warm: a stopped spare at the restore"
-    job_run.start_daemon()
-    job_run.start_job(extra=PERIOD, run_args=WARM)
-    victim = live_worker(job_run, 0, 0)
-    spares = ready_spares(job_run)
-    committed(job_run)
+    victim, spares = ready_to_kill_rank_0(job_run, "warm: a stopped spare at the restore")
     os.kill(spares[1], signal.SIGSTOP)
     os.kill(victim, signal.SIGKILL)
     job_run.wait_for("the resume of 1", resume_of(1))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.agent.supervisor._spares import GENERATION_KEYS, SparePool
+from trainguard.agent.supervisor._spares import GENERATION_KEYS, Spare, SparePool
 
 pytestmark = pytest.mark.anyio
 
@@ -62,10 +62,7 @@ async def test_a_ready_spare_becomes_a_worker_of_the_generation_it_is_handed(
     said = tmp_path / "said"
     pool = SparePool([sys.executable, "-c", HANDS_OFF, str(said)])
     try:
-        await pool.fill([((0,), worker_env(0))])
-        await until(lambda: _ready(pool), "spare ready")
-        spare = pool.take((0,))
-        assert spare is not None
+        spare = await taken_when_ready(pool)
         assert not GENERATION_KEYS & set(spare.env)
         assert await pool.hand_off(spare, worker_env(3))
         assert await spare.proc.wait() == 0
@@ -83,16 +80,22 @@ async def test_a_stopped_spare_is_not_handed_off_and_the_rank_starts_cold(tmp_pa
     said = tmp_path / "said"
     pool = SparePool([sys.executable, "-c", HANDS_OFF, str(said)])
     try:
-        await pool.fill([((0,), worker_env(0))])
-        await until(lambda: _ready(pool), "spare ready")
-        spare = pool.take((0,))
-        assert spare is not None
+        spare = await taken_when_ready(pool)
         os.kill(spare.proc.pid, signal.SIGSTOP)
         assert not await pool.hand_off(spare, worker_env(3))
         assert spare.proc.returncode == -signal.SIGKILL
         assert not said.exists()  # it never ran past its hand-off point
     finally:
         await pool.close()
+
+
+async def taken_when_ready(pool: SparePool) -> Spare:
+    """Start rank 0's spare in ``pool``, wait until it is ready and take it."""
+    await pool.fill([((0,), worker_env(0))])
+    await until(lambda: _ready(pool), "spare ready")
+    spare = pool.take((0,))
+    assert spare is not None
+    return spare
 
 
 def _ready(pool: SparePool) -> bool:
