@@ -143,6 +143,24 @@ def test_a_silent_rank_is_the_heartbeat_timeouts_case() -> None:
     assert incident.ranks == (2,)
 
 
+def test_ranks_that_stop_and_go_silent_together_are_not_said_to_wait_in_a_collective() -> None:
+    """Every rank stops after step 39 and, two heartbeats later, sends nothing more (its
+    supervisor killed, its node lost): the progress deadline passes before the heartbeat
+    timeout, and the reason says what silence together usually is, not a collective's wait
+    (whose ranks go on heartbeating)."""
+    sim = Sim()
+    state, _ = running_job(sim, 40)
+    stopped = [
+        sim.heartbeat(r, 39, T0 + (41 + k) * S + r * S // 5) for k in range(2) for r in range(4)
+    ]
+    _, folded = drive(stopped, state, until=T0 + 120 * S, first_incident=True)
+    [(_, incident)] = opened(folded)
+    assert incident.cause == "progress_timeout"
+    assert incident.ranks == (0, 1, 2, 3)
+    assert "gone or frozen together" in incident.reason
+    assert "usually all waiting in a collective" not in incident.reason
+
+
 def test_ranks_that_stop_together_are_all_named_and_a_lone_stall_only_itself() -> None:
     """In a collective every rank waits for the stuck one: all stop within a heartbeat of each
     other, and heartbeats cannot tell which one is stuck, so the incident names them all. A

@@ -267,11 +267,29 @@ def _progress_failure(
         )
     else:
         how = f"start-up allowance during the first {config.startup_steps} steps"
+    # A rank that heartbeats was heard within an interval, plus the delivery's jitter and the
+    # tick that scans: one more interval allows for those and for one late heartbeat. Longer,
+    # it missed a heartbeat and may have stopped sending at all (stopped, cut off): the
+    # progress deadline can pass before the heartbeat timeout does.
+    silent = [rec for rec in ranks if clock - rec.last_heard_ns > 2 * config.heartbeat_interval_ns]
+    quiet = max((clock - rec.last_heard_ns for rec in silent), default=0)
     if len(first) > 1:
+        mute = {rec.rank for rec in silent}
+        if all(rec.rank in mute for rec in first):
+            # Silent together: not a collective's wait (whose ranks go on heartbeating), but
+            # processes gone or frozen together: a lost node, a killed supervisor, a pause.
+            usually = (
+                "ranks that stop and go silent together are usually gone or frozen together "
+                "(a lost node or supervisor, a paused process group), not waiting in a collective"
+            )
+        else:
+            usually = (
+                "ranks that stop together are usually all waiting in a collective for one "
+                "stuck rank, which heartbeats cannot tell apart"
+            )
         together = (
             f"; {ranks_text(rec.rank for rec in first)} stopped within a heartbeat interval "
-            f"of each other: ranks that stop together are usually all waiting in a collective "
-            f"for one stuck rank, which heartbeats cannot tell apart"
+            f"of each other: {usually}"
         )
     elif len(ranks) > 1:
         together = f"; rank {first[0].rank} stopped first"
@@ -283,12 +301,6 @@ def _progress_failure(
         f"{seconds_text(config.heartbeat_interval_ns)})"
     )
     where = f"in generation {state.generation}{steps_text(rec.step for rec in ranks)}{together}"
-    # A rank that heartbeats was heard within an interval, plus the delivery's jitter and the
-    # tick that scans: one more interval allows for those and for one late heartbeat. Longer,
-    # it missed a heartbeat and may have stopped sending at all (stopped, cut off): the
-    # progress deadline can pass before the heartbeat timeout does.
-    silent = [rec for rec in ranks if clock - rec.last_heard_ns > 2 * config.heartbeat_interval_ns]
-    quiet = max((clock - rec.last_heard_ns for rec in silent), default=0)
     if not silent:
         did = f"kept heartbeating without completing a step for up to {seconds_text(longest)}"
         reason = f"{whom} {did} {why} {where}"
