@@ -38,6 +38,7 @@ def config(tmp_path: Path, **overrides: Any) -> SupervisorConfig:
         ({"command": ["no-such-program-xyz"]}, "not found"),
         ({"nproc_per_node": 0}, "nproc_per_node"),
         ({"warm": True}, "warm spares need --nproc-per-node"),
+        ({"nproc_per_node": 2, "ranks": (0, 1)}, "--ranks names the ranks of a plain-mode"),
         ({"nnodes": 2}, "master-port"),
         ({"nnodes": 0}, "nnodes must be >= 1"),
         ({"master_port": 99999}, "master_port must be 1..65535, got 99999"),

@@ -300,6 +300,12 @@ class SupervisorConfig:
             )
         if self.warm and self.nproc_per_node is None:
             raise ConfigError("warm spares need --nproc-per-node (launcher mode)")
+        if self.ranks and self.nproc_per_node is not None:
+            # Launcher mode derives the node's ranks; a second list could only disagree.
+            raise ConfigError(
+                "--ranks names the ranks of a plain-mode command; with --nproc-per-node the "
+                "node's ranks follow from --node-rank (node_rank x nproc_per_node onwards)"
+            )
         if self.nnodes < 1:
             raise ConfigError(f"nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
