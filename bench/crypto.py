@@ -103,7 +103,6 @@ from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.core._decisions import Committed
 from trainguard.daemon.core._inputs import Observed
 from trainguard.daemon.core._intake import (
-    INPUT_TYPES,
     Authenticator,
     AuthRefusal,
     RawRecord,
@@ -126,6 +125,7 @@ from trainguard.daemon.service._snapshot_envelope import (
     seal,
 )
 from trainguard.schemas import (
+    EVENTS_TOPIC_TYPES,
     ClockTick,
     Event,
     Heartbeat,
@@ -659,7 +659,7 @@ def bench_components(figures: Figures, stream: Stream, keys: DaemonKeys) -> None
     maced = [r.value or b"" for r in maced_records]
     cut = [split_mac(v) for v in maced]
     raws = [r for r in cut if r is not None]
-    decoded = [cast("Event | ClockTick", decode(v, expect=INPUT_TYPES)) for v in maced]
+    decoded = [cast("Event | ClockTick", decode(v, expect=EVENTS_TOPIC_TYPES)) for v in maced]
     if len(raws) < len(cut) or any(
         decode_maced(r) != m for r, m in zip(raws, decoded, strict=True)
     ):
@@ -674,13 +674,13 @@ def bench_components(figures: Figures, stream: Stream, keys: DaemonKeys) -> None
     figures.measure("part/mac_keys", with_keys.mac_keys, maced_records)
     figures.measure("part/verify_raw_mac", lambda r: verify_raw_mac(r, accepted), raws)
     figures.measure("part/hmac", lambda r: hmac.digest(key, r.canonical, "sha256"), raws)
-    figures.measure("part/decode_plain", lambda v: decode(v, expect=INPUT_TYPES), plain)
+    figures.measure("part/decode_plain", lambda v: decode(v, expect=EVENTS_TOPIC_TYPES), plain)
     # decode_maced consumes what split_mac parsed: measured together, split_mac subtracted.
     figures.measure(
         "part/split_decode", lambda v: decode_maced(cast("RawMac", split_mac(v))), maced
     )
     figures.measure("part/take_full", lambda r: take(r, full), maced_records)
-    figures.measure("part/decode_whole", lambda v: decode(v, expect=INPUT_TYPES), maced)
+    figures.measure("part/decode_whole", lambda v: decode(v, expect=EVENTS_TOPIC_TYPES), maced)
     figures.measure(
         "part/refuse",
         lambda t: with_keys.refuse(*t),
@@ -1092,7 +1092,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         heartbeat = next(
             m
             for r in stream.plain
-            if isinstance(m := decode(r.value or b"", expect=INPUT_TYPES), Heartbeat)
+            if isinstance(m := decode(r.value or b"", expect=EVENTS_TOPIC_TYPES), Heartbeat)
             and m.loss is not None
         )
         states: dict[str, JobState] = {}

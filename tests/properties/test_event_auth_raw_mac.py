@@ -20,9 +20,10 @@ from tests.support.schemas import STRATEGIES
 from trainguard.agent.keys._keystore import DaemonKeys, KeyStore, key_id
 from trainguard.daemon.admin._keys import KeyAdmin
 from trainguard.daemon.core._inputs import Observed
-from trainguard.daemon.core._intake import INPUT_TYPES, AuthRefusal, RawRecord, Refused, Taken, take
+from trainguard.daemon.core._intake import AuthRefusal, RawRecord, Refused, Taken, take
 from trainguard.daemon.service._security import EventAuth
 from trainguard.schemas import (
+    EVENTS_TOPIC_TYPES,
     ClockTick,
     Event,
     HeartbeatBatch,
@@ -98,7 +99,7 @@ def test_the_mac_checked_on_raw_bytes_gives_the_verdicts_of_the_full_check(
     """Live and rebuilding, with and without require_auth: intake takes and refuses the same
     records, with the same reasons and messages, as when it decodes every record before
     judging it; what an agent sends is taken on its raw bytes."""
-    cls = data.draw(st.sampled_from(INPUT_TYPES))
+    cls = data.draw(st.sampled_from(EVENTS_TOPIC_TYPES))
     job = data.draw(st.sampled_from((JOB, JOB, "other-job", "open-job")))
     message = dataclasses.replace(data.draw(STRATEGIES[cls]), job_id=job, auth=None)
     kid, key = data.draw(st.sampled_from(ring.signers))

@@ -290,7 +290,6 @@ class KeyAdmin:
         meta = {"kid": kid, "kind": kind, "job_id": job_id, "created_at": info.created_at}
         write_durably(folder / f"{kid}.json", orjson.dumps(meta | {"retired_at": None}))
         write_durably(folder / "current", f"{kid}\n".encode())  # after the key is durable
-        sync_folder(folder)
         return info
 
     def _info(

@@ -48,10 +48,8 @@ from trainguard.schemas import (
     verify_raw_mac,
 )
 
-__all__ = ["INPUT_TYPES", "AuthRefusal", "Authenticator", "RawRecord", "Refused", "Taken", "take"]
+__all__ = ["AuthRefusal", "Authenticator", "RawRecord", "Refused", "Taken", "take"]
 
-INPUT_TYPES = EVENTS_TOPIC_TYPES
-"""The message types the ``events`` topic carries (the wire contract's list)."""
 
 _NS_PER_MS = 1_000_000
 
@@ -163,7 +161,7 @@ def take(record: RawRecord, auth: Authenticator | None = None) -> Taken | Refuse
         try:
             # ``expect`` admits only these types (an annotation costs nothing, a cast a call).
             decoded: Event | JobRequest | HeartbeatBatch | ClockTick = decode(
-                value, expect=INPUT_TYPES
+                value, expect=EVENTS_TOPIC_TYPES
             )  # type: ignore[assignment]
         except SchemaError as exc:
             return Refused(str(exc), "schema", exc)
@@ -194,7 +192,7 @@ def _verified(
     if raw is None or not verify_raw_mac(raw, keys):
         return None
     try:
-        message = decode_maced(raw)  # an event or a tick, as INPUT_TYPES
+        message = decode_maced(raw)  # an event or a tick, as EVENTS_TOPIC_TYPES
     except SchemaError:
         return None  # decoding the whole record fails too, and says how
     return message if message.job_id == record.key else None
