@@ -29,7 +29,6 @@ from trainguard.daemon.sim._model import Beats, ExitReport, Reports, Shards
 from trainguard.daemon.sim._wire import Wire
 from trainguard.schemas import (
     Checkpoint,
-    DataCursorEvent,
     Heartbeat,
     Lifecycle,
     Manifest,
@@ -235,7 +234,7 @@ def test_every_record_is_what_an_agent_would_send() -> None:
         for value in wire.encode(emission):
             message = decode(value)
             assert verify_mac(value, {key[0]: key[1]}) == key[0]
-            assert isinstance(message, Heartbeat | Checkpoint | DataCursorEvent | Lifecycle)
+            assert isinstance(message, Heartbeat | Checkpoint | Lifecycle)
             kinds.add(type(message))
             sender = (message.rank, message.host, message.pid)
             assert message.seq > seqs.get(sender, 0)
@@ -243,7 +242,7 @@ def test_every_record_is_what_an_agent_would_send() -> None:
             if isinstance(message, Heartbeat) and message.param_checksum is not None:
                 at = checksums.setdefault((message.generation, message.step), {})
                 at[message.rank] = message.param_checksum
-    assert kinds == {Heartbeat, Checkpoint, DataCursorEvent, Lifecycle}
+    assert kinds == {Heartbeat, Checkpoint, Lifecycle}
     # Replicas agree, but for the corrupted rank 2 after the fault struck (7 s: step 6).
     for (generation, step), by_rank in checksums.items():
         odd = {r for r, c in by_rank.items() if c != by_rank[0]}

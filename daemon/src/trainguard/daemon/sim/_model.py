@@ -10,8 +10,8 @@ model runs against the daemon on the embedded bus in simulated time and on Kafka
 **The job.** All ranks train in lock step (synchronous data parallelism): a step takes
 ``step_s``; after every ``checkpoint_every``-th step every rank writes its shard, which stops
 training for ``checkpoint_cost_s`` (a blocking save, declared as the ``checkpoint`` phase) and
-then announces it (a ``checkpoint`` event; the daemon commits the step once every rank's shard
-is in) together with a ``data-cursor`` event. Every rank's agent heartbeats every
+then announces it (a ``checkpoint`` event, which carries the rank's data cursor, as an agent's
+does; the daemon commits the step once every rank's shard is in). Every rank's agent heartbeats every
 ``heartbeat_s`` (last step, its age, step time, a loss on a smooth decaying trend) and, at every
 ``checksum_every``-th step, sends a heartbeat with the parameter checksum the replicas share.
 
@@ -171,8 +171,7 @@ class Beats(NamedTuple):
 
 
 class Shards(NamedTuple):
-    """Every rank of ``ranks`` announces its shard of ``step`` (and a data-cursor event at
-    it)."""
+    """Every rank of ``ranks`` announces its shard of ``step`` (with its data cursor)."""
 
     at_ms: int
     generation: int

@@ -32,7 +32,6 @@ from trainguard.daemon.sim._model import Beats, Emission, ExitReport, Reports, S
 from trainguard.schemas import (
     Checkpoint,
     DataCursor,
-    DataCursorEvent,
     Event,
     Heartbeat,
     HeartbeatBatch,
@@ -105,8 +104,8 @@ class Wire:
     # -- the interface ---------------------------------------------------------------------
 
     def encode(self, emission: Emission) -> list[bytes]:
-        """The record values of ``emission``, one per rank (two per rank for shards: the
-        ``checkpoint`` and its ``data-cursor`` event; one per node for batched heartbeats), in
+        """The record values of ``emission``, one per rank (one per node for batched
+        heartbeats), in
         rank order.
 
         Raises:
@@ -242,16 +241,11 @@ class Wire:
                 cursor=cursor,
             )
 
-        def position(rank: int, head: dict[str, Any]) -> Event:
-            return DataCursorEvent(**head, step=s.step, cursor=cursor)
-
         def extra(rank: int) -> dict[str, Any]:
             return {"shard_uri": uri(rank), "digest": _digest(uri(rank))}
 
-        # In the order they are sent, so that every rank's seq grows along its records.
-        cursors = self._render(s.ranks, s.generation, s.at_ms, position)
-        shards = self._render(s.ranks, s.generation, s.at_ms, shard, extra=extra)
-        return [v for pair in zip(cursors, shards, strict=True) for v in pair]
+        # The shard carries the rank's cursor: an agent sends no data-cursor event with it.
+        return self._render(s.ranks, s.generation, s.at_ms, shard, extra=extra)
 
     def _reports(self, r: Reports) -> list[bytes]:
         target = r.target if r.kind == "restored" else None
