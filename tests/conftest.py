@@ -1,6 +1,5 @@
 """Shared pytest fixtures: one Kafka broker and one S3 server per session (per xdist worker:
-each worker is a session), unique topic prefixes and buckets, a Kafka and an S3 tally, and the
-order the tests start in (the longest first).
+each worker is a session), unique topic prefixes and buckets, a Kafka and an S3 tally.
 
 Kafka tests carry ``@pytest.mark.kafka`` and take the ``kafka_bootstrap`` fixture. The broker is
 ``$TRAINGUARD_KAFKA`` (``host:port``) when set, else a real broker started for the session by
@@ -140,21 +139,6 @@ def bus_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BusFactory:
 def unique_prefix() -> str:
     """A fresh topic/group name prefix such as ``"t-1a2b3c4d."``, so tests share one broker."""
     return f"t-{uuid.uuid4().hex[:8]}."
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the longest tests first: those with the longest ``timeout`` mark, then the other
-    ``slow`` ones, then the rest (stable within each). Under ``pytest-xdist`` a test that
-    takes minutes then starts while the other workers still have short tests to take, instead
-    of holding up the run's end alone."""
-
-    def expected(item: pytest.Item) -> tuple[float, bool]:
-        timeout = item.get_closest_marker("timeout")
-        declared = float(timeout.args[0]) if timeout is not None and timeout.args else 0.0
-        return (-declared, item.get_closest_marker("slow") is None)
-
-    items.sort(key=expected)
 
 
 def pytest_terminal_summary(
