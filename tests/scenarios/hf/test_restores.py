@@ -7,8 +7,8 @@ processes' start-up (seconds: importing torch, accelerate, transformers) is paid
 as possible:
 
 1. a hang of rank 1 after step 27 (every step paced by :data:`STEP_PERIOD_S` so that the
-   daemon has learnt the pace; not a step that saves: the other rank would wait for it in the save's
-   collective, in the declared phase ``checkpoint``, whose limit is long): the daemon's
+   daemon has learnt the pace; not a step that saves: the other rank would wait for it in the
+   save's collective, in the declared phase ``checkpoint``, whose limit is long): the daemon's
    progress timeout restores the newest committed snapshot, step 20;
 2. the test corrupts a byte of that snapshot's optimizer state (``optimizer.pt`` written by
    the ``Trainer``, ``optimizer.bin`` by ``save_state``) as soon as step 20 commits: the

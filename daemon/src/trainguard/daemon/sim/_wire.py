@@ -105,8 +105,7 @@ class Wire:
 
     def encode(self, emission: Emission) -> list[bytes]:
         """The record values of ``emission``, one per rank (one per node for batched
-        heartbeats), in
-        rank order.
+        heartbeats), in rank order.
 
         Raises:
             WireError: the first rank's fast encoding differs from the codec's.
