@@ -12,8 +12,9 @@ model runs against the daemon on the embedded bus in simulated time and on Kafka
 training for ``checkpoint_cost_s`` (a blocking save, declared as the ``checkpoint`` phase) and
 then announces it (a ``checkpoint`` event, which carries the rank's data cursor, as an
 agent's does; the daemon commits the step once every rank's shard is in). Every rank's agent
-heartbeats every ``heartbeat_s`` (last step, its age, step time, a loss on a smooth decaying trend) and, at every
-``checksum_every``-th step, sends a heartbeat with the parameter checksum the replicas share.
+heartbeats every ``heartbeat_s`` (last step, its age, step time, a loss on a smooth decaying
+trend) and, at every ``checksum_every``-th step, sends a heartbeat with the parameter checksum
+the replicas share.
 
 **Failures** strike after so many seconds of *training time* (the clock the MTBF counts, which
 stands still while the job is down): ``kill`` (the rank dies; its node's supervisor reports
