@@ -10,7 +10,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
+from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, BusUnavailable, open_bus
 
 pytestmark = [pytest.mark.anyio, pytest.mark.kafka]
 
@@ -54,3 +54,42 @@ async def test_default_topics_are_created_as_specified(
     # snapshots rolls a segment every hour, so that compaction reaches replaced snapshots.
     assert configs[f"{unique_prefix}snapshots"]["segment.ms"] == "3600000"
     assert configs[f"{unique_prefix}events"]["segment.ms"] == "604800000"
+
+
+async def test_topic_creation_is_bounded_by_the_start_deadline_not_the_send_timeout(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """Creating topics takes the KRaft controller from milliseconds to seconds (a broker just
+    started, a busy machine); it is part of ``start()``, so the admin client's requests have
+    the start-up deadline. With a send timeout shorter than any round trip (1 ms), the topics
+    are still created: before, the admin's requests had ``send_timeout_s`` and start() failed
+    ("creating topics failed: RequestTimedOutError" whenever creation outlasted it)."""
+    config = BusConfig(
+        url=f"kafka://{kafka_bootstrap}",
+        prefix=unique_prefix,
+        connect_timeout_s=60.0,
+        send_timeout_s=0.001,
+    )
+    names = [f"{unique_prefix}{spec.name}" for spec in DEFAULT_TOPICS]
+    # Without the topics (the old code: the admin could not even connect in 1 ms) the wait
+    # below fails here.
+    with anyio.fail_after(90):
+        error = ""
+        try:
+            async with open_bus(config):
+                pass
+        except BusUnavailable as exc:
+            # The producer's own requests have 1 ms: it may well fail to start after the
+            # topics exist. Only the admin's part (connecting, creating topics) is under test.
+            error = str(exc)
+        assert "admin" not in error
+        assert "topics" not in error
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            # The broker's metadata cache lists a created topic a moment after CreateTopics
+            # answered (tests/contract/bus/test_kafka_broker.py); polling: no event to wait on.
+            while not set(names) <= set(await admin.list_topics()):  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        finally:
+            await admin.close()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -39,10 +41,14 @@ from trainguard.agent.bus import DEFAULT_TOPICS, Bus, TopicPartition
 from trainguard.agent.keys._keystore import DaemonKeys
 from trainguard.daemon import DaemonService, MachineConfig
 from trainguard.daemon.admin._keys import KeyAdmin
+from trainguard.daemon.core import JobState
 from trainguard.daemon.core._machine import unacted_command
 from trainguard.daemon.forensics._job_log import read_bus
 from trainguard.daemon.forensics._replay import replay, verify
+from trainguard.daemon.service._metrics import DaemonMetrics
 from trainguard.daemon.service._settings import SecurityConfig
+from trainguard.daemon.service._snapshot_envelope import Round
+from trainguard.daemon.service._snapshot_store import Snapshots
 from trainguard.schemas import Restore, decode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
@@ -286,3 +292,59 @@ async def test_a_round_is_written_once_enough_records_were_folded_before_its_tim
 
 async def _written(bus: Bus) -> bool:
     return bool(await bus.latest_per_key("snapshots"))
+
+
+async def test_the_fold_goes_on_while_a_round_is_sealed_and_the_round_names_its_own_position(
+    bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sealing a round (encoding, compressing, encrypting, signing) takes about a second of
+    CPU at 16,384 ranks; the daemon seals in a worker thread and folds on meanwhile, where it
+    used to wait for the seal with every record behind it. Here the seal is held until the
+    daemon folded records that arrived after it began: the round written then holds the
+    states it was sealed with and names their position (not the later one it is committed
+    with), and a daemon taking the partition on would rebuild from it."""
+    keys = make_keys(1)
+    config = dataclasses.replace(
+        daemon_config(bus_factory, "daemon-a"),
+        snapshot_interval_records=12,
+        tick_interval_s=3600.0,  # the daemon's own ticks are folded records too: none here
+    )
+    began, release = threading.Event(), threading.Event()
+    sealing: list[tuple[dict[str, JobState], Round]] = []
+    seal_round = Snapshots._seal_round
+
+    def held(self: Snapshots, states: dict[str, JobState], round: Round, *args: Any) -> Any:
+        sealing.append((dict(states), round))
+        began.set()
+        release.wait(timeout=120.0)
+        return seal_round(self, states, round, *args)
+
+    monkeypatch.setattr(Snapshots, "_seal_round", held)
+    async with bus_factory.open(topics=DEFAULT_TOPICS) as bus:
+        b = DaemonService(config, keys=keys)
+        try:
+            async with running(b):
+                first = [started(A, 0), started(A, 1), *training(A, range(5))]
+                await publish(bus, first)
+                await eventually(lambda: folded(b, len(first)), timeout_s=60.0)
+                await eventually(lambda: asyncio.to_thread(began.wait, 0), timeout_s=60.0)
+                await publish(bus, training(A, range(5, 8)))
+                # Folded while the seal is held (the old loop stood still here).
+                await eventually(lambda: folded(b, len(first) + 6), timeout_s=60.0)
+                assert not await _written(bus), "not sent before it is sealed"
+                release.set()
+                await eventually(lambda: _written(bus), timeout_s=60.0)
+                [(states, round)] = sealing
+                assert len(first) <= round.offset < len(first) + 6
+                assert states[A] != b.jobs[A], "the job moved on while the round was sealed"
+                headers = await latest_headers(bus)
+                assert headers[A].offset == round.offset
+                positions = await bus.group_positions(config.group, "events")
+                committed = {tp.partition: offset for tp, offset in positions.items()}
+                assert committed[HERE] >= round.offset
+                loader = Snapshots(config.machine, DaemonMetrics(), max_message_bytes=1 << 20)
+                rebuild = (await loader.load(bus, committed, keys))[HERE]
+                assert rebuild.newest.offset == round.offset
+                assert rebuild.states == states
+        finally:
+            release.set()

@@ -27,8 +27,10 @@ from trainguard.daemon.forensics._report import (
 from trainguard.daemon.forensics._report_html import MAX_RANK_LANES, render_html
 from trainguard.schemas import (
     Heartbeat,
+    HeartbeatBatch,
     Resume,
     Signature,
+    batched_beat,
 )
 
 
@@ -326,3 +328,48 @@ def test_only_the_commands_the_daemon_issued_move_restore_times() -> None:
     job.commands.append(Stamped(genuine.at_ms + 5_000, forged))
     [incident] = job.report().incidents
     assert incident.restore_s == pytest.approx(9.99 + 0.3)  # the genuine record's time only
+
+
+def test_a_batch_reports_its_ranks_heartbeats_as_if_each_had_come_alone() -> None:
+    """A supervisor batching its node's heartbeats (``heartbeat-batch``) changes nothing in
+    the report: the same job with every two heartbeats appended together in one batch (at the
+    later one's append time) gives the same split of the wall time, step time and incidents.
+    The report once ignored batches: no rank was seen alive, the world size was 0."""
+    job = killed_once()
+    batched: list[Stamped] = []
+    pending: list[Stamped] = []
+    for item in job.events:
+        if isinstance(item.message, Heartbeat):
+            pending.append(item)
+            if len(pending) == 2:
+                batched.append(_batch(pending))
+                pending = []
+        else:
+            batched += [_batch([beat]) for beat in pending]
+            pending = []
+            batched.append(item)
+    batched += [_batch([beat]) for beat in pending]
+    assert len(batched) < len(job.events)
+
+    alone, together = job.report(), build_report(JOB, batched, job.audit, job.commands)
+    assert together.world_size == alone.world_size == 2
+    assert together.step_time_s == alone.step_time_s
+    assert together.time_s == pytest.approx(alone.time_s, abs=1e-3)
+    assert together.incidents == alone.incidents
+
+
+def _batch(items: list[Stamped]) -> Stamped:
+    """``items`` (heartbeats of one host) as one batch appended when the last of them was."""
+    beats = [item.message for item in items]
+    assert all(isinstance(b, Heartbeat) for b in beats)
+    return Stamped(
+        items[-1].at_ms,
+        HeartbeatBatch(
+            job_id=JOB,
+            ts=beats[-1].ts,
+            seq=beats[-1].seq,
+            host=HOST,
+            pid=1,
+            beats=tuple(batched_beat(b) for b in beats),
+        ),
+    )

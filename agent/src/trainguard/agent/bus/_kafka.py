@@ -87,6 +87,8 @@ _T = TypeVar("_T")
 
 # Kafka protocol error code for CreateTopics on an existing topic (another process won the race).
 _TOPIC_ALREADY_EXISTS = 36
+# ... and when the controller did not finish creating it within the request's timeout.
+_REQUEST_TIMED_OUT = 7
 # Kafka's transaction.timeout.ms for partition writers: a transaction open longer (its owner
 # paused, say) is aborted by the coordinator. Also how long a stalled owner's open transaction
 # can hold back read_committed readers of the topics it wrote to when no new owner fences it.
@@ -183,7 +185,12 @@ class KafkaBus(Bus):
         quiet_kafka_logs()
         quiet_kafka_orphans(asyncio.get_running_loop())
         timeout = self._config.connect_timeout_s
-        admin = AIOKafkaAdminClient(**self._client_kwargs())
+        # The admin's requests get the whole start-up deadline, not send_timeout_s: a broker
+        # just started (or busy) can take seconds to create topics, and a create that timed
+        # out client-side would fail start() though the broker goes on to create them.
+        admin = AIOKafkaAdminClient(
+            **self._client_kwargs() | {"request_timeout_ms": int(timeout * 1000)}
+        )
         try:
             try:
                 await self._bounded("connecting (admin)", admin.start(), timeout)
@@ -268,6 +275,12 @@ class KafkaBus(Bus):
         response = await admin.create_topics([self._new_topic(t, replication) for t in missing])
         for topic_result in response.topic_errors:
             name, code = topic_result[0], topic_result[1]
+            if code == _REQUEST_TIMED_OUT:
+                # The controller had not finished within the request's timeout; it goes on,
+                # so a later start() finds the topic (or creates it): an outage, retriable.
+                raise errors.BusUnavailable(
+                    f"Kafka at {self._servers}: creating topic {name!r} timed out in the broker"
+                )
             if code not in (0, _TOPIC_ALREADY_EXISTS):
                 raise errors.BusError(f"Kafka refused to create topic {name!r}: {topic_result!r}")
 

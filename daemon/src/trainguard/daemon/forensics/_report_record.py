@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trainguard.daemon.core import plain_value
-from trainguard.schemas import Checkpoint, ClockTick, Heartbeat, Lifecycle, Restore, Resume
+from trainguard.schemas import (
+    Checkpoint,
+    ClockTick,
+    Heartbeat,
+    HeartbeatBatch,
+    Lifecycle,
+    Restore,
+    Resume,
+)
 
 __all__ = [
     "AuditDigest",
@@ -196,7 +204,8 @@ class EventDigest:
     Attributes:
         start_ms, last_ms: the first and last event, ``None`` without events.
         world_size: the highest world size reported by a heartbeat.
-        beats, shards, lifecycles: heartbeats, checkpoint shards, lifecycle reports.
+        beats, shards, lifecycles: heartbeats (a batch's entries each as its rank's, at the
+            batch's append time), checkpoint shards, lifecycle reports.
         progress: by generation, ``(at_ms, step)`` of every report of a step reached
             (heartbeats, and ``error``/``finished``/``exited`` reports naming a step).
         step_times: step times (seconds) reported by heartbeats in the ``train`` phase.
@@ -211,6 +220,15 @@ class EventDigest:
     progress: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)
 
+    def add_beat(self, at_ms: int, beat: Heartbeat) -> None:
+        """Count ``beat``, appended at ``at_ms``."""
+        self.beats.append((at_ms, beat))
+        self.world_size = max(self.world_size, beat.world_size)
+        self.progress.setdefault(beat.generation, []).append((at_ms, beat.step))
+        time_s = beat.step_time_s
+        if beat.phase == "train" and time_s is not None and math.isfinite(time_s):
+            self.step_times.append(time_s)
+
 
 def read_events(events: Iterable[Timed]) -> EventDigest:
     """Sort the job's events by append time (stable) and by kind."""
@@ -223,12 +241,12 @@ def read_events(events: Iterable[Timed]) -> EventDigest:
         out.last_ms = at
         match msg:
             case Heartbeat():
-                out.beats.append((at, msg))
-                out.world_size = max(out.world_size, msg.world_size)
-                out.progress.setdefault(msg.generation, []).append((at, msg.step))
-                time_s = msg.step_time_s
-                if msg.phase == "train" and time_s is not None and math.isfinite(time_s):
-                    out.step_times.append(time_s)
+                out.add_beat(at, msg)
+            case HeartbeatBatch():
+                # Each entry counts as its rank's heartbeat at the batch's append time, as
+                # the daemon folds it.
+                for beat in msg.heartbeats():
+                    out.add_beat(at, beat)
             case Checkpoint():
                 out.shards.append((at, msg))
             case Lifecycle():

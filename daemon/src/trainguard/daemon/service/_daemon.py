@@ -133,7 +133,12 @@ from trainguard.daemon.service._pruning import Pruning
 from trainguard.daemon.service._pulse import Pulse
 from trainguard.daemon.service._security import EventAuth
 from trainguard.daemon.service._settings import DaemonConfig
-from trainguard.daemon.service._snapshot_store import Rebuild, SnapshotKeys, Snapshots
+from trainguard.daemon.service._snapshot_store import (
+    Rebuild,
+    SealedRound,
+    SnapshotKeys,
+    Snapshots,
+)
 from trainguard.schemas import (
     DEFAULT_MAX_BYTES,
     Abort,
@@ -153,7 +158,6 @@ from trainguard.schemas import (
     decode,
     encode,
     sign,
-    split_manifest,
 )
 
 __all__ = ["DaemonService"]
@@ -286,6 +290,9 @@ class DaemonService:
         )
         self._snapshot_due = time.monotonic() + config.snapshot_interval_s
         self._snapshot_folded = 0  # counters["folded"] at the last round
+        # partition -> the round being sealed for it (in a worker thread) and the partition
+        # as owned when sealing began
+        self._sealing: dict[int, tuple[Owned, asyncio.Future[SealedRound]]] = {}
         # Manifests are stored on a thread of their own (:meth:`_store`).
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="trainguard-manifests")
         self._storing: Future[None] | None = None
@@ -507,6 +514,7 @@ class DaemonService:
                     await self._commit(force=True)
                 if stop.is_set() and not crashed:  # a clean stop: the next start reads little
                     await self._write_snapshots(force=True)
+                self._drop_sealing()
                 await self._close_writers()
                 if self._consumer is not None:
                     await self._consumer.close()
@@ -921,8 +929,8 @@ class DaemonService:
             match decision:
                 case Issue(command=command):
                     await self._issue(p, job, command)
-                case Committed(manifest=manifest):
-                    await self._publish_commit(p, job, manifest)
+                case Committed(manifest=manifest, split=split):
+                    await self._publish_commit(p, job, manifest, split)
                 case Rejected(reason=reason):
                     self.counters["rejected"] += 1
                     await self._dead_letter(record, reason)
@@ -955,12 +963,14 @@ class DaemonService:
         # without its record, nor recorded without having been acted on.
         await self._out(p, "audit", job, orjson.dumps(audit))
 
-    async def _publish_commit(self, partition: int, job: str, manifest: Manifest) -> None:
-        """Store a committed snapshot's manifest beside its checkpoint (head and parts, what a
-        restore command's reference names), then publish it signed on ``manifests``: whole
-        when it fits both a record and the codec's default limit its readers decode with
-        (:data:`~trainguard.schemas.DEFAULT_MAX_BYTES`, 64 KiB: about 350 ranks), else its
-        head (``docs/checkpoints.md``, "Manifests").
+    async def _publish_commit(
+        self, partition: int, job: str, manifest: Manifest, split: SplitManifest
+    ) -> None:
+        """Store a committed snapshot's manifest beside its checkpoint (``split``: head and
+        parts, what a restore command's reference names), then publish it signed on
+        ``manifests``: whole when it fits both a record and the codec's default limit its
+        readers decode with (:data:`~trainguard.schemas.DEFAULT_MAX_BYTES`, 64 KiB: about 350
+        ranks), else its head (``docs/checkpoints.md``, "Manifests").
 
         The write comes before the record joins the partition's transaction, so a committed
         record on ``manifests`` means the manifest was stored, unless storing failed or was
@@ -971,7 +981,6 @@ class DaemonService:
         manifests are not stored (storage that hangs stalls the fold once, not per commit,
         and ties up no other thread). A head too large for a record is stored only.
         """
-        split = split_manifest(manifest)
         # Readers decode ``manifests`` with the codec's default limit, so a whole manifest
         # goes on the bus only within it (and within the bus's record size). Its size,
         # about: its parts and head (the parts' framing aside); exactly: its encoding.
@@ -1099,14 +1108,20 @@ class DaemonService:
 
     async def _write_snapshots(self, *, force: bool = False) -> None:
         """Every ``snapshot_interval_s`` or ``snapshot_interval_records`` folded records,
-        whichever comes first (or now, with ``force``): for each partition caught
-        up with its committed position, write a round of snapshots at its position in its open
-        transaction and commit that position with them, so that a round is visible exactly
-        when the position it names is the committed one. A partition whose commit fails
-        waits for the next round."""
+        whichever comes first (or now, with ``force``): for each partition caught up with its
+        committed position, seal a round of snapshots of its jobs at its position ``P`` in a
+        worker thread while the loop folds on (at 16,384 ranks a round is about a second of
+        CPU, which would otherwise hold back every record behind it). A sealed round is sent
+        in the partition's open transaction, which is then committed: its position is ``P``
+        or later, so a round is visible only once everything below ``P`` has been acted on
+        (``_snapshot_store``, "Writing"). A round whose partition was lost, taken on again or
+        rolled back below ``P`` meanwhile is dropped; a partition whose commit fails waits for
+        the next round. With ``force`` (a clean stop) the rounds are sealed, sent and
+        committed before this returns."""
         keys = self._keys
         if self._snapshots is None or keys is None:
             return
+        await self._send_sealed(wait=force)
         every = self._c.snapshot_interval_records
         folded = self.counters["folded"]
         if not (
@@ -1117,21 +1132,45 @@ class DaemonService:
             return
         self._snapshot_due = time.monotonic() + self._c.snapshot_interval_s
         self._snapshot_folded = folded
-        snapshots = self._snapshots
-        parts = [
-            part
-            for part in self._partitions.values()
-            if part.writer is not None and part.position >= part.replay_until
-        ]
-
-        async def one(part: Owned) -> None:
-            await self._settle(part)
-            p, writer = part.partition, part.writer
-            if writer is None or p in self._dropping:
-                return
+        for part in self._partitions.values():
+            p = part.partition
+            if (
+                not part.jobs
+                or part.writer is None
+                or part.position < part.replay_until
+                or p in self._dropping
+                or p in self._sealing
+            ):
+                continue
             states = {job: self.jobs[job] for job in part.jobs}
+            sealing = self._snapshots.seal(p, part.position, states, keys)
+            self._sealing[p] = (part, asyncio.ensure_future(sealing))
+        if force:
+            await self._send_sealed(wait=True)
+
+    async def _send_sealed(self, *, wait: bool = False) -> None:
+        """Send each round sealed by now (every round being sealed, with ``wait``) and commit
+        its partition (:meth:`_write_snapshots`)."""
+        snapshots = self._snapshots
+        if snapshots is None or not self._sealing:
+            return
+        if wait:
+            await asyncio.wait([task for _, task in self._sealing.values()])
+
+        async def one(p: int) -> None:
+            part, task = self._sealing.pop(p)
+            sealed = task.result()
+            await self._settle(part)
+            writer = part.writer
+            if (
+                self._partitions.get(p) is not part
+                or writer is None
+                or p in self._dropping
+                or part.position < sealed.position
+            ):
+                return
             try:
-                written = await snapshots.write(writer, p, part.position, states, keys)
+                written = await snapshots.send(writer, sealed)
             except BusError as exc:
                 await self._write_failed(part, exc)
                 return
@@ -1140,9 +1179,17 @@ class DaemonService:
             if await self._settle(part):
                 snapshots.committed(p)
                 if written:
-                    log.info("snapshots written", partition=p, offset=part.position, jobs=written)
+                    log.info("snapshots written", partition=p, offset=sealed.position, jobs=written)
 
-        await asyncio.gather(*(one(part) for part in parts))
+        done = [p for p, (_, task) in self._sealing.items() if task.done()]
+        await asyncio.gather(*(one(p) for p in done))
+
+    def _drop_sealing(self) -> None:
+        """Forget the rounds being sealed (the loop ends): their threads run to their end,
+        nothing is sent."""
+        for _, task in self._sealing.values():
+            task.cancel()
+        self._sealing.clear()
 
     # -- keys --------------------------------------------------------------------------------
 
