@@ -1,5 +1,5 @@
-"""Shared pytest fixtures: one Kafka broker and one S3 server per session (per xdist worker:
-each worker is a session), unique topic prefixes and buckets, a Kafka and an S3 tally.
+"""Shared pytest fixtures: one Kafka broker and one S3 server per test run, unique topic
+prefixes and buckets, a Kafka and an S3 tally.
 
 Kafka tests carry ``@pytest.mark.kafka`` and take the ``kafka_bootstrap`` fixture. The broker is
 ``$TRAINGUARD_KAFKA`` (``host:port``) when set, else a real broker started for the session by
@@ -9,15 +9,26 @@ Kafka tests carry ``@pytest.mark.kafka`` and take the ``kafka_bootstrap`` fixtur
 session by ``deploy/s3/s3-dev``. Without java/mvn, or when a start fails, those tests are
 skipped, except under ``CI=true``, where they fail: in CI they never silently skip. The terminal
 summary counts the kafka- and s3-marked outcomes so CI logs show they ran.
+
+Under pytest-xdist the controller starts the broker and the server once, before the workers,
+and hands them to every worker through those two variables (:func:`pytest_configure`): each
+worker is a session of its own and would otherwise start two JVMs of its own, about a minute of
+CPU per run that a 2-core machine takes from the tests. If the controller's start fails, each
+worker starts its own as above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +44,52 @@ from tests.support.s3_dev import (
 
 _BROKER_LABEL = pytest.StashKey[str]()
 _S3_LABEL = pytest.StashKey[str]()
+_SHARED_SERVERS = pytest.StashKey[contextlib.ExitStack]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the controller of a pytest-xdist run: start the Kafka broker and the S3 server for
+    all workers, side by side, unless ``$TRAINGUARD_KAFKA`` / ``$TRAINGUARD_S3`` name them,
+    and export their addresses in those variables, which the workers inherit."""
+    if not config.getoption("numprocesses", None) or hasattr(config, "workerinput"):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="trainguard-test-servers-"))
+    stack = contextlib.ExitStack()
+    stack.callback(shutil.rmtree, folder, ignore_errors=True)
+    config.stash[_SHARED_SERVERS] = stack
+    servers: list[tuple[str, str, pytest.StashKey[str], Callable[[], Any]]] = []
+    if not os.environ.get("TRAINGUARD_KAFKA"):
+        servers.append(
+            ("TRAINGUARD_KAFKA", "kafka", _BROKER_LABEL, lambda: dev_broker(folder / "kafka"))
+        )
+    if not os.environ.get("TRAINGUARD_S3"):
+        servers.append(("TRAINGUARD_S3", "s3", _S3_LABEL, lambda: dev_server(folder / "s3")))
+
+    def start(make: Callable[[], Any]) -> tuple[Any, Any]:
+        manager = make()  # the run folders are made by kafka-dev and s3-dev
+        return manager, manager.__enter__()
+
+    with ThreadPoolExecutor(len(servers) or 1) as pool:
+        started = [(server, pool.submit(start, server[3])) for server in servers]
+    for (variable, name, label, _), future in started:
+        try:
+            manager, value = future.result()
+        except (Exception, pytest.skip.Exception, pytest.fail.Exception) as exc:
+            # Each worker starts its own, and skips or fails its tests as it would alone.
+            print(f"conftest: the shared {name} server did not start ({exc}); one per worker")
+            continue
+        stack.push(manager.__exit__)
+        address = value if isinstance(value, str) else value.endpoint_url
+        os.environ[variable] = address
+        stack.callback(os.environ.pop, variable, None)
+        config.stash[label] = f"{address} (started once for all xdist workers, in {folder / name})"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop what :func:`pytest_configure` started."""
+    stack = config.stash.get(_SHARED_SERVERS, None)
+    if stack is not None:
+        stack.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,25 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.scenarios.harness import REPO, WORLD_SIZE, JobRun, Shape
+from tests.scenarios.harness import JobRun, Shape, shared_reference
 from tests.support.buses import BusFactory
-from trainguard.daemon.demo._harness import reference_run
 
 SHAPE = Shape()
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Output folder of the uninterrupted run of :data:`SHAPE` (run once per session, no
+    """Output folder of the uninterrupted run of :data:`SHAPE` (run once per test run, no
     daemon needed), which every scenario's outcome is compared with."""
-    return reference_run(
-        REPO,
-        tmp_path_factory.mktemp("reference"),
-        steps=SHAPE.steps,
-        checkpoint_every=SHAPE.checkpoint_every,
-        seed=SHAPE.seed,
-        world_size=WORLD_SIZE,
-    )
+    return shared_reference(tmp_path_factory.getbasetemp(), SHAPE)
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
+from filelock import FileLock
 
 from examples.charlm.ledger import compare_ledgers, ledger_path, read_ledger
 from tests.support.buses import BusFactory
@@ -37,6 +38,7 @@ from trainguard.daemon.demo._harness import (
     charlm_env,
     follow_job,
     read_job_record,
+    reference_run,
     start_daemon,
     stop_process,
     supervise,
@@ -302,6 +304,33 @@ class JobRun:
             "replaying the job does not reproduce its recorded decisions: "
             f"{orjson.dumps(difference_json(difference), option=orjson.OPT_INDENT_2).decode()} "
             f"{self.describe()}"
+        )
+
+
+def shared_reference(basetemp: Path, shape: Shape) -> Path:
+    """The uninterrupted run of ``shape`` (:func:`~trainguard.daemon.demo._harness.
+    reference_run`, no daemon needed), computed once per test run: its cache sits beside the
+    session's base temp dir under pytest-xdist (``basetemp`` is then ``.../popen-gwN``, one
+    per worker, with a parent they share) and in it otherwise. A lock per shape makes a
+    worker that needs the run while another computes it wait for that one instead of
+    computing it again.
+
+    Raises:
+        RuntimeError, TimeoutError: as ``reference_run``.
+    """
+    root = basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
+    cache = root / "references"
+    cache.mkdir(exist_ok=True)
+    with FileLock(
+        cache / f"{shape.steps}-{shape.checkpoint_every}-{shape.seed}-{shape.world_size}.lock"
+    ):
+        return reference_run(
+            REPO,
+            cache,
+            steps=shape.steps,
+            checkpoint_every=shape.checkpoint_every,
+            seed=shape.seed,
+            world_size=shape.world_size,
         )
 
 

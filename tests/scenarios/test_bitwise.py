@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.scenarios.harness import REPO, JobRun, Shape, assert_exact, only
+from tests.scenarios.harness import JobRun, Shape, assert_exact, only, shared_reference
 from tests.support.buses import BusFactory
-from trainguard.daemon.demo._harness import reference_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -28,28 +27,14 @@ KILL_STEP = 50
 steps, the first of them with the construction-time bucket layout."""
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """The uninterrupted run of each shape (no daemon needed)."""
-    cache = tmp_path_factory.mktemp("references")
-    return {
-        size: reference_run(
-            REPO,
-            cache,
-            steps=shape.steps,
-            checkpoint_every=shape.checkpoint_every,
-            seed=shape.seed,
-            world_size=size,
-        )
-        for size, shape in SHAPES.items()
-    }
-
-
 @pytest.fixture
 def sized_run(
-    size: int, bus_factory: BusFactory, tmp_path: Path, references: dict[int, Path]
+    size: int, bus_factory: BusFactory, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[JobRun]:
-    run = JobRun(bus_factory, tmp_path, SHAPES[size], references[size])
+    # The uninterrupted run of the size's shape, once per test run (the sizes' tests may run
+    # on different xdist workers).
+    reference = shared_reference(tmp_path_factory.getbasetemp(), SHAPES[size])
+    run = JobRun(bus_factory, tmp_path, SHAPES[size], reference)
     try:
         yield run
     finally:
