@@ -85,38 +85,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[label] = f"{address} (started once for all xdist workers, in {folder / name})"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On an xdist worker: spread the scenario modules (real training jobs, most of the run's
-    time) evenly over the collection, dealt in turn to each worker's share, keeping every
-    module's tests together and in order. ``--dist worksteal`` gives each worker a contiguous
-    share of the collection to start with, and the scenarios, all in one folder, fell to one
-    worker, which ran them one after another while the others ran the quick tests; what the
-    others stole from it later came from the end of its queue."""
-    workers = getattr(config, "workerinput", {}).get("workercount", 0)
-    if workers < 2:
-        return
-    modules: dict[Path, list[pytest.Item]] = {}
-    for item in items:
-        modules.setdefault(item.path, []).append(item)
-    scenarios = Path(__file__).parent / "scenarios"
-    heavy = [m for m in modules if m.is_relative_to(scenarios)]
-    if not heavy:
-        return
-    light = [m for m in modules if not m.is_relative_to(scenarios)]
-    dealt = [m for lane in range(workers) for m in heavy[lane::workers]]
-    spacing = len(items) / len(dealt)
-    ordered: list[pytest.Item] = []
-    placed = 0
-    for module in light:
-        while placed < len(dealt) and len(ordered) >= placed * spacing:
-            ordered += modules[dealt[placed]]
-            placed += 1
-        ordered += modules[module]
-    for module in dealt[placed:]:
-        ordered += modules[module]
-    items[:] = ordered
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Stop what :func:`pytest_configure` started."""
     stack = config.stash.get(_SHARED_SERVERS, None)
