@@ -290,9 +290,9 @@ class DaemonService:
         )
         self._snapshot_due = time.monotonic() + config.snapshot_interval_s
         self._snapshot_folded = 0  # counters["folded"] at the last round
-        # partition -> the round being sealed for it (in a worker thread) and the partition
-        # as owned when sealing began
-        self._sealing: dict[int, tuple[Owned, asyncio.Future[SealedRound]]] = {}
+        # partition -> the round being sealed for it (in a worker thread), the partition as
+        # owned when sealing began and its rollback count then
+        self._sealing: dict[int, tuple[Owned, int, asyncio.Future[SealedRound]]] = {}
         # Manifests are stored on a thread of their own (:meth:`_store`).
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="trainguard-manifests")
         self._storing: Future[None] | None = None
@@ -439,6 +439,7 @@ class DaemonService:
             self._snapshots.forget(list(self.jobs))
         self._books.clear()
         self._partitions = {}
+        self._drop_sealing()
         self._last_tick_ns.clear()
         self._consumer = None
         self._resync_needed = False
@@ -574,6 +575,7 @@ class DaemonService:
         for part in self._partitions.values():
             self._drop_jobs(part)
         self._partitions = {}
+        self._drop_sealing()  # rounds of the partitions just dropped
         assigned = sorted(tp.partition for tp in consumer.assignment() if tp.topic == "events")
         # Failures of partitions still this instance's count on: taking them on again is no
         # commit.
@@ -1115,7 +1117,7 @@ class DaemonService:
         in the partition's open transaction, which is then committed: its position is ``P``
         or later, so a round is visible only once everything below ``P`` has been acted on
         (``_snapshot_store``, "Writing"). A round whose partition was lost, taken on again or
-        rolled back below ``P`` meanwhile is dropped; a partition whose commit fails waits for
+        rolled back meanwhile is dropped; a partition whose commit fails waits for
         the next round. With ``force`` (a clean stop) the rounds are sealed, sent and
         committed before this returns."""
         keys = self._keys
@@ -1144,7 +1146,7 @@ class DaemonService:
                 continue
             states = {job: self.jobs[job] for job in part.jobs}
             sealing = self._snapshots.seal(p, part.position, states, keys)
-            self._sealing[p] = (part, asyncio.ensure_future(sealing))
+            self._sealing[p] = (part, part.rollbacks, asyncio.ensure_future(sealing))
         if force:
             await self._send_sealed(wait=True)
 
@@ -1155,19 +1157,18 @@ class DaemonService:
         if snapshots is None or not self._sealing:
             return
         if wait:
-            await asyncio.wait([task for _, task in self._sealing.values()])
+            await asyncio.wait([task for _, _, task in self._sealing.values()])
 
         async def one(p: int) -> None:
-            part, task = self._sealing.pop(p)
+            part, rollbacks, task = self._sealing.pop(p)
             sealed = task.result()
+            if self._partitions.get(p) is not part:
+                return  # taken on again since: the old partition object is done with
             await self._settle(part)
             writer = part.writer
-            if (
-                self._partitions.get(p) is not part
-                or writer is None
-                or p in self._dropping
-                or part.position < sealed.position
-            ):
+            # After a rollback the partition is below the round's position, or folded past
+            # it again perhaps under other keys (a reload): the round is the old fold's.
+            if writer is None or p in self._dropping or part.rollbacks != rollbacks:
                 return
             try:
                 written = await snapshots.send(writer, sealed)
@@ -1181,13 +1182,15 @@ class DaemonService:
                 if written:
                     log.info("snapshots written", partition=p, offset=sealed.position, jobs=written)
 
-        done = [p for p, (_, task) in self._sealing.items() if task.done()]
+        done = [p for p, (_, _, task) in self._sealing.items() if task.done()]
         await asyncio.gather(*(one(p) for p in done))
 
     def _drop_sealing(self) -> None:
         """Forget the rounds being sealed (the loop ends): their threads run to their end,
         nothing is sent."""
-        for _, task in self._sealing.values():
+        for _, _, task in self._sealing.values():
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: asyncio would log it as never retrieved
             task.cancel()
         self._sealing.clear()
 

@@ -105,6 +105,8 @@ class Owned:
         committing: the commit in flight, if any, and the position it commits. Nothing is
             folded into, sent for or advanced on the partition until it is settled, so the
             bookkeeping at its end is the one at its start.
+        rollbacks: how many times :meth:`rollback` ran (a snapshot round sealed before one is
+            not sent after it).
     """
 
     partition: int
@@ -121,6 +123,7 @@ class Owned:
     committed_at: float = field(default_factory=time.monotonic)
     at_commit: Checkpoint | None = None
     committing: tuple[asyncio.Future[None], int] | None = None
+    rollbacks: int = 0
 
     def commit_due(self, now: float, max_records: int, interval_s: float) -> bool:
         """Whether to commit now: something to commit, and ``max_records`` folded or
@@ -174,6 +177,7 @@ class Owned:
         self.folded = 0
         self.wrote = False
         self.last_commit = time.monotonic()
+        self.rollbacks += 1
 
 
 @dataclass(frozen=True, slots=True)
