@@ -25,9 +25,10 @@ What it keeps, and what shows it:
 * after an outage, the end offsets read on reconnecting: until the service has folded up to
   them, :meth:`BusWatch.holding` says to write no ticks (the log of the outage arrives first).
 
-Log lines, each once per outage: ``bus outage started`` (error: what failed, seconds since the
+Log lines: ``bus outage started`` (error, once per outage: what failed, seconds since the
 last contact), ``bus outage ended`` (warning: how long), ``caught up after outage`` (info:
-records folded since, seconds taken).
+records folded since, seconds taken). An outage that resumes (below) ends again, so it has one
+``bus outage ended`` per end, and a ``caught up after outage`` after any of them.
 
 Before the probes, the service reaches the bus (connecting, joining its consumer group) and
 tells the watch: :meth:`BusWatch.connecting` when it begins, :meth:`BusWatch.unreachable` when
