@@ -548,13 +548,14 @@ class SQLiteBus(Bus):
             idle_poll_s=self._config.idle_poll_s,
         )
 
-    async def _wait_for_append(self, timeout_s: float) -> None:
+    async def _wait_for_append(self, timeout_s: float) -> bool:
         appended = self._appended
         try:
             async with asyncio.timeout(timeout_s):
                 await appended.wait()
         except TimeoutError:
-            return
+            return False
+        return True
 
     async def _flush(self) -> None:
         """Write queued records batch by batch until the queue is empty (group commit)."""

@@ -5,7 +5,11 @@ another connection (any process, or this bus's own writer) committed to the file
 the queries when nothing changed; between polls it sleeps from 2 ms, doubling up to
 ``BusConfig.idle_poll_s`` (default 20 ms) while idle, and wakes at once when its own bus
 appended records. So a record from another process arrives within about ``idle_poll_s``, one
-from the same bus without delay.
+from the same bus without delay. The cadence belongs to the consumer, not to one
+:meth:`~SQLiteConsumer.getmany`: a caller polling in a loop with a short timeout (the daemon's
+50 ms) does not restart it at 2 ms each time, so an idle consumer polls about
+``1 / idle_poll_s`` times a second however it is called (each poll is a hop to the reader
+thread and back: an idle daemon polled about 110 times a second before, half of its idle CPU).
 
 Group members renew their lease from a task of their own (the keeper), as Kafka's consumer
 heartbeats from a thread of its own, so that a consumer whose owner is busy between polls (a
@@ -52,7 +56,8 @@ class ConsumerContext:
         names: topic id -> logical topic name, for the bus's topics.
         resolve: logical :class:`TopicPartition` -> ``(topic_id, partition)``; raises
             :class:`BusError` for an unknown topic or partition.
-        wait_for_append: sleeps up to the given seconds or until the bus appends records.
+        wait_for_append: sleeps up to the given seconds or until the bus appends records;
+            returns whether an append woke it.
         bus_closed: whether the bus was closed.
         forget: called with the consumer when it closes.
         write_timeout_s: how long group writes may wait for the file's lock, seconds.
@@ -66,7 +71,7 @@ class ConsumerContext:
     writer: ConnectionThread
     names: Mapping[int, str]
     resolve: Callable[[TopicPartition], _TP]
-    wait_for_append: Callable[[float], Awaitable[None]]
+    wait_for_append: Callable[[float], Awaitable[bool]]
     bus_closed: Callable[[], bool]
     forget: Callable[[SQLiteConsumer], None]
     write_timeout_s: float
@@ -171,6 +176,8 @@ class SQLiteConsumer(Consumer):
         self._first = 0
         self._heartbeat_due = 0.0
         self._polled_at = 0.0
+        self._idle_delay = _POLL_MIN_S  # the next sleep of the idle cadence, seconds
+        self._next_poll_at = 0.0  # event loop time when the idle cadence polls again
         self._keeper: asyncio.Task[None] | None = None
         self._renewing = asyncio.Lock()
         self._closed = False
@@ -193,19 +200,27 @@ class SQLiteConsumer(Consumer):
         self._polled_at = loop.time()
         self._keep_lease()
         deadline = loop.time() + timeout_s
-        delay = _POLL_MIN_S
+        woken = False
         while True:
             membership = self._membership  # a rejoin replaces it
             if membership is not None and loop.time() >= self._heartbeat_due:
                 await self._heartbeat(membership)
-            records = await self._poll(max_records)
-            if records:
-                return records
+            # A seek, a commit or records left over (dirty), or an append of this bus: at once;
+            # else on the idle cadence, which goes on from the previous call.
+            if woken or self._dirty or loop.time() >= self._next_poll_at:
+                records = await self._poll(max_records)
+                if records:
+                    self._idle_delay = _POLL_MIN_S
+                    self._next_poll_at = 0.0
+                    return records
+                self._next_poll_at = loop.time() + self._idle_delay
+                self._idle_delay = min(2 * self._idle_delay, self._ctx.idle_poll_s)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return []
-            await self._ctx.wait_for_append(min(delay, remaining))
-            delay = min(2 * delay, self._ctx.idle_poll_s)
+            woken = await self._ctx.wait_for_append(
+                min(max(0.0, self._next_poll_at - loop.time()), remaining)
+            )
             self._check_open()
 
     async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
