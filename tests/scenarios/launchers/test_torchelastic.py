@@ -4,6 +4,8 @@ _torchelastic.py``), from the texts torch 2.13's torchrun writes."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -123,3 +125,37 @@ def test_torchruns_restarts_may_come_from_its_environment(monkeypatch: pytest.Mo
     monkeypatch.setenv("PET_MAX_RESTARTS", "2")
     assert torchrun_max_restarts(["torchrun", "--standalone", "train.py"]) == 2
     assert torchrun_max_restarts(["torchrun", "--max-restarts", "0", "train.py"]) == 0
+
+
+def test_restarts_hidden_in_a_wrapper_script_are_refused_by_every_rank_at_its_first_start(
+    tmp_path: Path,
+) -> None:
+    """A real torchrun with ``--max-restarts 1`` behind a shell script, in a rank's environment
+    as ``trainguard run`` makes it (``TRAINGUARD_GENERATION``): the supervisor cannot read the
+    flag, but torchrun puts it in each worker's environment, and the agent's settings refuse it
+    before anything is trained, at the first start and at torchrun's own restart."""
+    trained = tmp_path / "trained"
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import pathlib, sys\n"
+        "from trainguard.agent import AgentConfig\n"
+        "AgentConfig.resolve()\n"
+        f"pathlib.Path({str(trained)!r}).write_text('a step')\n"
+    )
+    wrapper = tmp_path / "train.sh"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'exec "{sys.executable}" -m torch.distributed.run --standalone --nproc-per-node 1 '
+        f'--max-restarts 1 "{worker}"\n'
+    )
+    wrapper.chmod(0o755)
+    command = [str(wrapper)]
+    assert torchrun_max_restarts(command) is None  # what the supervisor can see
+    env = {**os.environ, "TRAINGUARD_JOB": "j", "TRAINGUARD_GENERATION": "0"}
+    env.pop("PET_MAX_RESTARTS", None)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert not trained.exists(), "a rank trained although torchrun may restart it itself"
+    refusals = done.stderr.count("torchrun restarts this rank itself")
+    assert refusals >= 2, done.stderr  # the first start and torchrun's one restart
+    assert "TORCHELASTIC_MAX_RESTARTS=1" in done.stderr

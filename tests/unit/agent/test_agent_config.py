@@ -164,15 +164,19 @@ def test_a_warm_spare_that_was_not_handed_off_gets_no_settings() -> None:
         AgentConfig.resolve(env={"TRAINGUARD_JOB": "j", "TRAINGUARD_SPARE_FD": "5"})
 
 
-def test_a_rank_torchrun_restarted_of_its_own_under_trainguard_run_gets_no_settings() -> None:
+def test_a_rank_torchrun_may_restart_of_its_own_under_trainguard_run_gets_no_settings() -> None:
     """torchrun with ``--max-restarts`` above 0 restarts a failed rank in the same generation,
     behind the daemon's back (``docs/launchers.md``): refused when a supervisor set the
-    generation; a first start, or torchrun without ``trainguard run``, is not."""
+    generation, at the first start already (a wrapper script may hide the flag from the
+    supervisor, not from the worker's environment); torchrun with ``--max-restarts 0``, or
+    without ``trainguard run``, is not."""
     supervised = {"TRAINGUARD_JOB": "j", "TRAINGUARD_GENERATION": "2"}
+    first = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "0"}
+    with pytest.raises(ConfigError, match=r"TORCHELASTIC_MAX_RESTARTS=3.*--max-restarts 0"):
+        AgentConfig.resolve(env={**supervised, **first})
     with pytest.raises(ConfigError, match=r"TORCHELASTIC_RESTART_COUNT=1.*--max-restarts 0"):
         AgentConfig.resolve(env={**supervised, "TORCHELASTIC_RESTART_COUNT": "1"})
-    assert (
-        AgentConfig.resolve(env={**supervised, "TORCHELASTIC_RESTART_COUNT": "0"}).generation == 2
-    )
-    alone = {"TRAINGUARD_JOB": "j", "TORCHELASTIC_RESTART_COUNT": "3"}
+    none = {"TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert AgentConfig.resolve(env={**supervised, **none}).generation == 2
+    alone = {"TRAINGUARD_JOB": "j", **first, "TORCHELASTIC_RESTART_COUNT": "3"}
     assert AgentConfig.resolve(env=alone).generation == 0

@@ -40,8 +40,9 @@ from trainguard.schemas.settings import build, from_environment
 __all__ = ["DEFAULT_BUS_URL", "AgentConfig"]
 
 
-_TORCHRUN_RESTARTS_ENV = "TORCHELASTIC_RESTART_COUNT"
-"""How many times torchrun restarted the rank's worker group (torchelastic sets it)."""
+_TORCHRUN_RESTARTS_ENV = ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT")
+"""How many times torchrun may restart the rank's worker group, and how many times it did
+(torchelastic's ``LocalElasticAgent`` sets both in every worker's environment)."""
 
 _ENVIRONMENT: Mapping[str, tuple[str, ...]] = {
     "job_id": ("TRAINGUARD_JOB",),
@@ -251,8 +252,9 @@ class AgentConfig:
             ConfigError: unknown setting, ``job_id`` missing, an environment variable that does
                 not parse, or an invalid value (see the class docstring); or ``env`` is a warm
                 spare's that was not handed off yet (``TRAINGUARD_SPARE_FD`` set), or a rank
-                torchrun restarted of its own under ``trainguard run``
-                (``TORCHELASTIC_RESTART_COUNT`` above 0 with ``TRAINGUARD_GENERATION`` set).
+                torchrun may restart (or did restart) of its own under ``trainguard run``
+                (``TORCHELASTIC_MAX_RESTARTS`` or ``TORCHELASTIC_RESTART_COUNT`` above 0 with
+                ``TRAINGUARD_GENERATION`` set).
         """
         env = os.environ if env is None else env
         if SPARE_FD_ENV in env:
@@ -263,15 +265,16 @@ class AgentConfig:
                 "set): call trainguard.agent.await_handoff() before the agent's settings are "
                 "read (docs/warm-restarts.md)"
             )
-        restarted = env.get(_TORCHRUN_RESTARTS_ENV, "")
-        if restarted not in ("", "0") and env.get("TRAINGUARD_GENERATION"):
-            # torchrun restarted this rank of its own (--max-restarts > 0, behind a script
-            # or a variable the supervisor could not read): same generation, unknown state.
-            raise ConfigError(
-                f"torchrun restarted this rank itself ({_TORCHRUN_RESTARTS_ENV}={restarted}) "
-                "in a job trainguard run supervises: run torchrun with --max-restarts 0; "
-                "trainguard's restores restart it in a new generation (docs/launchers.md)"
-            )
+        for name in _TORCHRUN_RESTARTS_ENV if env.get("TRAINGUARD_GENERATION") else ():
+            # torchrun may restart this rank of its own (--max-restarts > 0, behind a script
+            # or a variable the supervisor could not read): in the same generation, from
+            # unknown state. Refused at the first start, before any step is trained.
+            if env.get(name, "") not in ("", "0"):
+                raise ConfigError(
+                    f"torchrun restarts this rank itself ({name}={env[name]}) in a job "
+                    "trainguard run supervises: run torchrun with --max-restarts 0; "
+                    "trainguard's restores restart it in a new generation (docs/launchers.md)"
+                )
         try:
             values = from_environment(cls, env, _ENVIRONMENT)
             kafka_security = load_kafka_security(env=env)
