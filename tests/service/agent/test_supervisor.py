@@ -182,29 +182,39 @@ async def test_launcher_mode_gives_each_rank_torchrun_variables(tmp_path: Path) 
 
 
 async def test_a_restore_stops_workers_that_ignore_sigterm(tmp_path: Path) -> None:
+    """Also: the stopped worker is logged (no exit report on the bus: the daemon moved on)."""
     cfg = config(tmp_path, "stubborn", nproc_per_node=1)
     # What asyncio reports of futures nobody awaited, once they are collected.
     unhandled: list[str] = []
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda _, context: unhandled.append(context["message"]))
     try:
-        async with open_bus(bus_config(tmp_path)) as bus:
-            task = asyncio.ensure_future(Supervisor(cfg).run())
-            await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
-            await asyncio.sleep(0.5)  # let the worker install its SIGTERM handler
-            began = time.monotonic()
-            await bus.publish("commands", JOB, restore(1))
-            await wait_for(
-                bus, lambda es: any(e.kind == "started" and e.generation == 1 for e in es)
-            )
-            # Stopped by SIGKILL after the 1 s grace period, not left running.
-            assert 1.0 <= time.monotonic() - began < 10
-            await bus.publish("commands", JOB, abort_at(1))
-            assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
+        with structlog.testing.capture_logs() as logs:
+            await _restore_a_stubborn_worker(cfg, tmp_path)
         gc.collect()
     finally:
         loop.set_exception_handler(None)
     assert unhandled == []
+    # Generation 0's by the restore, generation 1's by the abort.
+    stopped = [
+        (e["generation"], e["ranks"], e["signal"]) for e in logs if e["event"] == "worker stopped"
+    ]
+    assert stopped[0] == (0, (0,), "SIGKILL"), stopped
+    assert [g for g, _, _ in stopped] == [0, 1], stopped
+
+
+async def _restore_a_stubborn_worker(cfg: SupervisorConfig, tmp_path: Path) -> None:
+    async with open_bus(bus_config(tmp_path)) as bus:
+        task = asyncio.ensure_future(Supervisor(cfg).run())
+        await wait_for(bus, lambda es: any(e.kind == "started" for e in es))
+        await asyncio.sleep(0.5)  # let the worker install its SIGTERM handler
+        began = time.monotonic()
+        await bus.publish("commands", JOB, restore(1))
+        await wait_for(bus, lambda es: any(e.kind == "started" and e.generation == 1 for e in es))
+        # Stopped by SIGKILL after the 1 s grace period, not left running.
+        assert 1.0 <= time.monotonic() - began < 10
+        await bus.publish("commands", JOB, abort_at(1))
+        assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
 
 
 async def test_an_in_process_restore_keeps_the_workers_and_adopts_its_generation(

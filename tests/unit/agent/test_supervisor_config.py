@@ -36,14 +36,21 @@ def config(tmp_path: Path, **overrides: Any) -> SupervisorConfig:
     [
         ({"job_id": "my job"}, "job_id"),
         ({"command": ["no-such-program-xyz"]}, "not found"),
-        ({"nproc_per_node": 0}, "nproc_per_node"),
+        ({"nproc_per_node": 0}, "--nproc-per-node must be >= 1, got 0"),
         ({"warm": True}, "warm spares need --nproc-per-node"),
         ({"nproc_per_node": 2, "ranks": (0, 1)}, "--ranks names the ranks of a plain-mode"),
         ({"nnodes": 2}, "master-port"),
-        ({"nnodes": 0}, "nnodes must be >= 1"),
-        ({"master_port": 99999}, "master_port must be 1..65535, got 99999"),
-        ({"master_port": 0}, "master_port must be 1..65535"),
-        ({"nnodes": 2, "master_port": 65000}, "master_port must be 1..64536 with several nodes"),
+        ({"nnodes": 0}, "--nnodes must be >= 1"),
+        ({"nnodes": 2, "node_rank": 2, "master_port": 29500}, "--node-rank 2 outside 0..1"),
+        ({"master_port": 99999}, "--master-port must be 1..65535, got 99999"),
+        ({"master_port": 0}, "--master-port must be 1..65535"),
+        (
+            {"nnodes": 2, "master_port": 65000},
+            "--master-port must be 1..64536 with several nodes",
+        ),
+        ({"grace_s": -1.0}, "--grace must be >= 0 seconds"),
+        ({"stop_timeout_s": float("inf")}, "--stop-timeout must be a finite number of seconds"),
+        ({"warn_every_s": 0.0}, "--warn-every must be a finite number of seconds > 0"),
         (
             {
                 "command": [

@@ -119,3 +119,10 @@ def test_the_demo_refuses_a_used_work_folder_and_files_for_folders(tmp_path: Pat
     DemoOptions(workdir=tmp_path / "new", cache=tmp_path / "cache")  # fine: created on use
     (tmp_path / "empty").mkdir()
     DemoOptions(workdir=tmp_path / "empty")
+
+
+def test_the_cache_follows_xdg_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert DemoOptions().cache == tmp_path / "trainguard" / "demo"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert DemoOptions().cache == Path.home() / ".cache" / "trainguard" / "demo"

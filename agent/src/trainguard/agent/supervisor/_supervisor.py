@@ -108,7 +108,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import orjson
 import structlog
@@ -211,6 +211,15 @@ _ANSWER_POLL_S = 1.0
 """Seconds between two looks at whether the daemon read a request this supervisor waits on."""
 
 
+_SECONDS_OPTIONS: Final = {
+    "daemon_timeout_s": "--daemon-timeout",
+    "stop_timeout_s": "--stop-timeout",
+    "heartbeat_batch_s": "--batch-heartbeats",
+}
+"""Durations of :class:`SupervisorConfig` that must be >= 0, by the ``trainguard run`` option
+that sets them (its messages name settings as the command line spells them)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SupervisorConfig:
     """What one node's supervisor runs.
@@ -289,7 +298,7 @@ class SupervisorConfig:
         if shutil.which(self.command[0]) is None:
             raise ConfigError(f"worker command {self.command[0]!r} not found")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
-            raise ConfigError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+            raise ConfigError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         restarts = torchrun_max_restarts(self.command)
         if restarts:
             raise ConfigError(
@@ -307,9 +316,9 @@ class SupervisorConfig:
                 "node's ranks follow from --node-rank (node_rank x nproc_per_node onwards)"
             )
         if self.nnodes < 1:
-            raise ConfigError(f"nnodes must be >= 1, got {self.nnodes}")
+            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"node_rank {self.node_rank} outside 0..{self.nnodes - 1}")
+            raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError("several nodes need one agreed --master-port (and --master-addr)")
         if self.master_port is not None:
@@ -318,16 +327,20 @@ class SupervisorConfig:
             if not 1 <= self.master_port <= highest:
                 several = " with several nodes (generation g uses it + g % 1000)"
                 raise ConfigError(
-                    f"master_port must be 1..{highest}{several if self.nnodes > 1 else ''}, "
+                    f"--master-port must be 1..{highest}{several if self.nnodes > 1 else ''}, "
                     f"got {self.master_port}"
                 )
         if self.grace_s < 0:
-            raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
-        for name in ("daemon_timeout_s", "stop_timeout_s", "heartbeat_batch_s"):
+            raise ConfigError(f"--grace must be >= 0 seconds, got {self.grace_s}")
+        for name, option in _SECONDS_OPTIONS.items():
             if not 0 <= getattr(self, name) < float("inf"):
-                raise ConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"{option} must be a finite number of seconds >= 0, got {getattr(self, name)}"
+                )
         if not 0 < self.warn_every_s < float("inf"):
-            raise ConfigError(f"warn_every_s must be a finite number > 0, got {self.warn_every_s}")
+            raise ConfigError(
+                f"--warn-every must be a finite number of seconds > 0, got {self.warn_every_s}"
+            )
         probe = Lifecycle(
             job_id=self.job_id, generation=0, ts=0, seq=0, rank=None, host=self.host, pid=1,
             kind="started", ranks=self.local_ranks(),
@@ -1351,7 +1364,7 @@ class Supervisor:
             pid=worker.proc.pid,
             generation=self._generation,
             exit_code=exit_code,
-            signal=signal.Signals(signal_no).name if signal_no else None,
+            signal=_signal_name(signal_no) if signal_no else None,
             step=step,
             last_words=said or None,
         )
@@ -1398,8 +1411,25 @@ class Supervisor:
         for w, code in zip(workers, codes, strict=True):
             if w not in reported:
                 self._gone(w, code, report=report)
+                if not report:  # unreported on the bus, but not unlogged
+                    log.info(
+                        "worker stopped",
+                        ranks=w.ranks,
+                        pid=w.proc.pid,
+                        generation=self._generation,
+                        exit_code=code if code >= 0 else None,
+                        signal=_signal_name(-code) if code < 0 else None,
+                    )
             if w.stderr is not None:
                 w.stderr.close()  # its process group is gone: nothing more to read
+
+
+def _signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; ``signal 40`` for a number without a name (real-time signals)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 async def _job_records(

@@ -538,7 +538,7 @@ def demo(
         Path | None,
         typer.Option(
             help="Where reference runs are cached (the few most recently used are kept); "
-            "default: ~/.cache/trainguard/demo."
+            "default: ~/.cache/trainguard/demo ($XDG_CACHE_HOME for ~/.cache when set)."
         ),
     ] = None,
     fault: Annotated[

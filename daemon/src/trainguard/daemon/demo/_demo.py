@@ -9,8 +9,9 @@ steps lost, and whether the final parameters and the sample ledger equal an unin
 reference run (one that skips the same batches when a restore skipped some). The restores
 counted and the batches they skipped are read from the daemon's audit trail: the ``commands``
 topic is compacted (the embedded bus keeps only the job's latest command once it is a minute
-old). Reference runs are cached in ``~/.cache/trainguard/demo`` (``--cache-dir``), one folder
-per distinct run (sources, training data, steps, checkpoint interval, world size, skipped
+old). Reference runs are cached in ``~/.cache/trainguard/demo`` (``$XDG_CACHE_HOME`` in place
+of ``~/.cache`` when set, as the XDG base directory spec says; ``--cache-dir``), one folder per
+distinct run (sources, training data, steps, checkpoint interval, world size, skipped
 steps, torch version and CPU kernels: ``_harness._reference_key``; the training seed is
 fixed, so the default demo reuses one), at most :data:`CACHE_KEEP` of them. The daemon
 restores in process where it can (``restore_mode = "in_process"``: non-finite loss, loss
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import shlex
 import subprocess
@@ -30,7 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,11 @@ CACHE_KEEP = 4
 """Most reference runs the demo's cache keeps (the most recently used; tens of MB each)."""
 
 
+def _cache_home() -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache`` (the XDG base directory specification)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
     """What ``trainguard demo`` runs.
@@ -95,7 +102,7 @@ class DemoOptions:
     steps: int = 240
     checkpoint_every: int = 20
     workdir: Path | None = None
-    cache: Path = Path.home() / ".cache" / "trainguard" / "demo"
+    cache: Path = field(default_factory=lambda: _cache_home() / "trainguard" / "demo")
     fault: str | None = None
     step_sleep: float = 0.0
 
