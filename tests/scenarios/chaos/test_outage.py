@@ -26,6 +26,7 @@ import pytest
 
 from tests.scenarios.chaos.chaos import (
     DEADLINE_S,
+    SMALL_MODEL,
     ChaosBroker,
     HealthPoller,
     broker_restored,
@@ -51,7 +52,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(600)]
 
 #: 600 steps of at least 0.2 s (``--step-sleep``) with a checkpoint every 20: at least 120 s of
 #: training, which outlasts startup, both outages and the recovery between them, and about 4 s
-#: between checkpoints, so that several fall inside each outage.
+#: between checkpoints, so that several fall inside each outage. The model is the chaos tests'
+#: small one (:data:`SMALL_MODEL`): its size is no part of an outage, and the default's steps
+#: cost the suite about 50 s of CPU here.
 SHAPE = Shape(steps=600, checkpoint_every=20, seed=13)
 STEP_SLEEP_S = 0.2
 PAUSE_S = 60.0
@@ -141,13 +144,14 @@ def test_broker_outages_restore_only_the_rank_killed_during_them(
         checkpoint_every=SHAPE.checkpoint_every,
         seed=SHAPE.seed,
         world_size=WORLD_SIZE,
+        extra=SMALL_MODEL,
     )
     try:
         with broker_restored(chaos_broker):
             a.start_daemon()
             url = f"{a.metrics_url()}/healthz"
             for run in runs:
-                run.start_job(extra=["--step-sleep", str(STEP_SLEEP_S)])
+                run.start_job(extra=[*SMALL_MODEL, "--step-sleep", str(STEP_SLEEP_S)])
             for run in runs:  # every job trains, and the daemon commits its snapshots
                 run.wait_for("a first commit", lambda m: isinstance(m, Manifest))
             with HealthPoller(url) as health:

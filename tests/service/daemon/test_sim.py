@@ -54,7 +54,9 @@ def _check_recovery(data: dict[str, Any], failures: int) -> None:
 @pytest.mark.timeout(1800)
 def test_embedded_bus_256_ranks_every_kind_and_a_daemon_sigkill(tmp_path: Path) -> None:
     """Batched heartbeats, as a large job would send them (the Kafka test below sends one
-    record per rank): a quarter of the daemon's work for the same detection."""
+    record per rank): a quarter of the daemon's work for the same detection. One fault of
+    each kind (the kinds take turns; ten faults are the 16,384-rank acceptance run's, in
+    ``bench/RESULTS.md``), the daemon SIGKILLed between the third and the fourth."""
     data = _sim(
         tmp_path,
         "--ranks", "256",
@@ -62,14 +64,14 @@ def test_embedded_bus_256_ranks_every_kind_and_a_daemon_sigkill(tmp_path: Path) 
         "--mtbf", "300",
         "--checkpoint-cost", "0.25",
         "--restart-time", "10",
-        "--failures", "10",
-        "--kill-daemon-at", "1500",
+        "--failures", "5",
+        "--kill-daemon-at", "700",
         "--seed", "3",
         timeout_s=1700,
     )  # fmt: skip
-    _check_recovery(data, 10)
+    _check_recovery(data, 5)
     assert sorted(f["kind"] for f in data["faults"]) == sorted(
-        ["kill", "hang", "nan", "sdc", "node"] * 2
+        ["kill", "hang", "nan", "sdc", "node"]
     )
     # A kill is seen through its supervisor's report (50 ms after the death), a NaN through
     # the next heartbeat; hangs and lost nodes need their timeouts.
