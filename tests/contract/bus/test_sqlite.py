@@ -26,6 +26,7 @@ from trainguard.agent.bus import (
 from trainguard.agent.bus._partitioner import partition_for
 from trainguard.agent.bus._sqlite import SQLiteBus
 from trainguard.agent.bus._sqlite_consumer import SQLiteConsumer
+from trainguard.agent.bus._sqlite_db import ChangeWatch
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -316,6 +317,46 @@ async def test_record_from_another_connection_arrives_quickly(tmp_path: Path) ->
         [record] = await consumer.getmany(timeout_s=5.0)
         assert record.value == b"restore"
         assert time.monotonic() - sent < 0.2
+
+
+async def test_an_idle_consumer_polls_the_reader_only_when_the_file_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle consumer asks the change watch (``PRAGMA data_version`` on the loop's thread)
+    and hops to its reader thread only when another connection committed meanwhile; what was
+    committed still arrives, here after long idling and from another bus object."""
+    path = tmp_path / "bus.db"
+    async with make_bus(path) as producer, make_bus(path) as consumer_bus:
+        consumer = await consumer_bus.assign(dict.fromkeys(EVENTS))
+        await consumer.getmany(timeout_s=0.3)  # idle: the cadence at its longest
+        hops = 0
+        real_run = consumer_bus._reader.run
+
+        async def counted(*args: object, **kwargs: object) -> object:
+            nonlocal hops
+            hops += 1
+            return await real_run(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(consumer_bus._reader, "run", counted)
+        assert await consumer.getmany(timeout_s=0.5) == []
+        assert hops == 0, "an idle consumer of an unchanged file went to its reader thread"
+        await producer.publish("events", "job", b"late")
+        [record] = await poll_until(consumer, lambda got: len(got) >= 1)
+        assert record.value == b"late"
+        assert hops >= 1
+
+
+async def test_the_change_watch_moves_with_other_connections_commits(tmp_path: Path) -> None:
+    path = tmp_path / "bus.db"
+    async with make_bus(path) as producer:
+        watch = await ChangeWatch.open(str(path))
+        before = watch.version()
+        assert before is not None
+        assert watch.version() == before  # nothing committed
+        await producer.publish("events", "job", b"x")
+        assert watch.version() != before
+        watch.close()
+        assert watch.version() is None  # closed: "look", never an error
 
 
 async def test_a_reader_refuses_a_missing_file_and_creates_nothing(tmp_path: Path) -> None:

@@ -318,8 +318,9 @@ class BusConfig:
             bounds how long a wedged consumer holds partitions; keep it well above the longest
             pause between polls of a healthy one (a daemon sealing a large state snapshot).
         idle_poll_s: embedded bus only: longest sleep, in seconds, of an idle consumer between
-            looks at the file (it starts at 2 ms after each delivery and doubles up to this).
-            The worst-case delivery latency of an idle consumer; Kafka long-polls instead.
+            looks at the file (it starts at 2 ms after each delivery and doubles up to this;
+            a look costs about 4 us while the file is unchanged). The worst-case delivery
+            latency of an idle consumer; Kafka long-polls instead.
         security: Kafka TLS/SASL settings (built by :func:`load_kafka_security`); ignored by
             the embedded bus.
         kafka_options: extra keyword arguments for aiokafka's producers (expert use); the

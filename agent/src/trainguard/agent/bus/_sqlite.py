@@ -47,6 +47,7 @@ from trainguard.agent.bus._port import (
 )
 from trainguard.agent.bus._sqlite_consumer import ConsumerContext, Membership, SQLiteConsumer
 from trainguard.agent.bus._sqlite_db import (
+    ChangeWatch,
     ConnectionThread,
     TopicMeta,
     append_clock,
@@ -118,6 +119,7 @@ class SQLiteBus(Bus):
         self._tombstone_retention_ms = int(tombstone_retention_s * 1000)
         self._writer = ConnectionThread("trainguard-bus-writer")
         self._reader = ConnectionThread("trainguard-bus-reader")
+        self._watch: ChangeWatch | None = None  # what idle consumers ask before polling
         # The probe's connection, opened by the first probe() (only the daemon probes); a task,
         # so that a probe cancelled by its caller's bound leaves the opening to finish.
         self._prober: asyncio.Task[ConnectionThread] | None = None
@@ -152,6 +154,7 @@ class SQLiteBus(Bus):
                 await self._writer.run(prepare, self._config.prefix, self._config.topics, deadline)
             await self._reader.open(self._path, deadline, create=create)
             self._set_topics(await self._reader.run(load_topics, self._config.prefix))
+            self._watch = await ChangeWatch.open(self._path)
         except BaseException as exc:
             await self._writer.close()
             await self._reader.close()
@@ -184,6 +187,8 @@ class SQLiteBus(Bus):
         if was_open:
             await self._writer.close()
             await self._reader.close()
+        if self._watch is not None:
+            self._watch.close()
         prober, self._prober = self._prober, None
         if prober is not None:
             if not prober.done():
@@ -540,6 +545,7 @@ class SQLiteBus(Bus):
             names=self._names,
             resolve=self._resolve,
             wait_for_append=self._wait_for_append,
+            data_version=self._data_version,
             bus_closed=lambda: self._state == "closed",
             forget=self._consumers.discard,
             write_timeout_s=self._config.send_timeout_s,
@@ -547,6 +553,9 @@ class SQLiteBus(Bus):
             max_poll_interval_s=self._config.max_poll_interval_s,
             idle_poll_s=self._config.idle_poll_s,
         )
+
+    def _data_version(self) -> int | None:
+        return None if self._watch is None else self._watch.version()
 
     async def _wait_for_append(self, timeout_s: float) -> bool:
         appended = self._appended

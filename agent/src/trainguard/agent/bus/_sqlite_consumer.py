@@ -1,15 +1,16 @@
 """The embedded bus's consumer: polls the SQLite file from its reader thread.
 
-Idle consumers poll: each poll first reads ``PRAGMA data_version``, which changes whenever
-another connection (any process, or this bus's own writer) committed to the file, and skips
-the queries when nothing changed; between polls it sleeps from 2 ms, doubling up to
+Idle consumers poll. Between polls a consumer sleeps from 2 ms, doubling up to
 ``BusConfig.idle_poll_s`` (default 20 ms) while idle, and wakes at once when its own bus
 appended records. So a record from another process arrives within about ``idle_poll_s``, one
 from the same bus without delay. The cadence belongs to the consumer, not to one
 :meth:`~SQLiteConsumer.getmany`: a caller polling in a loop with a short timeout (the daemon's
-50 ms) does not restart it at 2 ms each time, so an idle consumer polls about
-``1 / idle_poll_s`` times a second however it is called (each poll is a hop to the reader
-thread and back: an idle daemon polled about 110 times a second before, half of its idle CPU).
+50 ms) does not restart it at 2 ms each time (an idle daemon polled about 110 times a second
+that way). A poll is a hop to the reader thread and back, most of an idle poll's cost (about
+0.3 ms of CPU here), so it is made only when the file's ``PRAGMA data_version``, read on the
+event loop's thread (:class:`~._sqlite_db.ChangeWatch`, 4 us), moved since the previous poll:
+it changes whenever another connection (any process, or this bus's own writer) committed to
+the file. The reader thread checks it again before its queries.
 
 Group members renew their lease from a task of their own (the keeper), as Kafka's consumer
 heartbeats from a thread of its own, so that a consumer whose owner is busy between polls (a
@@ -58,6 +59,8 @@ class ConsumerContext:
             :class:`BusError` for an unknown topic or partition.
         wait_for_append: sleeps up to the given seconds or until the bus appends records;
             returns whether an append woke it.
+        data_version: the file's ``data_version`` read on the event loop's thread without
+            waiting (:class:`~._sqlite_db.ChangeWatch`), ``None`` when it cannot tell.
         bus_closed: whether the bus was closed.
         forget: called with the consumer when it closes.
         write_timeout_s: how long group writes may wait for the file's lock, seconds.
@@ -72,6 +75,7 @@ class ConsumerContext:
     names: Mapping[int, str]
     resolve: Callable[[TopicPartition], _TP]
     wait_for_append: Callable[[float], Awaitable[bool]]
+    data_version: Callable[[], int | None]
     bus_closed: Callable[[], bool]
     forget: Callable[[SQLiteConsumer], None]
     write_timeout_s: float
@@ -178,6 +182,7 @@ class SQLiteConsumer(Consumer):
         self._polled_at = 0.0
         self._idle_delay = _POLL_MIN_S  # the next sleep of the idle cadence, seconds
         self._next_poll_at = 0.0  # event loop time when the idle cadence polls again
+        self._watched: int | None = None  # the change watch's answer before the last poll
         self._keeper: asyncio.Task[None] | None = None
         self._renewing = asyncio.Lock()
         self._closed = False
@@ -206,9 +211,10 @@ class SQLiteConsumer(Consumer):
             if membership is not None and loop.time() >= self._heartbeat_due:
                 await self._heartbeat(membership)
             # A seek, a commit or records left over (dirty), or an append of this bus: at once;
-            # else on the idle cadence, which goes on from the previous call.
+            # else on the idle cadence, which goes on from the previous call, and only if the
+            # file changed since the last poll or a member's lease ran out meanwhile.
             if woken or self._dirty or loop.time() >= self._next_poll_at:
-                records = await self._poll(max_records)
+                records = await self._poll_if_changed(max_records, force=woken)
                 if records:
                     self._idle_delay = _POLL_MIN_S
                     self._next_poll_at = 0.0
@@ -417,6 +423,21 @@ class SQLiteConsumer(Consumer):
                 raise translate(exc, "consumer group heartbeat") from exc
             self._joined = True
             self._renewed()
+
+    async def _poll_if_changed(self, max_records: int, *, force: bool) -> list[Record]:
+        """:meth:`_poll`, unless nothing can have changed since the last one: the file's
+        ``data_version`` (read here without a hop to the reader thread) is the one read before
+        it, no lease of the group ran out since, and neither ``force`` nor a seek, a commit or
+        records left over ask for one."""
+        # Read before the poll: a commit between the two is then seen again next time.
+        version = self._ctx.data_version()
+        expired = self._refresh_at_ms is not None and now_ms() >= self._refresh_at_ms
+        unchanged = version is not None and version == self._watched
+        if unchanged and not (force or self._dirty or expired):
+            return []
+        records = await self._poll(max_records)
+        self._watched = version  # only once a poll went through: a failed one is redone
+        return records
 
     async def _poll(self, max_records: int) -> list[Record]:
         epoch = self._epoch

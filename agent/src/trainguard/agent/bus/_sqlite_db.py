@@ -51,6 +51,7 @@ from trainguard.agent.bus._port import TopicSpec
 __all__ = [
     "APPEND_CLOCK",
     "SCHEMA_VERSION",
+    "ChangeWatch",
     "ConnectionThread",
     "TopicMeta",
     "append_clock",
@@ -397,6 +398,60 @@ def _open(path: str, deadline: float, create: bool) -> sqlite3.Connection:
         except sqlite3.Error as exc:
             if not is_busy(exc) or time.monotonic() >= deadline:
                 raise
+
+
+class ChangeWatch:
+    """Tells, on the event loop's thread and without waiting, whether the file may have
+    changed: ``PRAGMA data_version`` of a connection of its own.
+
+    An idle consumer asks it before each poll and hops to its reader thread only when the
+    answer moved (https://sqlite.org/pragma.html#pragma_data_version: the value changes when
+    any other connection, of this process or another, commits to the file). The hop is what an
+    idle poll costs (the thread's queue, its wake-up, the result back through the loop's
+    self-pipe: about 0.3 ms of CPU against 4 us for the pragma, measured here), and every agent
+    thread, supervisor and daemon has idle consumers. This is the one SQLite call made on the
+    event loop, against :class:`ConnectionThread`'s rule, because it cannot block: in WAL mode
+    it reads the shared-memory WAL index, and its busy timeout is 0, so a file busy at that
+    moment (WAL recovery) answers ``None``, "look", rather than waiting.
+
+    Args:
+        conn: a connection to the bus file made with ``check_same_thread=False`` and a busy
+            timeout of 0 (:meth:`open`), used by the event loop's thread only.
+    """
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn: sqlite3.Connection | None = conn
+
+    @classmethod
+    async def open(cls, path: str) -> ChangeWatch:
+        """Connect to the existing bus file at ``path`` (read and write mode, never writing),
+        in a worker thread. Raises :class:`sqlite3.Error` when it cannot be opened."""
+
+        def _connect() -> sqlite3.Connection:
+            uri = f"{Path(path).absolute().as_uri()}?mode=rw"
+            return sqlite3.connect(
+                uri, timeout=0.0, isolation_level=None, uri=True, check_same_thread=False
+            )
+
+        return cls(await asyncio.to_thread(_connect))
+
+    def version(self) -> int | None:
+        """The file's ``data_version`` as this connection sees it, or ``None`` when it cannot
+        tell (busy, closed, any error): the caller then polls."""
+        conn = self._conn
+        if conn is None:
+            return None
+        try:
+            value: int = conn.execute("PRAGMA data_version").fetchone()[0]
+        except sqlite3.Error:
+            return None
+        return value
+
+    def close(self) -> None:
+        """Close the connection; :meth:`version` answers ``None`` from then on."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 class ConnectionThread:
