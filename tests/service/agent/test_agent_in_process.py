@@ -15,7 +15,7 @@ import torch
 
 from tests.support import jobbus as daemon
 from tests.support.jobbus import JOB, lifecycles, of_type, read_events, wait_for_events
-from trainguard.agent import Agent, RestoreRequested
+from trainguard.agent import Agent, RestoreMissed, RestoreRequested
 from trainguard.agent.checkpoint._checksum import parameter_checksum
 from trainguard.schemas import DataCursor, Event, Heartbeat, Lifecycle, Manifest, StepRange
 
@@ -99,6 +99,28 @@ def test_a_rank_already_past_at_step_declines_and_trains_on(make_agent, bus_url)
     assert (error.generation, error.rank, error.step, error.missed_at_step) == (1, 0, 25, 20)
     assert error.message == "in-process restore at step 20 missed: already at step 25"
     assert len(lifecycles(read_events(bus_url, JOB), "error")) == 1  # declined once
+
+
+def test_a_loop_that_ends_before_at_step_declines_and_does_not_finish(make_agent, bus_url):
+    """``at_step`` past the job's last step (a fast job, a fault near its end): the parameters
+    trained since the fault are not sound, so no ``finished``; the daemon restarts instead,
+    and the process must fail for its supervisor to wait for that."""
+
+    def train_to_the_last_step() -> None:
+        with make_agent(in_process_restore=True) as agent:
+            manifest = train_and_commit(agent, bus_url, steps=10)
+            daemon.publish(bus_url, daemon.restore(JOB, 1, manifest, at_step=40))
+            eventually(lambda: agent.config.generation == 1)
+            for step in range(11, 31):  # the loop's last step is 30
+                agent.step(step)
+
+    with pytest.raises(RestoreMissed, match="at step 40 missed"):
+        train_to_the_last_step()
+    events = read_events(bus_url, JOB)
+    (error,) = lifecycles(events, "error")
+    assert (error.generation, error.step, error.missed_at_step) == (1, 30, 40)
+    assert "the training loop ended at step 30, before it" in error.message
+    assert not lifecycles(events, "finished")
 
 
 def test_a_loop_without_in_process_restores_declines_at_once(make_agent, bus_url):

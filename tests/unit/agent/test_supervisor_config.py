@@ -48,7 +48,8 @@ def config(tmp_path: Path, **overrides: Any) -> SupervisorConfig:
             {"nnodes": 2, "master_port": 65000},
             "--master-port must be 1..64536 with several nodes",
         ),
-        ({"grace_s": -1.0}, "--grace must be >= 0 seconds"),
+        ({"grace_s": -1.0}, "--grace must be a finite number of seconds >= 0, got -1.0"),
+        ({"grace_s": float("nan")}, "--grace must be a finite number of seconds >= 0, got nan"),
         ({"stop_timeout_s": float("inf")}, "--stop-timeout must be a finite number of seconds"),
         ({"warn_every_s": 0.0}, "--warn-every must be a finite number of seconds > 0"),
         (

@@ -22,6 +22,7 @@ from trainguard.agent._errors import (
     AgentError,
     ConfigError,
     JobAborted,
+    RestoreMissed,
     RestoreRequested,
     RestoreTimeout,
     ShardError,
@@ -330,11 +331,27 @@ class Agent:
         tb: TracebackType | None,
     ) -> None:
         """Wait for a pending checkpoint write, announce ``finished`` (no exception, or
-        ``SystemExit`` with status 0) or ``error`` (with the exception as message), close."""
+        ``SystemExit`` with status 0) or ``error`` (with the exception as message), close.
+
+        Raises:
+            RestoreMissed: the loop ended normally before the ``at_step`` of an in-process
+                restore the daemon ordered; the daemon was told (as for any missed
+                in-process restore), and restarts the job from its target.
+        """
         try:
             self.wait_checkpoints()
             step = self._progress[0]
             if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+                with self._gate:
+                    missed, self._in_process = self._in_process, None
+                if missed is not None:
+                    why = f"the training loop ended at step {step}, before it"
+                    self._decline(missed, step, why)
+                    raise RestoreMissed(
+                        f"in-process restore of generation {missed.generation} at step "
+                        f"{missed.at_step} missed: {why}; the daemon restarts the job from the "
+                        "restore's target"
+                    )
                 self._lifecycle("finished", step=step)
             elif exc is not self._reported and not isinstance(exc, JobAborted | StaleGeneration):
                 # The daemon's own orders (abort, a newer generation) need no error report.

@@ -66,6 +66,15 @@ class StaleGeneration(AgentError):
     process is fenced off and its supervisor will replace it."""
 
 
+class RestoreMissed(AgentError):
+    """The training loop ended before the step of an in-process restore the daemon ordered
+    (its ``at_step`` lay past the job's last step): the parameters trained since the restore's
+    cause are not sound, so the agent does not announce ``finished``. Raised when the
+    :class:`~trainguard.agent.Agent`'s ``with`` block ends; the agent has told the daemon,
+    which restarts the job from the restore's target instead (``docs/recovery.md``), and the
+    process must exit with a failure for its supervisor to wait for that restart."""
+
+
 class RestoreRequested(Exception):
     """Raised by :meth:`Agent.step <trainguard.agent.Agent.step>` to make the training loop
     reload a snapshot without exiting: the daemon ordered an in-process restore and the step

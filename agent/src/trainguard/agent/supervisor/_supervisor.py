@@ -212,6 +212,7 @@ _ANSWER_POLL_S = 1.0
 
 
 _SECONDS_OPTIONS: Final = {
+    "grace_s": "--grace",
     "daemon_timeout_s": "--daemon-timeout",
     "stop_timeout_s": "--stop-timeout",
     "heartbeat_batch_s": "--batch-heartbeats",
@@ -313,7 +314,7 @@ class SupervisorConfig:
             # Launcher mode derives the node's ranks; a second list could only disagree.
             raise ConfigError(
                 "--ranks names the ranks of a plain-mode command; with --nproc-per-node the "
-                "node's ranks follow from --node-rank (node_rank x nproc_per_node onwards)"
+                "node's ranks follow from --node-rank (--node-rank x --nproc-per-node onwards)"
             )
         if self.nnodes < 1:
             raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
@@ -330,8 +331,6 @@ class SupervisorConfig:
                     f"--master-port must be 1..{highest}{several if self.nnodes > 1 else ''}, "
                     f"got {self.master_port}"
                 )
-        if self.grace_s < 0:
-            raise ConfigError(f"--grace must be >= 0 seconds, got {self.grace_s}")
         for name, option in _SECONDS_OPTIONS.items():
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ConfigError(
