@@ -14,8 +14,8 @@ service hands every job it holds in the partition to :meth:`Snapshots.seal`: one
 ``P``, sealed in a worker thread while the service folds on (the states are immutable values),
 then sent (:meth:`Snapshots.send`) in a transaction of the partition that commits ``P`` or a
 later position (so everything below ``P`` has been acted on when the round is visible; a round
-whose partition was rolled back, lost or taken on again in the meantime is dropped). Each snapshot's header
-names ``P`` and the round's jobs (count and digest, :class:`~trainguard.daemon.service._snapshot_envelope.Round`).
+whose partition was rolled back, lost or taken on again in the meantime is dropped). Each
+snapshot's header names ``P`` and the round's jobs (count and digest, :class:`~trainguard.daemon.service._snapshot_envelope.Round`).
 A job whose state is the very object last written for it (in a committed round), under the
 current key ids, is not written again: its latest snapshot, at an older position, still holds
 its current state (a finished job's state never changes again). For a job written in chunks,
