@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from trainguard.agent.bus import (
     TopicSpec,
 )
 from trainguard.agent.bus._partitioner import partition_for
-from trainguard.agent.bus._sqlite import SQLiteBus
+from trainguard.agent.bus._sqlite import PROBE_LOCK_SHARE, SQLiteBus
 from trainguard.agent.bus._sqlite_consumer import SQLiteConsumer
 from trainguard.agent.bus._sqlite_db import ChangeWatch
 
@@ -250,6 +251,73 @@ async def test_send_fails_when_the_file_stays_locked(tmp_path: Path) -> None:
         blocker.execute("ROLLBACK")
         blocker.close()
         assert (await bus.publish("events", "job", b"y")).offset == 0
+
+
+def _write_busily(path: Path, stop: threading.Event) -> None:
+    """Another process's writer at its busiest: the write lock held 50 ms per transaction, each
+    committing, back to back (SQLite's busy handler then rarely catches the lock free)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    n = 0
+    while not stop.is_set():
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('busy', ?)", (n,))
+        time.sleep(0.05)
+        conn.execute("COMMIT")
+        n += 1
+    conn.close()
+
+
+async def test_a_probe_calls_a_lock_held_with_no_commit_stuck_and_busy_writers_not(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "bus.db"
+    async with make_bus(path) as bus:
+        stop = threading.Event()
+        writer = threading.Thread(target=_write_busily, args=(path, stop))
+        writer.start()
+        try:
+            for _ in range(3):
+                assert set(await bus.probe("events", 0.5)) == EVENTS
+        finally:
+            stop.set()
+            writer.join()
+        locker = sqlite3.connect(path, isolation_level=None)
+        locker.execute("BEGIN EXCLUSIVE")
+        try:
+            with pytest.raises(BusUnavailable):
+                await bus.probe("events", 0.5)
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+        assert set(await bus.probe("events", 0.5)) == EVENTS
+
+
+async def test_a_probe_whose_read_was_slow_does_not_call_a_busy_lock_stuck(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a loaded machine the probe's read may take most of its time; the few milliseconds
+    left for watching the lock, shorter than one transaction of a busy writer, see no commit,
+    and that proves nothing: the probe answers (a false outage, seen once in CI)."""
+    path = tmp_path / "bus.db"
+    timeout_s = 0.5
+    async with make_bus(path) as bus:
+        real_end_offsets = bus.end_offsets
+
+        async def slow_end_offsets(topic: str) -> dict[TopicPartition, int]:
+            ends = await real_end_offsets(topic)
+            await asyncio.sleep(PROBE_LOCK_SHARE * timeout_s - 0.01)
+            return ends
+
+        monkeypatch.setattr(bus, "end_offsets", slow_end_offsets)
+        stop = threading.Event()
+        writer = threading.Thread(target=_write_busily, args=(path, stop))
+        writer.start()
+        try:
+            for _ in range(5):
+                assert set(await bus.probe("events", timeout_s)) == EVENTS
+        finally:
+            stop.set()
+            writer.join()
 
 
 async def test_start_creates_the_directory(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ from trainguard.agent.bus._sqlite_db import (
 )
 from trainguard.agent.bus._sqlite_writer import SQLitePartitionWriter
 
-__all__ = ["MAX_BATCH", "PROBE_LOCK_SHARE", "SQLiteBus"]
+__all__ = ["MAX_BATCH", "PROBE_LOCK_MIN_WATCH", "PROBE_LOCK_SHARE", "SQLiteBus"]
 
 MAX_BATCH = 5000
 """Most records written in one transaction; bounds how long one process holds the lock."""
@@ -69,6 +69,11 @@ MAX_BATCH = 5000
 PROBE_LOCK_SHARE = 0.8
 """Share of a :meth:`SQLiteBus.probe`'s time given to waiting for the write lock: the probe
 ends naming the lock before its caller's bound expires with no reason."""
+
+PROBE_LOCK_MIN_WATCH = 0.25
+"""Least share of a :meth:`SQLiteBus.probe`'s time the write lock must be watched, held with no
+commit, to be called stuck (many of an agent's writes, each milliseconds); a shorter watch, left
+when the probe's read was slow, answers and leaves the verdict to the next probe."""
 
 _log = structlog.get_logger(__name__)
 
@@ -341,7 +346,9 @@ class SQLiteBus(Bus):
         waited for up to :data:`PROBE_LOCK_SHARE` of ``timeout_s``, which a write
         transaction of an agent or of this bus (milliseconds, at most :data:`MAX_BATCH`
         records) never holds it for, and a stream of them, each committing, counts as a lock
-        that moves: normal contention is waited out, never an outage.
+        that moves: normal contention is waited out, never an outage. A lock is called stuck
+        only after a watch of at least :data:`PROBE_LOCK_MIN_WATCH` of ``timeout_s``: when
+        the read took so long that less is left (a loaded machine), the probe answers.
 
         Raises:
             BusUnavailable: the lock stayed held that long, and nobody committed meanwhile.
@@ -357,7 +364,7 @@ class SQLiteBus(Bus):
             )
         try:
             prober = await asyncio.shield(opening)
-            await prober.run(take_write_lock, deadline)
+            await prober.run(take_write_lock, deadline, PROBE_LOCK_MIN_WATCH * timeout_s)
         except sqlite3.Error as exc:
             raise translate(exc, "taking the write lock") from exc
         return ends

@@ -272,26 +272,33 @@ def write_transaction(conn: sqlite3.Connection, deadline: float) -> Iterator[Non
         raise
 
 
-def take_write_lock(conn: sqlite3.Connection, deadline: float) -> None:
+def take_write_lock(conn: sqlite3.Connection, deadline: float, min_watch_s: float) -> None:
     """Take the file's write lock (``BEGIN IMMEDIATE``) and give it back at once (``ROLLBACK``:
     nothing written, nothing synced), waiting for another process's lock until ``deadline``
     (``time.monotonic()`` seconds; one wait of SQLite's busy handler, so it ends then rather
     than up to :data:`BUSY_TIMEOUT_S` later).
 
     A lock still held at the deadline is a file stuck locked only if no other connection
-    committed meanwhile (``PRAGMA data_version``): SQLite's busy handler is not fair, so under
-    a steady stream of short writes it may never catch the lock free, yet the lock moves and
-    every writer gets its turn. Raises the busy :class:`sqlite3.Error` when the lock was held
-    until the deadline with no commit by anyone (a ``sqlite3`` shell in ``BEGIN EXCLUSIVE``, a
-    process stopped inside a write transaction).
+    committed meanwhile (``PRAGMA data_version``) and it was watched for at least
+    ``min_watch_s`` seconds. SQLite's busy handler is not fair, so under a steady stream of
+    short writes it may never catch the lock free, yet the lock moves and every writer gets its
+    turn; a watch shorter than one of those writes (a caller whose own work took most of its
+    time, on a loaded machine) sees no commit and proves nothing, so it counts as an answer:
+    the next watch long enough decides. Raises the busy :class:`sqlite3.Error` when the lock
+    was held for the whole watch with no commit by anyone (a ``sqlite3`` shell in ``BEGIN
+    EXCLUSIVE``, a process stopped inside a write transaction).
     """
     before = conn.execute("PRAGMA data_version").fetchone()[0]
-    wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+    began = time.monotonic()
+    wait_ms = max(0, int((deadline - began) * 1000))
     conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
     try:
         conn.execute("BEGIN IMMEDIATE")
     except sqlite3.Error as exc:
-        if not is_busy(exc) or conn.execute("PRAGMA data_version").fetchone()[0] == before:
+        watched_s = time.monotonic() - began
+        if not is_busy(exc) or (
+            watched_s >= min_watch_s and conn.execute("PRAGMA data_version").fetchone()[0] == before
+        ):
             raise
     else:
         conn.execute("ROLLBACK")
