@@ -344,12 +344,17 @@ def straggler(
         until the average falls back under the threshold.
     """
     alpha = config.straggler_alpha
+    samples = prev.step_time_samples + 1
+    # The bias-corrected exponential average (as Adam's moments, Kingma & Ba 2015, section 3):
+    # the gain falls from 1 to alpha, so the first samples weigh no more than later ones. Seeded
+    # with the first sample and weighted alpha from then on, one slow first step held a rank's
+    # average above the factor for its first dozen samples: a false straggler at a noisy pace.
+    gain = alpha / (1.0 - (1.0 - alpha) ** samples)
     average = (
         seconds
         if prev.step_time_s is None
-        else prev.step_time_s + alpha * (seconds - prev.step_time_s)
+        else prev.step_time_s + gain * (seconds - prev.step_time_s)
     )
-    samples = prev.step_time_samples + 1
     typical = trend.step_time_median_s
     if typical is None or samples < config.straggler_min_reports:
         return average, samples, False, None
