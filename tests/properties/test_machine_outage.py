@@ -442,6 +442,80 @@ def test_a_late_finish_of_some_ranks_only_leaves_the_restore_standing() -> None:
     assert [r.generation for r in issued(every(folded), Restore)] == [2]
 
 
+# -- a finish after a divergence: the ranks finished a suspect state ---------------------------
+
+
+def diverged_at_the_end(sim: Sim, cfg: MachineConfig) -> tuple[JobState, Restore, int]:
+    """A 2-rank job that trained to step 30 (commits at 10, 20, 30); each rank's last
+    heartbeat, sent right before its ``finished``, shows a NaN loss at step 30 (the NaN struck
+    in the last heartbeat interval). The first one opens the incident; nobody finished yet."""
+    state, _ = run(two_ranks_training(sim, 30), cfg=cfg)
+    at = state.clock_ns + S
+    state, decisions = decide(state, sim.nan(1, 30, at), cfg)
+    [restore] = issued(decisions, Restore)
+    state, _ = decide(state, Tick(at, restore.seq), cfg)
+    return state, restore, at
+
+
+@pytest.mark.parametrize("mode", ["restart", "in_process"])
+def test_ranks_that_finish_after_a_divergence_do_not_void_its_restore(mode: str) -> None:
+    """Defect F1: a NaN in the job's last heartbeat interval, seen in the final heartbeats, was
+    followed by the ranks' ``finished``, which voided the restore (the late-finish rule) and
+    closed the incident as ``finished``: a diverged job reported finished. The restore stands;
+    an in-process one, which a finished rank cannot join, becomes a restart at once."""
+    cfg = config(restore_mode=mode)
+    sim = Sim(world_size=2)
+    state, restore, at = diverged_at_the_end(sim, cfg)
+    assert restore.target is not None
+    assert restore.target.step < 30  # parameters known sound only before the NaN
+    assert restore.mode == mode
+    noted: list[Anomaly] = []
+    restores: list[Restore] = []
+    for n, rank in enumerate((1, 0)):
+        finished = sim.lifecycle(rank, "finished", at + (n + 1) * S, step=30, generation=0)
+        state, decisions = decide(state, finished, cfg)
+        assert of_type(decisions, Rejected) == []
+        assert of_type(decisions, IncidentClosed) == []
+        noted += [d for d in decisions if isinstance(d, Anomaly)]
+        restores += issued(decisions, Restore)
+    assert state.phase == "restoring"
+    assert [d.kind for d in noted] == ["late_finish", "late_finish"]
+    assert all("the restore stands" in d.reason for d in noted)
+    assert state.left is not None
+    assert state.left.finished == (0, 1)
+    if mode == "in_process":
+        [retry] = restores  # the first finish: a finished rank cannot reload in process
+        assert (retry.mode, retry.generation, retry.target) == ("restart", 2, restore.target)
+        assert "finished in generation 0 before the in-process restore" in retry.reason
+    else:
+        assert restores == []
+
+
+def test_a_restore_held_for_a_divergence_is_not_voided_when_every_rank_finishes() -> None:
+    """While a divergence's restore is held (the bus settles after a gap), the ranks finish:
+    the job is not finished; the restore is issued when the hold ends, as a restart (finished
+    ranks cannot reload in process)."""
+    cfg = config(restore_mode="in_process")
+    sim = Sim(world_size=2)
+    state, _ = run(two_ranks_training(sim, 30), cfg=cfg)
+    at = state.clock_ns + 2 * cfg.bus_gap_ns  # the bus was away: restores are held a while
+    state, decisions = decide(state, sim.nan(0, 31, at), cfg)
+    assert issued(decisions, Restore) == []
+    assert state.held is not None
+    for n, rank in enumerate((0, 1)):
+        finished = sim.lifecycle(rank, "finished", at + (n + 1) * S // 10, step=31)
+        state, decisions = decide(state, finished, cfg)
+        assert of_type(decisions, IncidentClosed) == []
+    assert state.phase == "running"
+    assert state.held is not None
+    state, folded = drive([], state, cfg, until=at + 2 * cfg.outage_settle_ns)
+    [restore] = issued(every(folded), Restore)
+    assert restore.mode == "restart"
+    assert restore.target is not None
+    assert restore.target.step <= 30
+    assert state.phase == "restoring"
+
+
 # -- late cuts: shards of the generation a restore left, arriving before anyone joined it ------
 
 
@@ -527,8 +601,9 @@ def test_a_late_cut_never_commits_once_a_rank_joined_the_restore() -> None:
 def test_late_shards_past_the_incident_s_onset_or_disagreeing_form_no_cut() -> None:
     """A NaN loss at step 36 (the loss of step 35 was the last normal one: onset after step 34)
     restores to s30: a late shard of step 35 may hold the diverged state and is stale; shards
-    of step 33 that disagree on the data version are no cut (``checkpoint_mismatch``). The job
-    finishes late with s30 its last snapshot."""
+    of step 33 that disagree on the data version are no cut (``checkpoint_mismatch``). The
+    ranks' late finishes do not void the restore (they finished a suspect state): s30 stays
+    the last snapshot, and the restore stands."""
     sim = Sim(world_size=2)
     state, _ = run(two_ranks_training(sim, 35), cfg=CFG)
     at = state.clock_ns + S
@@ -553,7 +628,7 @@ def test_late_shards_past_the_incident_s_onset_or_disagreeing_form_no_cut() -> N
     )
     [mismatch] = kinds(decisions, "checkpoint_mismatch")
     assert "disagree on the data version" in mismatch.reason
-    assert state.phase == "finished"
+    assert state.phase == "restoring"
     assert of_type(decisions, Committed) == []
     assert state.committed[-1].snapshot_id == "job/g0/s30"
 

@@ -75,9 +75,20 @@ def test_a_paused_worker_on_a_batched_node_is_found_silent_and_restored(job_run:
     )
     restore = only(record.restores(), "restore", job_run)
     assert (restore.generation, restore.attempt) == (1, 1), job_run.describe()
-    assert not [e for e in record.events if isinstance(e.message, Heartbeat)], (
+    # Only each rank's last progress goes unbatched: right before its finished, as reliably
+    # (docs/recovery.md, "A finish the daemon has not judged").
+    direct = [e.message for e in record.events if isinstance(e.message, Heartbeat)]
+    finishes = {
+        (m.rank, m.pid): m
+        for e in record.events
+        if isinstance(m := e.message, Lifecycle) and m.kind == "finished"
+    }
+    assert sorted((b.generation, b.rank) for b in direct) == [(1, 0), (1, 1)], (
         f"a heartbeat went to the bus unbatched {job_run.describe()}"
     )
+    for beat in direct:
+        finished = finishes[(beat.rank, beat.pid)]
+        assert (finished.step, finished.seq > beat.seq) == (beat.step, True), job_run.describe()
     batches = [e.message for e in record.events if isinstance(e.message, HeartbeatBatch)]
     assert {b.host for b in batches} == {started.message.host}, job_run.describe()
     assert {(b.generation, b.rank) for m in batches for b in m.beats} == {

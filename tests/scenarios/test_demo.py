@@ -146,3 +146,40 @@ def test_the_demo_rehearses_a_nan_restored_in_process(tmp_path: Path, demo_cache
     assert "nan_loss" in done.stdout
     assert "in process at step" in done.stdout
     assert "bitwise equal" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_nan_in_the_last_heartbeat_interval_is_restored_not_finished(
+    tmp_path: Path, demo_cache: Path
+) -> None:
+    """Defect F1: a NaN two steps before the end, at full speed, struck after the ranks' last
+    periodic heartbeat; they finished, the daemon closed the job as finished with NaN
+    parameters. The ranks' last heartbeats, sent before their finish, show it now; the
+    restore stands though the ranks finished, their supervisor obeys it, and the job ends
+    bitwise equal to the uninterrupted run."""
+    done = subprocess.run(
+        [
+            *CLI,
+            "demo",
+            "--seed",
+            "3",
+            "--steps",
+            "120",
+            "--fault",
+            "nan@step=118,rank=1",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--cache-dir",
+            str(demo_cache),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "nan_loss" in done.stdout
+    assert "bitwise equal" in done.stdout
+    assert "exact: nothing skipped, nothing repeated" in done.stdout

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
+import socket
 import time
 from pathlib import Path
 from typing import cast
@@ -221,12 +223,49 @@ def test_events_unsent_at_close_stay_in_the_spool_in_order(make_agent, bus_url, 
             shard = agent.checkpoint(5, {"w": torch.ones(2)}, cursor=CURSOR).result()
             path = agent._link.spool_path
         events = [cast(Event, decode(s.data, expect=Event)) for s in read_spool(spool)]
-    assert [type(e).__name__ for e in events] == ["Lifecycle", "Checkpoint", "Lifecycle"]
+    # The last heartbeat goes as reliably as the finish it precedes (the daemon judges it
+    # first: a NaN in the last heartbeat interval): spooled, in order.
+    assert [type(e).__name__ for e in events] == [
+        "Lifecycle",
+        "Checkpoint",
+        "Heartbeat",
+        "Lifecycle",
+    ]
     assert events[1] == shard
-    assert (events[0].kind, events[2].kind) == ("started", "finished")  # type: ignore[union-attr]
+    assert (events[0].kind, events[3].kind) == ("started", "finished")  # type: ignore[union-attr]
     assert seqs_rise(events)
     (unsent,) = [e for e in logs if e["event"] == "events_unsent"]
-    assert (unsent["count"], unsent["spooled"]) == (3, str(path))
+    assert (unsent["count"], unsent["spooled"]) == (4, str(path))
+
+
+def test_the_last_heartbeat_precedes_the_finish_on_the_bus_even_with_a_relay(
+    make_agent, bus_url, tmp_path: Path
+):
+    """Defect F1: a NaN in the job's last heartbeat interval was never seen (the ranks
+    finished first) and the job was reported finished. The rank's last progress now goes on
+    the bus right before its ``finished``, in order, and never through the supervisor's relay,
+    which would deliver it after the finish."""
+    path = tmp_path / "relay.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as relay:
+        relay.bind(str(path))
+        relay.setblocking(False)
+        with make_agent(heartbeat_interval_s=0.02, heartbeat_relay=path) as agent:
+            agent.ready(0)
+            for step in range(1, 4):
+                agent.step(step, loss=1.0)
+                time.sleep(0.05)
+            agent.step(4, loss=math.nan)
+        assert relay.recv(65536)  # the periodic heartbeats went to the relay
+    events = read_events(bus_url, JOB)
+    *_, last_beat, finished = events
+    assert isinstance(last_beat, Heartbeat)
+    assert last_beat.step == 4
+    assert last_beat.loss is not None
+    assert math.isnan(last_beat.loss)
+    assert isinstance(finished, Lifecycle)
+    assert finished.kind == "finished"
+    assert [e for e in events if isinstance(e, Heartbeat)] == [last_beat]
+    assert seqs_rise(events)
 
 
 def test_delivered_events_leave_no_spool_behind(make_agent, bus_url, tmp_path: Path):

@@ -207,7 +207,9 @@ async def test_a_worker_that_ends_while_the_broker_is_down_loses_nothing(
         )
         assert stopped.returncode == 0, stopped.stderr
         (tmp_path / "go").touch()  # checkpoint and finish while the broker is down
-        await until(lambda: supervisor.undelivered == 3, "checkpoint, finished and exit queued")
+        await until(
+            lambda: supervisor.undelivered == 4, "checkpoint, last heartbeat, finished, exit queued"
+        )
         assert not run.done()
     finally:
         started = await asyncio.to_thread(
@@ -285,8 +287,11 @@ async def test_a_signal_ends_a_supervisor_whose_job_ended_while_the_broker_is_pa
             await wait_for_events(reader, agent_started)
         with paused(run_dir):
             (tmp_path / "go").touch()  # checkpoint and finish now, while the broker is paused
-            # The job is over (the supervisor's watch ended): no stop request, only the wait.
-            await until(lambda: any(e["event"] == "workers finished" for e in logs), "the end")
+            # The job is over (the supervisor's watch ended): no stop request, only the wait
+            # for the daemon's verdict, then for the outbox.
+            await until(
+                lambda: any(e["event"].startswith("workers finished") for e in logs), "the end"
+            )
             assert not run.done()
             stop.set()  # SIGTERM
             assert await asyncio.wait_for(run, 60.0) == EXIT_SIGNALLED

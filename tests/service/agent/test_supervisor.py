@@ -713,6 +713,56 @@ async def test_a_report_whose_restore_the_daemon_holds_waits_for_it(tmp_path: Pa
             assert await asyncio.wait_for(task, 30) == EXIT_ABORTED
 
 
+WAITING = "workers finished: waiting for the daemon to judge"
+
+
+async def read_as_daemon(bus: Bus) -> None:
+    """Commit the daemon group's position at the end of the job's partition of ``events``:
+    the daemon read (and acted on) everything there."""
+    tp = TopicPartition("events", partition_for(JOB, await bus.partitions("events")))
+    await commit_as_daemon(bus, (await bus.end_offsets("events"))[tp])
+
+
+async def test_finished_workers_wait_for_the_daemons_verdict_and_obey_its_restore(
+    tmp_path: Path,
+) -> None:
+    """Defect F1: a NaN in the job's last heartbeat interval reaches the daemon in the ranks'
+    last heartbeats, right before their ``finished``; its restore found no supervisor, which
+    had exited with its workers. Now workers that all finished leave the supervisor waiting
+    until the daemon's group read this node's reports: its restore then restarts them; with
+    no new command the run ends with 0."""
+    cfg = config(tmp_path, "exit", nproc_per_node=1, daemon_timeout_s=60.0)
+    with structlog.testing.capture_logs() as logs:
+        async with open_bus(bus_config(tmp_path)) as bus:
+            task = asyncio.ensure_future(Supervisor(cfg).run())
+            await wait_for(bus, lambda es: [e.generation for e in es if e.kind == "exited"] == [0])
+            await until(lambda: any(e["event"] == WAITING for e in logs))
+            await asyncio.sleep(0.5)
+            assert not task.done()  # no daemon has read the exit yet
+            await bus.publish("commands", JOB, restore(1))
+            await read_as_daemon(bus)
+            await wait_for(
+                bus, lambda es: [e.generation for e in es if e.kind == "exited"] == [0, 1]
+            )
+            assert [e.generation for e in await lifecycles(bus) if e.kind == "started"] == [0, 1]
+            await until(lambda: sum(e["event"] == WAITING for e in logs) >= 2)
+            assert not task.done()
+            await read_as_daemon(bus)
+            assert await asyncio.wait_for(task, 30) == 0
+    assert any(e["event"] == "the daemon judged the finish" for e in logs)
+
+
+async def test_finished_workers_with_no_daemon_reading_exit_after_the_daemon_timeout(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "exit", nproc_per_node=1, daemon_timeout_s=1.0, warn_every_s=60.0)
+    with structlog.testing.capture_logs() as logs:
+        async with open_bus(bus_config(tmp_path)):
+            assert await asyncio.wait_for(Supervisor(cfg).run(), 30) == 0
+    [said] = [e for e in logs if "no daemon has judged this node's finish" in e["event"]]
+    assert said["log_level"] == "warning"
+
+
 async def test_no_daemon_is_warned_about_repeatedly(tmp_path: Path) -> None:
     cfg = config(tmp_path, "sleep", nproc_per_node=1, daemon_timeout_s=0.5, warn_every_s=0.5)
     with structlog.testing.capture_logs() as logs:

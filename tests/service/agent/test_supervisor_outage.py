@@ -31,7 +31,7 @@ from trainguard.schemas import JobRequest, Lifecycle, Restore, decode, encode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 
-WAITING = "waiting for the bus to take 3 events before exiting (a signal ends the wait)"
+WAITING = "waiting for the bus to take 4 events before exiting (a signal ends the wait)"
 
 
 async def created_bus(tmp_path: Path) -> BusConfig:
@@ -56,7 +56,7 @@ async def test_a_worker_that_ends_while_the_bus_is_away_loses_nothing(tmp_path: 
                 lambda: sum(e["event"] == WAITING for e in logs) >= 2,
                 "the supervisor waiting for its outbox",
             )
-            assert supervisor.undelivered == 3
+            assert supervisor.undelivered == 4  # checkpoint, last heartbeat, finished, exit
             assert not run.done()
         assert await run == 0
     # The warnings end with the line the operator waits for (there was none: issue 13's tester).
@@ -94,9 +94,9 @@ async def test_a_signal_ends_a_waiting_supervisor_and_the_next_one_forwards_its_
             left = [s.data for s in read_spool(spool)]
             (journal,) = (tmp_path / "state" / "spool").glob("*/*.outbox")
             journaled = read_journal(journal)
-    assert len(left) == 2  # the checkpoint and finished
+    assert len(left) == 3  # the checkpoint, the last heartbeat and finished
     assert journaled == [*left, journaled[-1]]  # and the supervisor's exit report after them
-    assert any(e["event"].startswith("exiting with 3 events") for e in logs)
+    assert any(e["event"].startswith("exiting with 4 events") for e in logs)
     restore = Restore(
         job_id=JOB, generation=1, ts=time.time_ns(), seq=1, daemon_id="daemon",
         incident_id=f"{JOB}/i1", reason="no event from rank 0 for 10 s", target=None,

@@ -331,7 +331,9 @@ class Agent:
         tb: TracebackType | None,
     ) -> None:
         """Wait for a pending checkpoint write, announce ``finished`` (no exception, or
-        ``SystemExit`` with status 0) or ``error`` (with the exception as message), close.
+        ``SystemExit`` with status 0; after a last heartbeat sent as reliably, so that the
+        daemon judges the final progress, its loss, before the finish) or ``error`` (with the
+        exception as message), close.
 
         Raises:
             RestoreMissed: the loop ended normally before the ``at_step`` of an in-process
@@ -352,6 +354,9 @@ class Agent:
                         f"{missed.at_step} missed: {why}; the daemon restarts the job from the "
                         "restore's target"
                     )
+                # The last progress first (its loss above all): a divergence in the final
+                # heartbeat interval is judged before the finish, and restored.
+                self._link.submit(self._heartbeat, reliable=True)
                 self._lifecycle("finished", step=step)
             elif exc is not self._reported and not isinstance(exc, JobAborted | StaleGeneration):
                 # The daemon's own orders (abort, a newer generation) need no error report.

@@ -293,8 +293,12 @@ class Link:
         """This process's spool file, or ``None`` without a spool."""
         return None if self._spool is None else self._spool.path
 
-    def submit(self, build: Callable[[int], _E]) -> _E:
+    def submit(self, build: Callable[[int], _E], *, reliable: bool = False) -> _E:
         """Queue the event ``build(seq)`` and return it; safe from any thread.
+
+        With ``reliable`` a heartbeat is queued as any other event (spooled, sent on the bus
+        in ``seq`` order, never evicted nor relayed): the rank's last progress before its
+        ``finished``, which the daemon must fold before the finish.
 
         ``seq`` is assigned, the event built (and MACed, with an event key), encoded and
         spooled under the outbox's lock, so queue order and ``seq`` order agree. A heartbeat
@@ -314,12 +318,12 @@ class Link:
                 event = add_mac(event, self._event_key.kid, self._event_key.secret)
             kind: Kind = (
                 "heartbeat"
-                if isinstance(event, Heartbeat)
+                if isinstance(event, Heartbeat) and not reliable
                 else "cursor"
                 if isinstance(event, DataCursorEvent)
                 else "event"
             )
-            if kind == "heartbeat" and self._said_last:
+            if isinstance(event, Heartbeat) and self._said_last:
                 # The background beat can fire between the training thread's last word and
                 # close(): a heartbeat after it would tell the daemon the process still runs.
                 return event

@@ -68,6 +68,11 @@ a second signal ends it at once.
 **No daemon**: while no daemon reads the job's events for ``daemon_timeout_s``, a warning is
 logged every ``warn_every_s`` (:mod:`._daemon_watch`).
 
+**Finishing** (``docs/recovery.md``, "A finish the daemon has not judged"): once every worker
+exited with status 0, the supervisor waits, at most ``daemon_timeout_s``, until the daemon has
+read this node's reports, and obeys the restore it may then order (a divergence in the ranks'
+last heartbeats) before it exits 0.
+
 **Outages** (``docs/operations.md``, "Agents and supervisors during a bus outage"): the
 supervisor's lifecycle reports leave through its outbox (:mod:`._courier`), which delivers them
 in order and retries for as long as the bus is away; no bus failure ends or stalls the watch
@@ -210,6 +215,10 @@ request in time: it stays in the node's spool); the shell's convention for SIGTE
 _ANSWER_POLL_S = 1.0
 """Seconds between two looks at whether the daemon read a request this supervisor waits on."""
 
+_VERDICT_POLL_S = 0.2
+"""Seconds between two looks at whether the daemon read this node's finish: every job's end
+waits on it (two cheap reads)."""
+
 
 _SECONDS_OPTIONS: Final = {
     "grace_s": "--grace",
@@ -249,7 +258,8 @@ class SupervisorConfig:
         daemon_group: the daemon's consumer group, whose position on ``events`` tells whether
             a daemon reads the job; ``None``: ``<prefix>daemon``, the daemon's default.
         daemon_timeout_s: warn when no daemon has read the job's events for this many seconds;
-            0: never.
+            also the longest wait, once every worker finished, for the daemon to judge the
+            finish (:meth:`Supervisor._finish`); 0: no daemon expected (never warn, no wait).
         warn_every_s: seconds between two such warnings while it lasts (> 0).
         stop_timeout_s: seconds from a signal (SIGTERM, SIGINT) to the exit of a supervisor
             whose workers run: within them it stops its workers (``grace_s``, cut short),
@@ -880,9 +890,9 @@ class Supervisor:
         unanswered = asyncio.ensure_future(self._unanswered.wait())
         while True:
             order_task = asyncio.ensure_future(self._orders.get())
-            waiting = {order_task, stop_task, unanswered}
+            waiting: set[asyncio.Future[Any]] = {order_task, stop_task, unanswered}
             # Once a worker failed, only the daemon's order (or a signal) moves us on.
-            done_task = None if self._failed else asyncio.ensure_future(self._all_exited.wait())
+            done_task = None if self._failed else asyncio.ensure_future(self._finish(bus))
             if done_task is not None:
                 waiting.add(done_task)
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -891,6 +901,10 @@ class Supervisor:
             if stop_task.done():
                 order_task.cancel()
                 unanswered.cancel()
+                if self._all_exited.is_set() and not self._failed:
+                    # Signalled while the daemon judges the finish: nothing left to stop.
+                    log.info("workers finished", generation=self._generation)
+                    return 0
                 return await self._stop_job(stop)
             if unanswered.done() and not order_task.done():
                 order_task.cancel()
@@ -899,6 +913,8 @@ class Supervisor:
             if not order_task.done():
                 order_task.cancel()
                 if not self._failed:
+                    if not self._orders.empty():
+                        continue  # the daemon's answer to the finish (_finish): take it
                     log.info("workers finished", generation=self._generation)
                     return 0
                 log.warning("a worker failed: waiting for the daemon", generation=self._generation)
@@ -928,6 +944,77 @@ class Supervisor:
             await self._stop_workers(report=False)
             self._generation = order.generation
             await self._start_workers(bus)
+
+    async def _finish(self, bus: Bus) -> None:
+        """Return once every worker exited: at once when one failed; when all finished, once
+        the daemon judged this node's finish (``docs/recovery.md``, "A finish the daemon has
+        not judged"), or after ``daemon_timeout_s`` without it (not at all when 0: no daemon
+        is expected), said in a warning.
+
+        The ranks' last heartbeats and ``finished`` reports are on the bus before their exit;
+        the daemon may find a divergence in them (a non-finite loss in the last heartbeat
+        interval) and order a restore, which only a supervisor still running can obey. The
+        daemon has judged them once its group's position on the job's partition of ``events``
+        passed the end offset read after this node's reports were delivered (it acts on what
+        it reads before it commits its position, as :meth:`_await_answer` relies on); its
+        latest command then is its answer: a restore or an abort is queued for the caller,
+        which takes it (``_orders``) instead of ending."""
+        await self._all_exited.wait()
+        c = self._c
+        if self._failed or c.daemon_timeout_s <= 0:
+            return
+        log.info("workers finished: waiting for the daemon to judge", generation=self._generation)
+        deadline = time.monotonic() + c.daemon_timeout_s
+        try:
+            # This node's reports (forwarded spools first) on the bus: what the daemon reads.
+            await asyncio.wait_for(self._courier.delivered(), c.daemon_timeout_s)
+            partitions = await self._patiently_until(deadline, lambda: bus.partitions("events"))
+            events = TopicPartition("events", partition_for(c.job_id, partitions))
+            end = (await self._patiently_until(deadline, lambda: bus.end_offsets("events")))[events]
+        except TimeoutError:
+            return self._unjudged()
+        while True:
+            try:
+                if (await bus.group_positions(c.group, "events")).get(events, -1) >= end:
+                    record = (await bus.latest_per_key("commands")).get(c.job_id)
+                    verdict = (
+                        None
+                        if record is None or record.value is None
+                        else self._gate.admit(record.value)
+                    )
+                    if isinstance(verdict, Restore | Abort):
+                        await self._orders.put(verdict)  # the loop acts on it
+                    else:
+                        log.info("the daemon judged the finish", generation=self._generation)
+                    return
+            except BusError as exc:
+                log.debug("cannot read the daemon's verdict: retrying", error=str(exc))
+            if time.monotonic() > deadline:
+                return self._unjudged()
+            if await self._pause(_VERDICT_POLL_S):
+                return
+
+    async def _patiently_until(self, deadline: float, call: Callable[[], Awaitable[_T]]) -> _T:
+        """``call()`` retried every ``_VERDICT_POLL_S`` while the bus fails, until ``deadline``
+        (monotonic seconds). Raises :class:`TimeoutError` at the deadline or when the
+        supervisor winds down."""
+        while True:
+            try:
+                return await asyncio.wait_for(call(), max(0.0, deadline - time.monotonic()))
+            except BusError as exc:
+                log.debug("cannot read the daemon's verdict: retrying", error=str(exc))
+            if time.monotonic() > deadline or await self._pause(_VERDICT_POLL_S):
+                raise TimeoutError
+
+    def _unjudged(self) -> None:
+        """Say that no daemon judged this node's finish within ``daemon_timeout_s``."""
+        log.warning(
+            f"no daemon has judged this node's finish within {self._c.daemon_timeout_s:g} s: "
+            "exiting; a restore it orders later finds no supervisor here",
+            job_id=self._c.job_id,
+            group=self._c.group,
+            generation=self._generation,
+        )
 
     async def _begin(self, bus: Bus, stop: asyncio.Event) -> None:
         """Start the workers, or report the previous ones gone, or ask for a continuation, as

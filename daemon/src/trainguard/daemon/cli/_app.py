@@ -420,7 +420,9 @@ def run(
     daemon_timeout: Annotated[
         float,
         typer.Option(
-            help="Warn when no daemon has read the job's events for this many seconds (0: never)."
+            help="Warn when no daemon has read the job's events for this many seconds; also the "
+            "longest wait, once the workers finished, for the daemon to judge the finish (0: "
+            "no daemon expected: never warn, exit at once)."
         ),
     ] = 30.0,
     warn_every: Annotated[

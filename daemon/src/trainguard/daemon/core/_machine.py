@@ -78,6 +78,7 @@ from trainguard.daemon.core._recovery import (
     Failure,
     acknowledged,
     cut_arrived,
+    diverged_finish,
     fail_now,
     fail_over,
     fail_unrepairable,
@@ -256,6 +257,12 @@ def _late(
     moved = _advance(bridged_state, at_ns)
     if isinstance(event, Checkpoint):
         judged = late_shard(moved, event, config)
+    elif event.kind == "finished" and event.rank is not None:
+        judged = diverged_finish(
+            moved, event.rank, event.host, event.step, event.generation, config
+        )
+        if judged is None:
+            judged = late_finish(moved, event, config)
     else:
         judged = late_finish(moved, event, config)
     if judged is None:
@@ -1154,8 +1161,10 @@ def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions
     if world_size is None or state.world_size_generation != state.generation:
         return state, _NONE
     generation = state.generation
-    incident = state.incident
-    if state.finished_ranks == world_size:
+    incident, held = state.incident, state.held
+    # A restore held for a divergence stands: the ranks finished a suspect state, and it is
+    # issued (a restart: they cannot reload in process) when the hold ends.
+    if state.finished_ranks == world_size and (held is None or held.onset_after_step is None):
         reason = f"all {world_size} ranks finished in generation {generation}"
         decisions: Decisions = (
             Transition(old=state.phase, new="finished", generation=generation, reason=reason),
@@ -1169,11 +1178,11 @@ def _settle(state: JobState, config: MachineConfig) -> tuple[JobState, Decisions
                     reason=reason,
                 ),
             )
-        if state.held is not None:
+        if held is not None:
             # Its restore was held while the bus settled: the job finished meanwhile.
             decisions += (
                 IncidentClosed(
-                    incident_id=state.held.incident_id,
+                    incident_id=held.incident_id,
                     outcome="finished",
                     attempts=0,
                     reason=reason,

@@ -80,6 +80,7 @@ from trainguard.daemon.core._state import (
     Left,
     Loop,
     Watch,
+    unjoined,
 )
 from trainguard.schemas import Abort, DataCursor, Restore, RestoreMode, SnapshotRef, StepRange
 
@@ -143,6 +144,50 @@ def fail_over(
     if state.held is not None:
         return _join(state, state.held, failure)
     return _open(state, failure, config)
+
+
+def diverged_finish(
+    state: JobState, rank: int, host: str, step: int | None, generation: int, config: MachineConfig
+) -> tuple[JobState, tuple[Decision, ...]] | None:
+    """Judge rank ``rank``'s ``finished`` of ``generation``, the generation a restore nobody
+    joined left (:func:`~trainguard.daemon.core._state.unjoined`), when that restore's
+    incident has an onset step (a divergence: ``nan_loss``, ``loss_spike``,
+    ``checksum_mismatch``, ...), or ``None`` for any other (the late-finish rule,
+    :func:`trainguard.daemon.core._outage.late_finish`, judges those).
+
+    Ranks that finished after the onset finished a suspect state: the finish does not void the
+    restore (``docs/recovery.md``, "A job that finished is never restored"). The rank is
+    recorded as finished in that generation (``JobState.left``) and a ``late_finish`` anomaly
+    says the restore stands. An ``in_process`` restore is then missed (a finished rank cannot
+    reload in process): its incident fails over to the next attempt as an
+    ``in_process_missed`` failure, a restart whose supervisors start the ranks again.
+    """
+    pending = unjoined(state, generation, rank)
+    if pending is None or pending.incident.onset_after_step is None:
+        return None
+    left, incident, world_size, restore = pending
+    finished = left.finished if rank in left.finished else tuple(sorted((*left.finished, rank)))
+    state = structs.replace(state, left=left._replace(finished=finished))
+    noted = Anomaly(
+        kind="late_finish",
+        reason=f"rank {rank} on host {host} reported finished in generation {left.generation} "
+        f"after {restore} was issued: {len(finished)} of {world_size} ranks of generation "
+        f"{left.generation} finished, with parameters known sound only up to step "
+        f"{incident.onset_after_step} ({incident.cause}): the restore stands",
+    )
+    if incident.mode != "in_process" or incident.at_step is None:
+        return state, (noted,)
+    failure = Failure(
+        "in_process_missed",
+        f"rank {rank} on host {host} finished in generation {left.generation} before the "
+        f"in-process restore of generation {state.generation} at step {incident.at_step}; "
+        "restarting instead",
+        (rank,),
+        (host,),
+        measures=Measures(at_step=incident.at_step, step=-1 if step is None else step),
+    )
+    state, acted = fail_over(state, failure, config)
+    return state, (noted, *acted)
 
 
 def give_up(
@@ -423,8 +468,15 @@ def _mode(
 ) -> tuple[RestoreMode, int | None]:
     """The first restore's mode, and for ``in_process`` its ``at_step``: the highest step any
     rank reported plus a margin of at least ``in_process_margin_steps`` steps and
-    ``in_process_lead_s`` seconds at the job's median step time."""
-    if config.restore_mode != "in_process" or failure.cause not in IN_PROCESS_CAUSES:
+    ``in_process_lead_s`` seconds at the job's median step time. ``restart`` when the restore
+    mode is not ``in_process``, the cause is not one of :data:`IN_PROCESS_CAUSES`, or a rank of
+    the generation reported ``finished`` (its process is ending: it cannot reload)."""
+    if (
+        config.restore_mode != "in_process"
+        or failure.cause not in IN_PROCESS_CAUSES
+        or state.finished_ranks
+    ):
+        # A rank that finished cannot reload in process: its supervisor starts it again.
         return "restart", None
     margin = config.in_process_margin_steps
     typical = state.trend.step_time_median_s

@@ -334,6 +334,10 @@ def _story(
                         f"[yellow]⚑ incident {d['incident_id']}: {d['cause']} on "
                         f"{'ranks ' + ', '.join(map(str, d['ranks'])) if d['ranks'] else 'every rank'}"
                     )
+                elif d["decision"] == "transition" and d["new"] == "finished":
+                    # The daemon's verdict, not the ranks' reports: it may still find a
+                    # divergence in their last heartbeats and restore.
+                    say(f"[bold green]✔ finished (generation {d['generation']}): {d['reason']}")
         case Heartbeat(step=step, generation=g):
             progress.update(task, completed=step, description=f"generation {g}")
         case Lifecycle(kind="exited", signal=sig, ranks=ranks) if sig is not None:
@@ -352,7 +356,6 @@ def _story(
             say(f"[green]▶ resume: every rank restored, generation {g} trains on{since}")
         case Lifecycle(kind="finished", rank=0, step=step):
             progress.update(task, completed=step)
-            say(f"[bold green]✔ finished at step {step}")
     return kill_at
 
 
