@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from msgspec import structs
+
 from tests.support.machine_scenarios import config
 from trainguard.daemon.core._decisions import Decision, Rejected
 from trainguard.daemon.core._inputs import Input, Observed
@@ -72,12 +74,23 @@ def one_by_one(
     state: JobState, item: Observed, cfg: MachineConfig | None = None
 ) -> tuple[JobState, list[Decision], list[Rejected]]:
     """Fold ``item``'s batch as its heartbeats, each alone at the batch's append time: the
-    state after them, the decisions other than rejections, and the rejections."""
-    assert isinstance(item.event, HeartbeatBatch)
+    state after them (with the batch's ``seq`` as its supervisor's latest, ``relays``, when
+    one of them was folded), the decisions other than rejections, and the rejections. A
+    stale entry (behind its rank's newer event) is rejected here, where the batch skips it:
+    the traces batched by :func:`batched` have none."""
+    batch = item.event
+    assert isinstance(batch, HeartbeatBatch)
     decisions: list[Decision] = []
     refused: list[Rejected] = []
-    for beat in item.event.heartbeats():
+    folded = False
+    for beat in batch.heartbeats():
         state, decided = decide(state, item._replace(event=beat), cfg or config())
-        refused += [d for d in decided if isinstance(d, Rejected)]
+        rejected = [d for d in decided if isinstance(d, Rejected)]
+        folded = folded or not rejected
+        refused += rejected
         decisions += [d for d in decided if not isinstance(d, Rejected)]
+    if folded:
+        state = structs.replace(
+            state, relays=state.relays.insert((batch.host, batch.pid), batch.seq)
+        )
     return state, decisions, refused

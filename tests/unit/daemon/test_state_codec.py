@@ -33,6 +33,7 @@ from trainguard.daemon.core._inputs import Input
 from trainguard.daemon.core._state import (
     JobState,
     Left,
+    new_job,
 )
 from trainguard.daemon.core._state_codec import (
     LAYOUT,
@@ -474,3 +475,32 @@ def test_a_document_with_whole_manifests_decodes_with_their_references() -> None
     assert state.incident.target == state.committed[-1]
     document["state"]["committed"][0]["shards"][0]["digest"] = "md5:00"
     assert str(refused(document).path).startswith("state.committed[0].shards[0]")
+
+
+BEFORE_RELAYS = Path(__file__).with_name("data") / "jobstate-d0c702ce91cc15cb.json"
+"""``encode_state`` of the build before the batches' own seq (layout d0c702ce91cc15cb, without
+``JobState.relays``) for a 2-rank job training through step 30 (``two_ranks_training``)."""
+
+
+def test_a_document_before_relays_decodes_with_no_batch_noted() -> None:
+    """A snapshot written before ``JobState.relays`` reads back with no supervisor's batch
+    noted: here the state this build folds from the same (unbatched) inputs. A document of
+    that layout that has the field is refused; every earlier layout gets it too."""
+    data = BEFORE_RELAYS.read_bytes()
+    document = orjson.loads(data)
+    assert document["layout"] != LAYOUT
+    assert document["layout"] in READABLE_LAYOUTS
+    state = decode_state(data)
+    folded, _ = run(two_ranks_training(Sim(world_size=2), 30), cfg=config())
+    assert state == folded
+    assert encode_state(state) == encode_state(folded)
+    assert decode_state(BEFORE_LATE.read_bytes()).relays == HashTrieMap()
+    document["state"]["relays"] = []
+    assert refused(document).path == "state.relays"
+
+
+def test_the_batches_noted_read_back() -> None:
+    """The highest batch ``seq`` of each supervisor (``(host, pid)`` keys) reads back as
+    written."""
+    state = structs.replace(new_job("job"), relays=HashTrieMap({("h0", 7): 12, ("h1", 8): 3}))
+    assert decode_state(encode_state(state)) == state

@@ -27,7 +27,9 @@ backlog decides from old inputs but acts now). A :class:`~trainguard.schemas.Job
 or continue the job) is folded by :mod:`trainguard.daemon.core._stop` in any phase, also a final one.
 A :class:`~trainguard.schemas.HeartbeatBatch` (a node's heartbeats in one record) is folded as
 the heartbeats it carries, each as if it had come alone at the batch's append time
-(:func:`_on_batch`), so a batched job is judged exactly as an unbatched one.
+(:func:`_on_batch`), so a batched job is judged exactly as an unbatched one; but a batch the
+bus delivered again is refused whole by its own ``seq``, and a heartbeat that a newer direct
+event of its rank overtook on the way is stale, skipped without a rejection.
 Recovery (incidents, restore retries, abort) lives in :mod:`trainguard.daemon.core._recovery`; the
 detectors in :mod:`trainguard.daemon.core.detectors._stall` and
 :mod:`trainguard.daemon.core.detectors._divergence` (``docs/detection.md`` tabulates them).
@@ -197,34 +199,60 @@ def _on_batch(
 ) -> tuple[JobState, Decisions]:
     """Fold a node's batch of heartbeats: each entry as :func:`decide` folds the heartbeat of
     its rank observed alone at the batch's append time and offset, so that state and
-    decisions are those of the heartbeats sent one by one. An entry that takes decide's hot
-    path (a running generation's heartbeat that breaks no admission rule) is folded as it is,
-    without building its :class:`~trainguard.schemas.Heartbeat`; any other goes through
-    :func:`decide` as that heartbeat. The entries' rejections (all of them for a batch the bus
-    delivered twice: duplicates) become one :class:`Rejected`, so the record is dead-lettered
-    once; every other decision keeps its order."""
+    decisions are those of the heartbeats sent one by one, but for two rules of the batch
+    record itself.
+
+    * A batch whose ``seq`` is not above the highest of its supervisor's batches a heartbeat
+      of which was folded in this generation (``JobState.relays``) is one the bus delivered
+      again: one ``duplicate`` :class:`Rejected`, the state unchanged. Otherwise, once one of
+      its heartbeats is folded, its ``seq`` becomes that highest.
+    * In a batch that is not such a duplicate, an entry whose ``seq`` is not above the last
+      one accepted from its rank's process is *stale*, not duplicate: the process's newer
+      event, sent directly and sharing its counter, overtook the relay (the two ways to the
+      bus are not ordered). It is skipped: no decision, no change of state.
+
+    An entry that takes decide's hot path (a running generation's heartbeat that breaks no
+    admission rule) is folded as it is, without building its
+    :class:`~trainguard.schemas.Heartbeat`; any other goes through :func:`decide` as that
+    heartbeat. The entries' rejections become one :class:`Rejected`, so the record is
+    dead-lettered once; every other decision keeps its order."""
     if batch.job_id != state.job_id:
         return state, (_wrong_job(state, batch),)
     at_ns, host = item.at_ns, batch.host
+    relay = (host, batch.pid)
+    last = state.relays.get(relay)
+    if last is not None and batch.seq <= last:
+        reason = (
+            f"duplicate: {_sender(batch)} has seq {batch.seq}, already accepted up to seq {last}"
+        )
+        return state, (Rejected(code="duplicate", reason=reason),)
     decisions: list[Decision] = []
     refused: list[Rejected] = []
+    folded = False
     for beat in batch.beats:
         sender = (beat.rank, host, beat.pid)
+        broken = _broken_sender_rule(state, beat, sender, at_ns, config)
+        if broken == "duplicate":
+            continue  # stale (docstring)
         if (
-            state.phase not in TERMINAL_PHASES
+            broken is None
+            and state.phase not in TERMINAL_PHASES
             and state.world_size_generation == state.generation
-            and _broken_sender_rule(state, beat, sender, at_ns, config) is None
         ):
             state, bridged = _bridged(state, at_ns, config)
             state, decided = _on_heartbeat(state, beat, at_ns, sender, config)
             state, decided = _settled(state, config, bridged + decided if bridged else decided)
         else:
             state, decided = decide(state, item._replace(event=batch.heartbeat(beat)), config)
+        kept = len(refused)
         for decision in decided:
             if type(decision) is Rejected:
                 refused.append(decision)
             else:
                 decisions.append(decision)
+        folded = folded or len(refused) == kept  # a heartbeat not rejected was folded
+    if folded:
+        state = structs.replace(state, relays=state.relays.insert(relay, batch.seq))
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         decisions.append(

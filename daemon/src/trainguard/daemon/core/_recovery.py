@@ -290,6 +290,7 @@ def _new_generation(
         ranks=HashTrieMap(),
         finished_ranks=0,
         senders=HashTrieMap(),
+        relays=HashTrieMap(),
         pending=HashTrieMap(),
         silence_floor_ns=None,
         incident=incident,

@@ -435,6 +435,11 @@ class JobState(Struct, frozen=True, gc=False):
         senders: ``(rank, host, pid)`` -> highest ``seq`` accepted from that sender in the
             current generation (older generations' events are rejected before this is read,
             so it is cleared on every new generation).
+        relays: ``(host, pid)`` of a supervisor -> highest ``seq`` of its heartbeat batches a
+            heartbeat of which was folded in the current generation (cleared with
+            ``senders``): a batch not above it is one the bus delivered again. Kept apart
+            from ``senders``, because the supervisor's lifecycle events share that counter
+            but reach the bus by another way (its outbox, its journal), in another order.
         pending: step -> rank -> checkpoint shard, for steps of the current generation not
             committed yet.
         committed: committed snapshots in commit order (newest last), at most
@@ -491,6 +496,7 @@ class JobState(Struct, frozen=True, gc=False):
     ranks: HashTrieMap[int, RankState] = HashTrieMap()
     finished_ranks: int = 0
     senders: HashTrieMap[Sender, int] = HashTrieMap()
+    relays: HashTrieMap[tuple[str, int], int] = HashTrieMap()
     pending: HashTrieMap[int, HashTrieMap[int, Checkpoint]] = HashTrieMap()
     committed: tuple[SnapshotRef, ...] = ()
     bad_snapshots: tuple[tuple[str, str], ...] = ()

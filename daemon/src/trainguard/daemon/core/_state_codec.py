@@ -741,8 +741,17 @@ _OLD_UPCASTERS: Final[dict[str, _Upcaster]] = {
     "4249f0793ee82f05": _then(),
 }
 
+# Before the batches' own seq (JobState.relays): no batch noted, so a batch the bus delivers
+# again after such a snapshot counts as stale (skipped), not as a duplicate.
+_relays_added: Final = _added(relays=[])
+
 _UPCASTERS: Final[dict[str, _Upcaster]] = {
-    layout: _then(upcast, _refs_from_manifests) for layout, upcast in _OLD_UPCASTERS.items()
+    **{
+        layout: _then(upcast, _refs_from_manifests, _relays_added)
+        for layout, upcast in _OLD_UPCASTERS.items()
+    },
+    # Before the batches' own seq (JobState.relays).
+    "d0c702ce91cc15cb": _relays_added,
 }
 
 READABLE_LAYOUTS: Final = frozenset({LAYOUT, *_UPCASTERS})
