@@ -16,6 +16,19 @@ CLI = [sys.executable, "-m", "trainguard.daemon.cli"]
 REPO = Path(__file__).resolve().parents[2]
 
 
+def run_demo(cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``trainguard demo`` of the tests' job (seed 3, 120 steps) with ``args``, reference runs
+    cached in ``cache``: its output."""
+    return subprocess.run(
+        [*CLI, "demo", "--seed", "3", "--steps", "120", "--cache-dir", str(cache), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=280,
+    )
+
+
 @pytest.fixture(scope="module")
 def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One reference-run cache for the demo tests of this module: they train the same job
@@ -29,15 +42,7 @@ def recovered(
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """The README's first command, run once: its output and its work folder."""
     work = tmp_path_factory.mktemp("demo") / "work"
-    done = subprocess.run(
-        [*CLI, "demo", "--seed", "3", "--steps", "120", "--workdir", str(work),
-         "--cache-dir", str(demo_cache)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=280,
-    )  # fmt: skip
+    done = run_demo(demo_cache, "--workdir", str(work))
     return done, work
 
 
@@ -119,28 +124,10 @@ def test_pruning_the_demo_keeps_what_it_promises(
 def test_the_demo_rehearses_a_nan_restored_in_process(tmp_path: Path, demo_cache: Path) -> None:
     """``trainguard demo --fault``: a NaN loss on rank 1 is detected and restored in process,
     and the job still ends bitwise equal to the uninterrupted run."""
-    done = subprocess.run(
-        [
-            *CLI,
-            "demo",
-            "--seed",
-            "3",
-            "--steps",
-            "120",
-            "--fault",
-            "nan@step=50,rank=1",
-            "--step-sleep",
-            "0.1",
-            "--workdir",
-            str(tmp_path / "work"),
-            "--cache-dir",
-            str(demo_cache),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=280,
+    done = run_demo(
+        demo_cache,
+        *("--fault", "nan@step=50,rank=1", "--step-sleep", "0.1"),
+        *("--workdir", str(tmp_path / "work")),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "nan_loss" in done.stdout
@@ -158,26 +145,8 @@ def test_a_nan_in_the_last_heartbeat_interval_is_restored_not_finished(
     parameters. The ranks' last heartbeats, sent before their finish, show it now; the
     restore stands though the ranks finished, their supervisor obeys it, and the job ends
     bitwise equal to the uninterrupted run."""
-    done = subprocess.run(
-        [
-            *CLI,
-            "demo",
-            "--seed",
-            "3",
-            "--steps",
-            "120",
-            "--fault",
-            "nan@step=118,rank=1",
-            "--workdir",
-            str(tmp_path / "work"),
-            "--cache-dir",
-            str(demo_cache),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=280,
+    done = run_demo(
+        demo_cache, "--fault", "nan@step=118,rank=1", "--workdir", str(tmp_path / "work")
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "nan_loss" in done.stdout

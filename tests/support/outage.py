@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -130,6 +131,33 @@ def first_copies(events: list[Event]) -> list[Event]:
             seen.add(key)
             out.append(e)
     return out
+
+
+@contextmanager
+def written_busily(path: Path) -> Iterator[None]:
+    """Another process's writer at its busiest while the block runs: the bus file's write lock
+    held 50 ms per transaction, each committing, back to back (SQLite's busy handler then
+    rarely catches the lock free)."""
+    stop = threading.Event()
+
+    def write() -> None:
+        conn = sqlite3.connect(path, isolation_level=None)
+        n = 0
+        while not stop.is_set():
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('busy', ?)", (n,))
+            time.sleep(0.05)
+            conn.execute("COMMIT")
+            n += 1
+        conn.close()
+
+    writer = threading.Thread(target=write, name="busy-writer")
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join()
 
 
 @contextmanager

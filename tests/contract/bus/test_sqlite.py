@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.support.outage import written_busily
 from trainguard.agent.bus import (
     BusConfig,
     BusError,
@@ -253,34 +253,14 @@ async def test_send_fails_when_the_file_stays_locked(tmp_path: Path) -> None:
         assert (await bus.publish("events", "job", b"y")).offset == 0
 
 
-def _write_busily(path: Path, stop: threading.Event) -> None:
-    """Another process's writer at its busiest: the write lock held 50 ms per transaction, each
-    committing, back to back (SQLite's busy handler then rarely catches the lock free)."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    n = 0
-    while not stop.is_set():
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('busy', ?)", (n,))
-        time.sleep(0.05)
-        conn.execute("COMMIT")
-        n += 1
-    conn.close()
-
-
 async def test_a_probe_calls_a_lock_held_with_no_commit_stuck_and_busy_writers_not(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "bus.db"
     async with make_bus(path) as bus:
-        stop = threading.Event()
-        writer = threading.Thread(target=_write_busily, args=(path, stop))
-        writer.start()
-        try:
+        with written_busily(path):
             for _ in range(3):
                 assert set(await bus.probe("events", 0.5)) == EVENTS
-        finally:
-            stop.set()
-            writer.join()
         locker = sqlite3.connect(path, isolation_level=None)
         locker.execute("BEGIN EXCLUSIVE")
         try:
@@ -309,15 +289,9 @@ async def test_a_probe_whose_read_was_slow_does_not_call_a_busy_lock_stuck(
             return ends
 
         monkeypatch.setattr(bus, "end_offsets", slow_end_offsets)
-        stop = threading.Event()
-        writer = threading.Thread(target=_write_busily, args=(path, stop))
-        writer.start()
-        try:
+        with written_busily(path):
             for _ in range(5):
                 assert set(await bus.probe("events", timeout_s)) == EVENTS
-        finally:
-            stop.set()
-            writer.join()
 
 
 async def test_start_creates_the_directory(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sqlite3
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ import structlog
 
 from tests.support.buses import BusFactory
 from tests.support.held_daemons import Stalls
+from tests.support.outage import written_busily
 from tests.support.service_support import JobEvents, daemon_config, eventually, publish, running
 from trainguard.agent.bus import DEFAULT_TOPICS, Bus, BusUnavailable, TopicPartition
 from trainguard.daemon import DaemonService
@@ -208,22 +208,6 @@ async def test_lag_over_the_limit_is_a_reason_not_to_be_ready(tmp_path: Path) ->
         assert watch.lag_reason(4) is None
 
 
-def contend(path: Path, until_s: float) -> None:
-    """Another process's writer at its busiest: the write lock held 50 ms per transaction, each
-    committing, back to back, for ``until_s`` seconds (SQLite's busy handler then rarely
-    catches the lock free)."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    deadline = time.monotonic() + until_s
-    n = 0
-    while time.monotonic() < deadline:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('contend', ?)", (n,))
-        time.sleep(0.05)
-        conn.execute("COMMIT")
-        n += 1
-    conn.close()
-
-
 async def test_a_bus_file_held_locked_is_an_outage_and_busy_writers_are_not(
     tmp_path: Path,
 ) -> None:
@@ -241,11 +225,11 @@ async def test_a_bus_file_held_locked_is_an_outage_and_busy_writers_are_not(
         async with running(service):
             await asyncio.wait_for(service.ready.wait(), 60)
             await until(lambda: service.not_ready_reason() is None)
-            busy = threading.Thread(target=contend, args=(path, 4 * TIMEOUT_S))
-            busy.start()
-            while busy.is_alive():
-                assert service.not_ready_reason() is None
-                await asyncio.sleep(0.05)
+            with written_busily(path):
+                busy_until = time.monotonic() + 4 * TIMEOUT_S
+                while time.monotonic() < busy_until:
+                    assert service.not_ready_reason() is None
+                    await asyncio.sleep(0.05)
             assert not events_of(logs, "bus outage started")
 
             locker = sqlite3.connect(path, isolation_level=None)
