@@ -345,8 +345,9 @@ class SQLiteBus(Bus):
         process stopped inside a write transaction) and nothing can be written. The lock is
         waited for up to :data:`PROBE_LOCK_SHARE` of ``timeout_s``, which a write
         transaction of an agent or of this bus (milliseconds, at most :data:`MAX_BATCH`
-        records) never holds it for, and a stream of them, each committing, counts as a lock
-        that moves: normal contention is waited out, never an outage. A lock is called stuck
+        records) never holds it for; a commit by another connection seen meanwhile answers at
+        once (the lock moves): normal contention is no outage, and costs the probe about one
+        look (:data:`._sqlite_db.LOCK_LOOK_S`), not its whole share. A lock is called stuck
         only after a watch of at least :data:`PROBE_LOCK_MIN_WATCH` of ``timeout_s``: when
         the read took so long that less is left (a loaded machine), the probe answers.
 

@@ -272,36 +272,51 @@ def write_transaction(conn: sqlite3.Connection, deadline: float) -> Iterator[Non
         raise
 
 
+LOCK_LOOK_S = 0.05
+"""Longest single wait of :func:`take_write_lock` for the write lock before it looks again
+whether another connection committed meanwhile (seconds)."""
+
+
 def take_write_lock(conn: sqlite3.Connection, deadline: float, min_watch_s: float) -> None:
     """Take the file's write lock (``BEGIN IMMEDIATE``) and give it back at once (``ROLLBACK``:
-    nothing written, nothing synced), waiting for another process's lock until ``deadline``
-    (``time.monotonic()`` seconds; one wait of SQLite's busy handler, so it ends then rather
-    than up to :data:`BUSY_TIMEOUT_S` later).
+    nothing written, nothing synced), or see it move; waiting for another process's lock until
+    ``deadline`` (``time.monotonic()`` seconds).
 
-    A lock still held at the deadline is a file stuck locked only if no other connection
-    committed meanwhile (``PRAGMA data_version``) and it was watched for at least
-    ``min_watch_s`` seconds. SQLite's busy handler is not fair, so under a steady stream of
-    short writes it may never catch the lock free, yet the lock moves and every writer gets its
-    turn; a watch shorter than one of those writes (a caller whose own work took most of its
-    time, on a loaded machine) sees no commit and proves nothing, so it counts as an answer:
-    the next watch long enough decides. Raises the busy :class:`sqlite3.Error` when the lock
-    was held for the whole watch with no commit by anyone (a ``sqlite3`` shell in ``BEGIN
-    EXCLUSIVE``, a process stopped inside a write transaction).
+    SQLite's busy handler is not fair: under a steady stream of short writes it may never catch
+    the lock free, yet the lock moves and every writer gets its turn. So the lock is waited for
+    in looks of at most :data:`LOCK_LOOK_S`, and after each look that finds it busy, a commit
+    by another connection since the first (``PRAGMA data_version``) answers at once: the lock
+    moves. A lock held through the deadline with no commit is a file stuck locked only if it
+    was watched for at least ``min_watch_s`` seconds; a shorter watch (a caller whose own work
+    took most of its time, on a loaded machine) proves nothing and counts as an answer: the
+    next watch long enough decides.
+
+    Raises:
+        sqlite3.Error: busy, when the lock was held for the whole watch with no commit by
+            anyone (a ``sqlite3`` shell in ``BEGIN EXCLUSIVE``, a process stopped inside a
+            write transaction); any other error of the file as it comes.
     """
     before = conn.execute("PRAGMA data_version").fetchone()[0]
     began = time.monotonic()
-    wait_ms = max(0, int((deadline - began) * 1000))
-    conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
     try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.Error as exc:
-        watched_s = time.monotonic() - began
-        if not is_busy(exc) or (
-            watched_s >= min_watch_s and conn.execute("PRAGMA data_version").fetchone()[0] == before
-        ):
-            raise
-    else:
-        conn.execute("ROLLBACK")
+        while True:
+            wait_s = min(LOCK_LOOK_S, deadline - time.monotonic())
+            conn.execute(f"PRAGMA busy_timeout = {max(0, int(wait_s * 1000))}")
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                if not is_busy(exc):
+                    raise
+                if conn.execute("PRAGMA data_version").fetchone()[0] != before:
+                    return  # another connection committed: the lock moves
+                now = time.monotonic()
+                if now < deadline:
+                    continue
+                if now - began < min_watch_s:
+                    return  # too short a watch to tell
+                raise
+            conn.execute("ROLLBACK")
+            return
     finally:
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
