@@ -250,6 +250,7 @@ def test_the_last_heartbeat_precedes_the_finish_on_the_bus_even_with_a_relay(
         relay.bind(str(path))
         relay.setblocking(False)
         with make_agent(heartbeat_interval_s=0.02, heartbeat_relay=path) as agent:
+            agent.watch(torch.nn.Linear(2, 2))  # its checksum goes with the last progress
             agent.ready(0)
             for step in range(1, 4):
                 agent.step(step, loss=1.0)
@@ -262,6 +263,7 @@ def test_the_last_heartbeat_precedes_the_finish_on_the_bus_even_with_a_relay(
     assert last_beat.step == 4
     assert last_beat.loss is not None
     assert math.isnan(last_beat.loss)
+    assert last_beat.param_checksum is not None
     assert isinstance(finished, Lifecycle)
     assert finished.kind == "finished"
     assert [e for e in events if isinstance(e, Heartbeat)] == [last_beat]

@@ -8,10 +8,13 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import orjson
 import pytest
 
 from trainguard.agent.bus import DEFAULT_TOPICS, BusConfig, open_bus
-from trainguard.agent.supervisor._supervisor import _finished_before
+from trainguard.agent.supervisor._supervisor import _diverged, _finished_before
+from trainguard.daemon.core._audit_entry import decision_entry
+from trainguard.daemon.core._decisions import IncidentOpened
 from trainguard.schemas import ClockTick, Heartbeat, Lifecycle, Message, encode
 
 pytestmark = pytest.mark.anyio
@@ -86,3 +89,24 @@ async def test_a_supervisor_finds_a_job_that_finished_before_its_restore_was_joi
     tmp_path: Path, events: list[Message], restore: int, expected: int | None
 ) -> None:
     assert await judged(tmp_path, events, restore) == expected
+
+
+async def test_a_divergences_restore_is_never_voided_by_a_finish(tmp_path: Path) -> None:
+    """A tester's finding: the supervisor's copy of the late-finish rule voided a restore the
+    daemon keeps (a finish after a NaN: ``_recovery.diverged_finish``) and said so. It reads
+    the incident's onset step from the job's audit now."""
+    config = BusConfig(url=f"sqlite://{tmp_path / 'bus.db'}", topics=DEFAULT_TOPICS)
+    async with open_bus(config) as bus:
+        for incident, onset in ((1, None), (2, 57)):
+            opened = IncidentOpened(
+                incident_id=f"{JOB}/i{incident}", cause="exited" if onset is None else "nan_loss",
+                generation=incident, ranks=(1,), hosts=("h",), reason="r", onset_after_step=onset,
+            )  # fmt: skip
+            entry = decision_entry(
+                JOB, partition=0, offset=incident, at_ms=0, identity={"type": "heartbeat"},
+                config="c", decisions=[opened],
+            )  # fmt: skip
+            await bus.publish("audit", JOB, orjson.dumps(entry))
+        assert not await _diverged(bus, JOB, f"{JOB}/i1")
+        assert await _diverged(bus, JOB, f"{JOB}/i2")
+        assert not await _diverged(bus, JOB, f"{JOB}/i3")  # not in the audit

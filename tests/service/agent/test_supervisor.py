@@ -752,6 +752,41 @@ async def test_finished_workers_wait_for_the_daemons_verdict_and_obey_its_restor
     assert any(e["event"] == "the daemon judged the finish" for e in logs)
 
 
+async def test_a_restore_the_daemon_holds_after_the_finish_is_waited_for(tmp_path: Path) -> None:
+    """A tester's finding: after a bus gap the daemon holds its restore until the bus settled,
+    so it decides it after its group read past the finish. The supervisor took that for a
+    verdict and exited, leaving a NaN job restoring with nobody to restart it. The daemon's
+    audit says a restore is held: the supervisor waits for it."""
+    cfg = config(tmp_path, "exit", nproc_per_node=1, daemon_timeout_s=60.0)
+    with structlog.testing.capture_logs() as logs:
+        async with open_bus(bus_config(tmp_path)) as bus:
+            task = asyncio.ensure_future(Supervisor(cfg).run())
+            await wait_for(bus, lambda es: [e.generation for e in es if e.kind == "exited"] == [0])
+            await until(lambda: any(e["event"] == WAITING for e in logs))
+            entry = decision_entry(
+                JOB,
+                partition=partition_for(JOB, await bus.partitions("events")),
+                offset=0,
+                at_ms=0,
+                identity={"type": "heartbeat"},
+                config="c",
+                decisions=[Anomaly(kind="restore_held", reason="until the bus has settled")],
+            )
+            await bus.publish("audit", JOB, orjson.dumps(entry))
+            await read_as_daemon(bus)
+            await until(lambda: any("holds a restore" in e["event"] for e in logs))
+            await asyncio.sleep(0.5)
+            assert not task.done()
+            await bus.publish("commands", JOB, restore(1))
+            await wait_for(
+                bus, lambda es: [e.generation for e in es if e.kind == "exited"] == [0, 1]
+            )
+            await read_as_daemon(bus)
+            assert await asyncio.wait_for(task, 30) == 0
+    assert not any(e["event"] == "the daemon judged the finish" and e["generation"] == 0
+                   for e in logs)  # fmt: skip
+
+
 async def test_finished_workers_with_no_daemon_reading_exit_after_the_daemon_timeout(
     tmp_path: Path,
 ) -> None:

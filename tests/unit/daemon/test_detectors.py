@@ -579,6 +579,19 @@ def test_a_rank_past_the_step_boundary_falls_back_to_a_restart() -> None:
     assert "already past step 65" in retry.reason
 
 
+def test_a_loop_that_ended_before_the_step_boundary_is_said_so() -> None:
+    """The agent also declines when its loop ends before ``at_step`` (``RestoreMissed``): the
+    reason said "already past step 65 (at step 60)", a contradiction a tester reported."""
+    cfg = config(restore_mode="in_process")
+    sim, state, _ = in_process_nan()
+    sim.generation = 1
+    state, decisions = run([sim.missed(2, 65, 60, T0 + 63 * S)], state, cfg)
+    [retry] = issued(decisions, Restore)
+    assert retry.mode == "restart"
+    assert "ended its training loop at step 60, before step 65" in retry.reason
+    assert "already past" not in retry.reason
+
+
 def test_a_dead_process_always_restarts() -> None:
     cfg = config(restore_mode="in_process")
     sim = Sim()

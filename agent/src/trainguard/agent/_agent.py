@@ -354,9 +354,10 @@ class Agent:
                         f"{missed.at_step} missed: {why}; the daemon restarts the job from the "
                         "restore's target"
                     )
-                # The last progress first (its loss above all): a divergence in the final
-                # heartbeat interval is judged before the finish, and restored.
-                self._link.submit(self._heartbeat, reliable=True)
+                # The last progress first (its loss, and the watched model's checksum): a
+                # divergence or a flipped bit in the final heartbeat interval is judged before
+                # the finish, and restored.
+                self._link.submit(self._last_heartbeat(), reliable=True)
                 self._lifecycle("finished", step=step)
             elif exc is not self._reported and not isinstance(exc, JobAborted | StaleGeneration):
                 # The daemon's own orders (abort, a newer generation) need no error report.
@@ -795,6 +796,23 @@ class Agent:
             loss: a tensor or a number.
         """
         return self._faults.loss(step, loss)
+
+    def _last_heartbeat(self) -> Callable[[int], Heartbeat]:
+        """The builder of this rank's last heartbeat: its progress now, with the watched
+        model's parameter checksum (:meth:`watch`) if there is one and checksums are on
+        (``checksum_every``), so that the replicas' final states are compared too. A checksum that cannot be computed is left out
+        (logged): the finish goes on."""
+        model = self._watched
+        if model is None or not self.config.checksum_every:
+            return self._heartbeat
+        from trainguard.agent.checkpoint._checksum import parameter_checksum
+
+        try:
+            checksum = parameter_checksum(model)
+        except Exception as exc:  # the finish must not fail on a diagnostic
+            self._log.warning("final_checksum_failed", error=_describe(exc))
+            return self._heartbeat
+        return lambda seq: dataclasses.replace(self._heartbeat(seq), param_checksum=checksum)
 
     def _send_checksum(self, model: nn.Module) -> None:
         from trainguard.agent.checkpoint._checksum import parameter_checksum

@@ -411,6 +411,9 @@ class Supervisor:
         self._orders: asyncio.Queue[Restore | Abort] = asyncio.Queue()
         self._all_exited = asyncio.Event()
         self._failed = False
+        # The job's audit partition and its end when this generation's workers started: where
+        # a restore the daemon holds for their finish is looked for (None: not read yet).
+        self._audit_from: tuple[TopicPartition, int] | None = None
         self._step_dir: Path | None = None
         # How this supervisor begins (module docstring): start workers, report the previous
         # supervisor's workers gone, or ask for a continuation; and the latest command's
@@ -807,12 +810,24 @@ class Supervisor:
             return
         if isinstance(latest, Restore) and latest.mode == "restart":
             # A generation whose processes are being started: join it, unless the job
-            # finished before anyone did (the daemon then voids the restore).
+            # finished before anyone did (the daemon then voids the restore), which a
+            # divergence's restore never is (docs/recovery.md).
             left = await self._patiently(
                 "reading the job's events",
                 lambda: _finished_before(bus, job, latest.generation),
                 stop,
             )
+            if left is not None and await self._patiently(
+                "reading the job's audit",
+                lambda: _diverged(bus, job, latest.incident_id),
+                stop,
+            ):
+                log.info(
+                    f"every rank of generation {left} reported finished, but after a "
+                    f"divergence ({latest.incident_id}): the restore stands; joining it",
+                    job_id=job,
+                )
+                left = None
             if left is not None:
                 log.warning(
                     f"job finished: every rank of generation {left} reported finished before "
@@ -973,20 +988,40 @@ class Supervisor:
             end = (await self._patiently_until(deadline, lambda: bus.end_offsets("events")))[events]
         except TimeoutError:
             return self._unjudged()
+        audit, scanned = self._audit_from or (None, 0)  # None: from the audit's start
+        held = False
         while True:
             try:
                 if (await bus.group_positions(c.group, "events")).get(events, -1) >= end:
-                    record = (await bus.latest_per_key("commands")).get(c.job_id)
-                    verdict = (
-                        None
-                        if record is None or record.value is None
-                        else self._gate.admit(record.value)
-                    )
-                    if isinstance(verdict, Restore | Abort):
-                        await self._orders.put(verdict)  # the loop acts on it
+                    if audit is None:
+                        audit, _ = await _audit_end(bus, c.job_id)
+                    was_held = held
+                    held, scanned = await _holds_restore(bus, c.job_id, audit, scanned, held)
+                    if held:
+                        # The daemon is there and decided: its restore comes once the bus
+                        # settled or the cut it waits for is in.
+                        deadline = time.monotonic() + c.daemon_timeout_s
+                        if not was_held:
+                            log.info(
+                                "the daemon holds a restore (after a bus gap, or for a checkpoint "
+                                "in flight): waiting for it",
+                                generation=self._generation,
+                            )
                     else:
-                        log.info("the daemon judged the finish", generation=self._generation)
-                    return
+                        record = (await bus.latest_per_key("commands")).get(c.job_id)
+                        verdict = (
+                            None
+                            if record is None or record.value is None
+                            else self._gate.admit(record.value)
+                        )
+                        if isinstance(verdict, Restore | Abort):
+                            await self._orders.put(verdict)  # the loop acts on it
+                        elif not (
+                            isinstance(verdict, Ignored)
+                            and (verdict.generation or 0) > self._generation
+                        ):  # else the listener took it first: the loop acts on that
+                            log.info("the daemon judged the finish", generation=self._generation)
+                        return
             except BusError as exc:
                 log.debug("cannot read the daemon's verdict: retrying", error=str(exc))
             if time.monotonic() > deadline:
@@ -1005,6 +1040,15 @@ class Supervisor:
                 log.debug("cannot read the daemon's verdict: retrying", error=str(exc))
             if time.monotonic() > deadline or await self._pause(_VERDICT_POLL_S):
                 raise TimeoutError
+
+    async def _note_audit_start(self, bus: Bus) -> None:
+        """Note the job's audit partition and its end offset now (:attr:`_audit_from`), for
+        :meth:`_finish`; a bus failure leaves it unread (the audit is then read from its
+        start)."""
+        try:
+            self._audit_from = await _audit_end(bus, self._c.job_id)
+        except BusError as exc:
+            log.debug("cannot read the end of the job's audit", error=str(exc))
 
     def _unjudged(self) -> None:
         """Say that no daemon judged this node's finish within ``daemon_timeout_s``."""
@@ -1300,6 +1344,8 @@ class Supervisor:
     async def _start_workers(self, bus: Bus) -> None:
         self._all_exited.clear()
         self._failed = False
+        self._audit_from = None
+        self._tasks.append(asyncio.ensure_future(self._note_audit_start(bus)))
         port = self._port()
         for ranks, env in self._worker_env(port):
             step_file = self._step_file(ranks[0]) if len(ranks) == 1 else None
@@ -1546,6 +1592,63 @@ async def _audit_end(bus: Bus, job_id: str) -> tuple[TopicPartition, int]:
     return tp, (await bus.end_offsets("audit"))[tp]
 
 
+def _audit_entry(value: bytes) -> dict[str, Any] | None:
+    """An audit record's entry as plain JSON (``trainguard.daemon`` writes them), or ``None``
+    for one that does not parse as an object."""
+    try:
+        entry = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+async def _holds_restore(
+    bus: Bus, job_id: str, tp: TopicPartition, start: int, held: bool
+) -> tuple[bool, int]:
+    """Whether the daemon holds a restore of the job after its audit entries on ``tp`` from
+    offset ``start`` to the end (``held``: whether it did before ``start``), and that end:
+    an entry with a ``restore_held`` anomaly holds one, a later one that issued a command,
+    closed an incident or failed the job ends the hold (as :func:`_restore_held` judges).
+
+    Raises:
+        BusError: the bus cannot be read.
+    """
+    end = (await bus.end_offsets("audit"))[tp]
+    async for value in _job_records(bus, job_id, tp, start, end):
+        entry = _audit_entry(value)
+        if entry is None:
+            continue
+        kinds = _decision_kinds(entry)
+        if "restore_held" in kinds:
+            held = True
+        elif kinds & {"issue", "incident_closed", "job_failed"}:
+            held = False
+    return held, max(start, end)
+
+
+async def _diverged(bus: Bus, job_id: str, incident_id: str) -> bool:
+    """Whether the job's audit records incident ``incident_id`` as opened with an onset step
+    (a divergence: ``nan_loss``, ``loss_spike``, ``checksum_mismatch``), whose restore a finish
+    never voids (``docs/recovery.md``, "A finish the daemon has not judged"). One pass over
+    the job's audit partition: only a rejoining supervisor asks.
+
+    Raises:
+        BusError: the bus cannot be read.
+    """
+    tp, end = await _audit_end(bus, job_id)
+    async for value in _job_records(bus, job_id, tp, 0, end):
+        entry = _audit_entry(value)
+        decisions = None if entry is None else entry.get("decisions")
+        for decision in decisions if isinstance(decisions, list) else ():
+            if (
+                isinstance(decision, dict)
+                and decision.get("decision") == "incident_opened"
+                and decision.get("incident_id") == incident_id
+            ):
+                return decision.get("onset_after_step") is not None
+    return False
+
+
 def _decision_kinds(entry: dict[str, Any]) -> set[str]:
     """The decisions of an audit entry by name (``issue``, ``incident_closed``, ...), with
     each anomaly's kind (``restore_held``, ...)."""
@@ -1576,11 +1679,8 @@ async def _restore_held(
     end = (await bus.end_offsets("audit"))[tp]
     held = False
     async for value in _job_records(bus, job_id, tp, start, end):
-        try:
-            entry = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            continue
-        if not isinstance(entry, dict):
+        entry = _audit_entry(value)
+        if entry is None:
             continue
         kinds = _decision_kinds(entry)
         if (entry.get("partition"), entry.get("offset")) == (sent.partition, sent.offset):

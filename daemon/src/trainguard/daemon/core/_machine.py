@@ -1109,11 +1109,20 @@ def _on_error(
         and incident.at_step == event.missed_at_step
     ):
         named = (event.rank,) if event.rank is not None else event.ranks
-        reason = (
-            f"{who} was already past step {event.missed_at_step}"
-            f"{'' if event.step is None else f' (at step {event.step})'} when the in-process "
-            f"restore of generation {state.generation} arrived; restarting instead"
-        )
+        if event.step is not None and event.step < event.missed_at_step:
+            # The agent declines when its loop ends first (RestoreMissed), too.
+            reason = (
+                f"{who} ended its training loop at step {event.step}, before step "
+                f"{event.missed_at_step} of the in-process restore of generation "
+                f"{state.generation}; restarting instead"
+            )
+        else:
+            reason = (
+                f"{who} was already past step {event.missed_at_step}"
+                f"{'' if event.step is None else f' (at step {event.step})'} when the "
+                f"in-process restore of generation {state.generation} arrived; restarting "
+                "instead"
+            )
         failure = Failure(
             "in_process_missed",
             reason,

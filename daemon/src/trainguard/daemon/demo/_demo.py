@@ -237,7 +237,11 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> bool:
     record = asyncio.run(read_job_record(bus_url, prefix, JOB))
     # Restores and their skips from the audit trail: the compacted commands topic keeps only
     # the job's latest command once it is a minute old.
-    skips = [r.skip for r in record.restores() if r.skip is not None]
+    # A retry of an incident's restore (an in-process one failed over to a restart) skips the
+    # same batches again: one skip.
+    skips = list(
+        {(r.skip.from_step, r.skip.to_step): r.skip for r in record.restores() if r.skip}.values()
+    )
     if len(skips) == 1:
         # The restored run rightly never trained those batches: compare it with a run that
         # skipped them too (data moved on by as many batches from the same step).
@@ -397,7 +401,11 @@ def _summary(
             table.add_row(d.get("cause") or d.get("kind") or d["decision"], d["reason"])
     first = restores[0] if restores else None
     if first is not None and first.mode == "in_process":
-        table.add_row("restore mode", f"in process at step {first.at_step}")
+        modes = [
+            f"in process at step {r.at_step}" if r.mode == "in_process" else "then a restart"
+            for r in restores
+        ]
+        table.add_row("restore mode", ", ".join(modes))
     elif first is not None:
         spawned = {
             e.message.pid
