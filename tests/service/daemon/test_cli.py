@@ -107,16 +107,26 @@ def test_a_bad_bus_url_is_a_clear_error() -> None:
     assert "scheme must be sqlite or kafka" in done.stderr
 
 
-def test_a_bad_demo_fault_is_a_clear_error_before_anything_starts(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [
+        ("nan@step=5", "missing rank"),
+        # The last step, 60, can be faulted (a NaN in the last heartbeat interval), not 61.
+        ("nan@step=61,rank=1", "the job ends at step 60"),
+    ],
+)
+def test_a_bad_demo_fault_is_a_clear_error_before_anything_starts(
+    tmp_path: Path, fault: str, said: str
+) -> None:
     done = subprocess.run(
-        [*CLI, "demo", "--fault", "nan@step=5", "--workdir", str(tmp_path / "work")],
+        [*CLI, "demo", "--steps", "60", "--fault", fault, "--workdir", str(tmp_path / "work")],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "nan@step=5" in done.stderr, done.stderr
-    assert "missing rank" in done.stderr, done.stderr
+    assert fault.split(",")[0] in done.stderr, done.stderr
+    assert said in done.stderr, done.stderr
     assert not (tmp_path / "work").exists()  # nothing was started
 
 

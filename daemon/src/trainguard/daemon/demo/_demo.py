@@ -137,7 +137,7 @@ class DemoOptions:
                     f"--fault {fault.kind}@step={fault.step}: rank {fault.rank} does not exist "
                     f"(the demo runs ranks 0-{WORLD_SIZE - 1})"
                 )
-            if fault.step >= self.steps:
+            if fault.step > self.steps:
                 raise ConfigError(
                     f"--fault {fault.kind}@step={fault.step}: the job ends at step {self.steps}"
                 )
