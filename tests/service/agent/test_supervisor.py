@@ -723,6 +723,13 @@ async def read_as_daemon(bus: Bus) -> None:
     await commit_as_daemon(bus, (await bus.end_offsets("events"))[tp])
 
 
+async def until_judging(bus: Bus, logs: list[Any], generations: list[int]) -> None:
+    """Until the supervisor reported its worker's exit in each of ``generations`` and waits
+    for the daemon to judge the last one's finish."""
+    await wait_for(bus, lambda es: [e.generation for e in es if e.kind == "exited"] == generations)
+    await until(lambda: sum(e["event"] == WAITING for e in logs) >= len(generations))
+
+
 async def test_finished_workers_wait_for_the_daemons_verdict_and_obey_its_restore(
     tmp_path: Path,
 ) -> None:
@@ -735,17 +742,13 @@ async def test_finished_workers_wait_for_the_daemons_verdict_and_obey_its_restor
     with structlog.testing.capture_logs() as logs:
         async with open_bus(bus_config(tmp_path)) as bus:
             task = asyncio.ensure_future(Supervisor(cfg).run())
-            await wait_for(bus, lambda es: [e.generation for e in es if e.kind == "exited"] == [0])
-            await until(lambda: any(e["event"] == WAITING for e in logs))
+            await until_judging(bus, logs, [0])
             await asyncio.sleep(0.5)
             assert not task.done()  # no daemon has read the exit yet
             await bus.publish("commands", JOB, restore(1))
             await read_as_daemon(bus)
-            await wait_for(
-                bus, lambda es: [e.generation for e in es if e.kind == "exited"] == [0, 1]
-            )
+            await until_judging(bus, logs, [0, 1])
             assert [e.generation for e in await lifecycles(bus) if e.kind == "started"] == [0, 1]
-            await until(lambda: sum(e["event"] == WAITING for e in logs) >= 2)
             assert not task.done()
             await read_as_daemon(bus)
             assert await asyncio.wait_for(task, 30) == 0
@@ -761,8 +764,7 @@ async def test_a_restore_the_daemon_holds_after_the_finish_is_waited_for(tmp_pat
     with structlog.testing.capture_logs() as logs:
         async with open_bus(bus_config(tmp_path)) as bus:
             task = asyncio.ensure_future(Supervisor(cfg).run())
-            await wait_for(bus, lambda es: [e.generation for e in es if e.kind == "exited"] == [0])
-            await until(lambda: any(e["event"] == WAITING for e in logs))
+            await until_judging(bus, logs, [0])
             entry = decision_entry(
                 JOB,
                 partition=partition_for(JOB, await bus.partitions("events")),
@@ -778,9 +780,7 @@ async def test_a_restore_the_daemon_holds_after_the_finish_is_waited_for(tmp_pat
             await asyncio.sleep(0.5)
             assert not task.done()
             await bus.publish("commands", JOB, restore(1))
-            await wait_for(
-                bus, lambda es: [e.generation for e in es if e.kind == "exited"] == [0, 1]
-            )
+            await until_judging(bus, logs, [0, 1])
             await read_as_daemon(bus)
             assert await asyncio.wait_for(task, 30) == 0
     assert not any(e["event"] == "the daemon judged the finish" and e["generation"] == 0
