@@ -973,7 +973,10 @@ class Supervisor:
         passed the end offset read after this node's reports were delivered (it acts on what
         it reads before it commits its position, as :meth:`_await_answer` relies on); its
         latest command then is its answer: a restore or an abort is queued for the caller,
-        which takes it (``_orders``) instead of ending."""
+        which takes it (``_orders``) instead of ending. Unless it holds its restore (after a
+        bus gap, or for a checkpoint in flight: a ``restore_held`` in the job's audit since
+        this generation's workers started, :func:`_holds_restore`): then the wait goes on,
+        with a new ``daemon_timeout_s``, until it issues the restore."""
         await self._all_exited.wait()
         c = self._c
         if self._failed or c.daemon_timeout_s <= 0:
