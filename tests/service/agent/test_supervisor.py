@@ -730,6 +730,21 @@ async def until_judging(bus: Bus, logs: list[Any], generations: list[int]) -> No
     await until(lambda: sum(e["event"] == WAITING for e in logs) >= len(generations))
 
 
+async def hold_a_restore(bus: Bus) -> None:
+    """Act as a daemon that read everything and holds its restore (after a bus gap)."""
+    entry = decision_entry(
+        JOB,
+        partition=partition_for(JOB, await bus.partitions("events")),
+        offset=0,
+        at_ms=0,
+        identity={"type": "heartbeat"},
+        config="c",
+        decisions=[Anomaly(kind="restore_held", reason="until the bus has settled")],
+    )
+    await bus.publish("audit", JOB, orjson.dumps(entry))
+    await read_as_daemon(bus)
+
+
 async def test_finished_workers_wait_for_the_daemons_verdict_and_obey_its_restore(
     tmp_path: Path,
 ) -> None:
@@ -765,17 +780,7 @@ async def test_a_restore_the_daemon_holds_after_the_finish_is_waited_for(tmp_pat
         async with open_bus(bus_config(tmp_path)) as bus:
             task = asyncio.ensure_future(Supervisor(cfg).run())
             await until_judging(bus, logs, [0])
-            entry = decision_entry(
-                JOB,
-                partition=partition_for(JOB, await bus.partitions("events")),
-                offset=0,
-                at_ms=0,
-                identity={"type": "heartbeat"},
-                config="c",
-                decisions=[Anomaly(kind="restore_held", reason="until the bus has settled")],
-            )
-            await bus.publish("audit", JOB, orjson.dumps(entry))
-            await read_as_daemon(bus)
+            await hold_a_restore(bus)
             await until(lambda: any("holds a restore" in e["event"] for e in logs))
             await asyncio.sleep(0.5)
             assert not task.done()
@@ -785,6 +790,25 @@ async def test_a_restore_the_daemon_holds_after_the_finish_is_waited_for(tmp_pat
             assert await asyncio.wait_for(task, 30) == 0
     assert not any(e["event"] == "the daemon judged the finish" and e["generation"] == 0
                    for e in logs)  # fmt: skip
+
+
+async def test_a_signal_while_the_daemon_holds_a_restore_stops_the_job(tmp_path: Path) -> None:
+    """A tester's finding: SIGTERM while the daemon held the restore of a finish ended the
+    wait with 0 ("finished") and left the NaN job restoring. With a restore pending the signal
+    stops the job as for running workers: a stop request, then the daemon's confirmation."""
+    cfg = config(tmp_path, "exit", nproc_per_node=1, daemon_timeout_s=60.0, stop_timeout_s=60.0)
+    stop = asyncio.Event()
+    with structlog.testing.capture_logs() as logs:
+        async with open_bus(bus_config(tmp_path)) as bus:
+            task = asyncio.ensure_future(Supervisor(cfg).run(stop))
+            await until_judging(bus, logs, [0])
+            await hold_a_restore(bus)
+            await until(lambda: any("holds a restore" in e["event"] for e in logs))
+            stop.set()
+            await wait_for_events(bus, lambda es: any(isinstance(e, JobRequest) for e in es))
+            assert not task.done()  # waiting for the daemon's confirmation
+            await bus.publish("commands", JOB, abort_at(0, "stopped"))
+            assert await asyncio.wait_for(task, 30) == EXIT_STOPPED
 
 
 async def test_finished_workers_with_no_daemon_reading_exit_after_the_daemon_timeout(

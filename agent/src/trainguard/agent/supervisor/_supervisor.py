@@ -414,6 +414,11 @@ class Supervisor:
         # The job's audit partition and its end when this generation's workers started: where
         # a restore the daemon holds for their finish is looked for (None: not read yet).
         self._audit_from: tuple[TopicPartition, int] | None = None
+        # _finish's round: a round the loop moved on from does nothing more (a cancellation
+        # that asyncio.wait_for swallowed on 3.11 leaves its task running); and whether the
+        # current round saw the daemon hold a restore.
+        self._finish_round = 0
+        self._restore_held_seen = False
         self._step_dir: Path | None = None
         # How this supervisor begins (module docstring): start workers, report the previous
         # supervisor's workers gone, or ask for a continuation; and the latest command's
@@ -913,10 +918,11 @@ class Supervisor:
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if done_task is not None:
                 done_task.cancel()
+                self._finish_round += 1
             if stop_task.done():
                 order_task.cancel()
                 unanswered.cancel()
-                if self._all_exited.is_set() and not self._failed:
+                if self._all_exited.is_set() and not self._failed and not self._restore_held_seen:
                     # Signalled while the daemon judges the finish: nothing left to stop.
                     log.info("workers finished", generation=self._generation)
                     return 0
@@ -979,8 +985,10 @@ class Supervisor:
         with a new ``daemon_timeout_s``, until it issues the restore."""
         await self._all_exited.wait()
         c = self._c
+        self._restore_held_seen = False
         if self._failed or c.daemon_timeout_s <= 0:
             return
+        round_ = self._finish_round
         log.info("workers finished: waiting for the daemon to judge", generation=self._generation)
         deadline = time.monotonic() + c.daemon_timeout_s
         try:
@@ -990,16 +998,19 @@ class Supervisor:
             events = TopicPartition("events", partition_for(c.job_id, partitions))
             end = (await self._patiently_until(deadline, lambda: bus.end_offsets("events")))[events]
         except TimeoutError:
-            return self._unjudged()
+            return None if round_ != self._finish_round else self._unjudged()
         audit, scanned = self._audit_from or (None, 0)  # None: from the audit's start
         held = False
-        while True:
+        while round_ == self._finish_round:
             try:
                 if (await bus.group_positions(c.group, "events")).get(events, -1) >= end:
                     if audit is None:
                         audit, _ = await _audit_end(bus, c.job_id)
                     was_held = held
                     held, scanned = await _holds_restore(bus, c.job_id, audit, scanned, held)
+                    if round_ != self._finish_round:
+                        return  # the loop moved on meanwhile
+                    self._restore_held_seen = held
                     if held:
                         # The daemon is there and decided: its restore comes once the bus
                         # settled or the cut it waits for is in.
@@ -1012,6 +1023,8 @@ class Supervisor:
                             )
                     else:
                         record = (await bus.latest_per_key("commands")).get(c.job_id)
+                        if round_ != self._finish_round:
+                            return
                         verdict = (
                             None
                             if record is None or record.value is None
@@ -1027,7 +1040,7 @@ class Supervisor:
                         return
             except BusError as exc:
                 log.debug("cannot read the daemon's verdict: retrying", error=str(exc))
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and round_ == self._finish_round:
                 return self._unjudged()
             if await self._pause(_VERDICT_POLL_S):
                 return
