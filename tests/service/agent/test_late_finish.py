@@ -93,7 +93,7 @@ async def test_a_supervisor_finds_a_job_that_finished_before_its_restore_was_joi
 
 async def test_a_divergences_restore_is_never_voided_by_a_finish(tmp_path: Path) -> None:
     """A tester's finding: the supervisor's copy of the late-finish rule voided a restore the
-    daemon keeps (a finish after a NaN: ``_recovery.diverged_finish``) and said so. It reads
+    daemon keeps (a finish after a NaN: ``_outage.late_finish``) and said so. It reads
     the incident's onset step from the job's audit now."""
     config = BusConfig(url=f"sqlite://{tmp_path / 'bus.db'}", topics=DEFAULT_TOPICS)
     async with open_bus(config) as bus:

@@ -800,27 +800,26 @@ class Agent:
     def _last_heartbeat(self) -> Callable[[int], Heartbeat]:
         """The builder of this rank's last heartbeat: its progress now, with the watched
         model's parameter checksum (:meth:`watch`) if there is one and checksums are on
-        (``checksum_every``), so that the replicas' final states are compared too. A checksum that cannot be computed is left out
-        (logged): the finish goes on."""
+        (``checksum_every``), so that the replicas' final states are compared too. A checksum
+        that cannot be computed is left out (logged): the finish goes on."""
         model = self._watched
         if model is None or not self.config.checksum_every:
             return self._heartbeat
-        from trainguard.agent.checkpoint._checksum import parameter_checksum
-
         try:
-            checksum = parameter_checksum(model)
+            return self._checksummed(model)
         except Exception as exc:  # the finish must not fail on a diagnostic
             self._log.warning("final_checksum_failed", error=_describe(exc))
             return self._heartbeat
-        return lambda seq: dataclasses.replace(self._heartbeat(seq), param_checksum=checksum)
 
     def _send_checksum(self, model: nn.Module) -> None:
+        self._link.submit(self._checksummed(model))
+
+    def _checksummed(self, model: nn.Module) -> Callable[[int], Heartbeat]:
+        """The builder of a heartbeat carrying ``model``'s parameter checksum now."""
         from trainguard.agent.checkpoint._checksum import parameter_checksum
 
         checksum = parameter_checksum(model)
-        self._link.submit(
-            lambda seq: dataclasses.replace(self._heartbeat(seq), param_checksum=checksum)
-        )
+        return lambda seq: dataclasses.replace(self._heartbeat(seq), param_checksum=checksum)
 
     # -- in-process restores --------------------------------------------------------------------
 

@@ -994,10 +994,19 @@ class Supervisor:
         try:
             # This node's reports (forwarded spools first) on the bus: what the daemon reads.
             await asyncio.wait_for(self._courier.delivered(), c.daemon_timeout_s)
-            partitions = await self._patiently_until(deadline, lambda: bus.partitions("events"))
-            events = TopicPartition("events", partition_for(c.job_id, partitions))
-            end = (await self._patiently_until(deadline, lambda: bus.end_offsets("events")))[events]
-        except TimeoutError:
+            events, end = await asyncio.wait_for(
+                self._patiently(
+                    "reading the end of the job's events",
+                    lambda: _job_end(bus, "events", c.job_id),
+                    self._closing,
+                ),
+                max(0.0, deadline - time.monotonic()),
+            )
+        except Signalled:
+            return None  # winding down
+        except (TimeoutError, BusError) as exc:  # BusError: one that no retry mends
+            if isinstance(exc, BusError):
+                log.warning("cannot read the end of the job's events", error=str(exc))
             return None if round_ != self._finish_round else self._unjudged()
         audit, scanned = self._audit_from or (None, 0)  # None: from the audit's start
         held = False
@@ -1005,7 +1014,7 @@ class Supervisor:
             try:
                 if (await bus.group_positions(c.group, "events")).get(events, -1) >= end:
                     if audit is None:
-                        audit, _ = await _audit_end(bus, c.job_id)
+                        audit, _ = await _job_end(bus, "audit", c.job_id)
                     was_held = held
                     held, scanned = await _holds_restore(bus, c.job_id, audit, scanned, held)
                     if round_ != self._finish_round:
@@ -1045,24 +1054,12 @@ class Supervisor:
             if await self._pause(_VERDICT_POLL_S):
                 return
 
-    async def _patiently_until(self, deadline: float, call: Callable[[], Awaitable[_T]]) -> _T:
-        """``call()`` retried every ``_VERDICT_POLL_S`` while the bus fails, until ``deadline``
-        (monotonic seconds). Raises :class:`TimeoutError` at the deadline or when the
-        supervisor winds down."""
-        while True:
-            try:
-                return await asyncio.wait_for(call(), max(0.0, deadline - time.monotonic()))
-            except BusError as exc:
-                log.debug("cannot read the daemon's verdict: retrying", error=str(exc))
-            if time.monotonic() > deadline or await self._pause(_VERDICT_POLL_S):
-                raise TimeoutError
-
     async def _note_audit_start(self, bus: Bus) -> None:
         """Note the job's audit partition and its end offset now (:attr:`_audit_from`), for
         :meth:`_finish`; a bus failure leaves it unread (the audit is then read from its
         start)."""
         try:
-            self._audit_from = await _audit_end(bus, self._c.job_id)
+            self._audit_from = await _job_end(bus, "audit", self._c.job_id)
         except BusError as exc:
             log.debug("cannot read the end of the job's audit", error=str(exc))
 
@@ -1092,7 +1089,9 @@ class Supervisor:
             what = f"the continue request (generation {self._generation})"
         # Where the daemon's audit of it will be, at the latest: after the audit's end now.
         audit = await self._patiently(
-            "reading the end of the job's audit", lambda: _audit_end(bus, self._c.job_id), stop
+            "reading the end of the job's audit",
+            lambda: _job_end(bus, "audit", self._c.job_id),
+            stop,
         )
         # The same bytes at every attempt: a copy that landed twice is dropped by the daemon
         # (same sender, seq not above the last).
@@ -1602,10 +1601,14 @@ async def _job_records(
             seen = await consumer.position(tp)
 
 
-async def _audit_end(bus: Bus, job_id: str) -> tuple[TopicPartition, int]:
-    """The job's partition of ``audit`` and its end offset now."""
-    tp = TopicPartition("audit", partition_for(job_id, await bus.partitions("audit")))
-    return tp, (await bus.end_offsets("audit"))[tp]
+async def _job_end(bus: Bus, topic: str, job_id: str) -> tuple[TopicPartition, int]:
+    """The job's partition of ``topic`` and its end offset now.
+
+    Raises:
+        BusError: the bus cannot be read.
+    """
+    tp = TopicPartition(topic, partition_for(job_id, await bus.partitions(topic)))
+    return tp, (await bus.end_offsets(topic))[tp]
 
 
 def _audit_entry(value: bytes) -> dict[str, Any] | None:
@@ -1651,7 +1654,7 @@ async def _diverged(bus: Bus, job_id: str, incident_id: str) -> bool:
     Raises:
         BusError: the bus cannot be read.
     """
-    tp, end = await _audit_end(bus, job_id)
+    tp, end = await _job_end(bus, "audit", job_id)
     async for value in _job_records(bus, job_id, tp, 0, end):
         entry = _audit_entry(value)
         decisions = None if entry is None else entry.get("decisions")

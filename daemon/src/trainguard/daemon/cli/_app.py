@@ -466,9 +466,9 @@ def run(
     `trainguard stop JOB`; once this node's workers all finished (waiting for the daemon to
     judge the finish) it only ends the wait, unless the daemon holds a restore. Exit status:
     0 finished, 3 failed (aborted), 4 stopped, 143 signalled without the daemon's
-    confirmation, 2 refused or a bad setting (docs/operations.md). Kafka TLS/SASL settings come from the TRAINGUARD_KAFKA_* variables,
-    which the workers inherit. Example: trainguard run --job j1 --nproc-per-node 2 -- python
-    train.py
+    confirmation, 2 refused or a bad setting (docs/operations.md). Kafka TLS/SASL settings
+    come from the TRAINGUARD_KAFKA_* variables, which the workers inherit. Example:
+    trainguard run --job j1 --nproc-per-node 2 -- python train.py
     """
     from trainguard.agent import AgentError
     from trainguard.agent.bus import BusConfig, load_kafka_security

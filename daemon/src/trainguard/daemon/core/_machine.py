@@ -80,10 +80,10 @@ from trainguard.daemon.core._recovery import (
     Failure,
     acknowledged,
     cut_arrived,
-    diverged_finish,
     fail_now,
     fail_over,
     fail_unrepairable,
+    finished_before_reload,
     give_up,
     next_command_seq,
     release,
@@ -283,19 +283,17 @@ def _late(
     deadlines), or ``None``: the event is stale."""
     bridged_state, bridged = _bridged(state, at_ns, config)
     moved = _advance(bridged_state, at_ns)
-    if isinstance(event, Checkpoint):
-        judged = late_shard(moved, event, config)
-    elif event.kind == "finished" and event.rank is not None:
-        judged = diverged_finish(
-            moved, event.rank, event.host, event.step, event.generation, config
-        )
-        if judged is None:
-            judged = late_finish(moved, event, config)
-    else:
-        judged = late_finish(moved, event, config)
+    judged = (
+        late_shard(moved, event, config)
+        if isinstance(event, Checkpoint)
+        else late_finish(moved, event, config)
+    )
     if judged is None:
         return None
     state, decisions = judged
+    if isinstance(event, Lifecycle):
+        state, missed = finished_before_reload(state, event, config)
+        decisions += missed
     return _expire(state, config, bridged + decisions)
 
 

@@ -181,8 +181,11 @@ def late_finish(
     accepted (``senders`` empty: no process joined the restore), and it is a rank's
     ``finished`` of the generation the ranks last ran in (``JobState.left``), not counted yet.
     Then the rank is recorded as finished in that generation (a ``late_finish`` anomaly says
-    so); once all ``world_size`` ranks of it are, the job is ``finished``: the restore is
-    void, the steps of that generation whose shards completed after the restore
+    so); once all ``world_size`` ranks of it are, unless the restore's incident has an onset
+    step (a divergence: ``nan_loss``, ``loss_spike``, ``checksum_mismatch``; the ranks
+    finished a suspect state, and the anomaly says the restore stands), the job is
+    ``finished``: the restore is void, the steps of that generation whose shards completed
+    after the restore
     (``Left.cuts``, :func:`trainguard.daemon.core._commit_rule.late_shard`) are committed, oldest
     first (a ``Committed`` each, ``keep_snapshots`` kept), its incident closes with outcome
     ``finished``, and no command is issued (the restore's ranks never joined; a supervisor
@@ -204,13 +207,20 @@ def late_finish(
     left, incident, world_size, restore = pending_restore
     finished = tuple(sorted((*left.finished, event.rank)))
     state = structs.replace(state, left=left._replace(finished=finished))
-    noted = Anomaly(
-        kind="late_finish",
-        reason=f"rank {event.rank} on host {event.host} (pid {event.pid}) reported finished "
+    reason = (
+        f"rank {event.rank} on host {event.host} (pid {event.pid}) reported finished "
         f"in generation {left.generation} after {restore} was issued, before any rank joined "
-        f"it: {len(finished)} of {world_size} ranks of generation {left.generation} finished",
+        f"it: {len(finished)} of {world_size} ranks of generation {left.generation} finished"
     )
-    if len(finished) < world_size:
+    onset = incident.onset_after_step
+    if onset is not None:
+        # A divergence: the ranks finished a suspect state, so their finish voids nothing.
+        reason += (
+            f", with parameters known sound only up to step {onset} ({incident.cause}): the "
+            "restore stands"
+        )
+    noted = Anomaly(kind="late_finish", reason=reason)
+    if len(finished) < world_size or onset is not None:
         return state, (noted,)
     reason = (
         f"all {world_size} ranks finished in generation {left.generation}, the last "

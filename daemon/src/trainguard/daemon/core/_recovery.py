@@ -80,9 +80,16 @@ from trainguard.daemon.core._state import (
     Left,
     Loop,
     Watch,
-    unjoined,
 )
-from trainguard.schemas import Abort, DataCursor, Restore, RestoreMode, SnapshotRef, StepRange
+from trainguard.schemas import (
+    Abort,
+    DataCursor,
+    Lifecycle,
+    Restore,
+    RestoreMode,
+    SnapshotRef,
+    StepRange,
+)
 
 IN_PROCESS_CAUSES: frozenset[IncidentCause] = frozenset(
     {"nan_loss", "loss_spike", "checksum_mismatch"}
@@ -146,48 +153,29 @@ def fail_over(
     return _open(state, failure, config)
 
 
-def diverged_finish(
-    state: JobState, rank: int, host: str, step: int | None, generation: int, config: MachineConfig
-) -> tuple[JobState, tuple[Decision, ...]] | None:
-    """Judge rank ``rank``'s ``finished`` of ``generation``, the generation a restore nobody
-    joined left (:func:`~trainguard.daemon.core._state.unjoined`), when that restore's
-    incident has an onset step (a divergence: ``nan_loss``, ``loss_spike``,
-    ``checksum_mismatch``, ...), or ``None`` for any other (the late-finish rule,
-    :func:`trainguard.daemon.core._outage.late_finish`, judges those).
-
-    Ranks that finished after the onset finished a suspect state: the finish does not void the
-    restore (``docs/recovery.md``, "A job that finished is never restored"). The rank is
-    recorded as finished in that generation (``JobState.left``) and a ``late_finish`` anomaly
-    says the restore stands. An ``in_process`` restore is then missed (a finished rank cannot
+def finished_before_reload(
+    state: JobState, event: Lifecycle, config: MachineConfig
+) -> tuple[JobState, tuple[Decision, ...]]:
+    """A rank's ``finished`` ``event`` of the generation the current restore left, counted by
+    the late-finish rule (:func:`trainguard.daemon.core._outage.late_finish`), which left the
+    restore standing. An ``in_process`` restore is then missed (a finished process cannot
     reload in process): its incident fails over to the next attempt as an
-    ``in_process_missed`` failure, a restart whose supervisors start the ranks again.
-    """
-    pending = unjoined(state, generation, rank)
-    if pending is None or pending.incident.onset_after_step is None:
-        return None
-    left, incident, world_size, restore = pending
-    finished = left.finished if rank in left.finished else tuple(sorted((*left.finished, rank)))
-    state = structs.replace(state, left=left._replace(finished=finished))
-    noted = Anomaly(
-        kind="late_finish",
-        reason=f"rank {rank} on host {host} reported finished in generation {left.generation} "
-        f"after {restore} was issued: {len(finished)} of {world_size} ranks of generation "
-        f"{left.generation} finished, with parameters known sound only up to step "
-        f"{incident.onset_after_step} ({incident.cause}): the restore stands",
-    )
-    if incident.mode != "in_process" or incident.at_step is None:
-        return state, (noted,)
+    ``in_process_missed`` failure, a restart whose supervisors start the ranks again. Any
+    other restore: nothing more to do."""
+    incident = state.incident
+    if state.phase != "restoring" or incident is None or incident.mode != "in_process":
+        return state, ()
+    at_step = -1 if incident.at_step is None else incident.at_step
     failure = Failure(
         "in_process_missed",
-        f"rank {rank} on host {host} finished in generation {left.generation} before the "
-        f"in-process restore of generation {state.generation} at step {incident.at_step}; "
+        f"rank {event.rank} on host {event.host} finished in generation {event.generation} "
+        f"before the in-process restore of generation {state.generation} at step {at_step}; "
         "restarting instead",
-        (rank,),
-        (host,),
-        measures=Measures(at_step=incident.at_step, step=-1 if step is None else step),
+        () if event.rank is None else (event.rank,),
+        (event.host,),
+        measures=Measures(at_step=at_step, step=-1 if event.step is None else event.step),
     )
-    state, acted = fail_over(state, failure, config)
-    return state, (noted, *acted)
+    return fail_over(state, failure, config)
 
 
 def give_up(
