@@ -88,6 +88,25 @@ def test_every_file_is_listed_with_the_digest_of_its_bytes(tmp_path: Path) -> No
     assert dcp_problems((shard,), verify=True) == []
 
 
+def test_any_dcp_reader_reads_it_with_no_zip_crc_computed(tmp_path: Path) -> None:
+    """The writes skip torch's zip CRC32 (SHA-256 covers every byte); DCP's own reader and
+    ``torch.load`` read the files as they are, and the writing thread's option is back."""
+    import zipfile
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.serialization import get_crc32_options
+
+    saved_alone(tmp_path / "s", state_of(0))
+    assert get_crc32_options()
+    sidecar = tmp_path / "s" / "trainguard.rank00000.pt"
+    assert {i.CRC for i in zipfile.ZipFile(sidecar).infolist()} == {0}
+    assert torch.load(sidecar, weights_only=True) == {"rng": {}, "step": 3}
+    loaded = zeros_like(state_of(0))
+    load(loaded, storage_reader=FileSystemReader(tmp_path / "s"), no_dist=True)
+    assert_equal(loaded, state_of(0))
+
+
 def flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[random.Random(path.name).randrange(len(data))] ^= 0x10

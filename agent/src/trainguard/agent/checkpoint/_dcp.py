@@ -47,6 +47,7 @@ from urllib.parse import unquote, urlsplit
 from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
 from trainguard.agent.checkpoint._shards import load_verified_dict
 from trainguard.agent.checkpoint._snapshot import Snapshot
+from trainguard.agent.checkpoint._zip_crc import zip_crc_off
 from trainguard.schemas import Shard, StoredFile, files_digest
 
 if TYPE_CHECKING:
@@ -297,7 +298,7 @@ class DigestingFileSystem:
             return
         if self._ledger is None:
             raise ShardError(f"{name}: this storage is open for reading only")
-        with self._inner.create_stream(path, mode) as raw:
+        with zip_crc_off(), self._inner.create_stream(path, mode) as raw:
             stream = _HashingStream(raw)
             try:
                 yield cast(io.IOBase, stream)

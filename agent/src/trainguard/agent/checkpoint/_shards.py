@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlsplit
 
 from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
 from trainguard.agent.checkpoint._durable import sync_folder
+from trainguard.agent.checkpoint._zip_crc import zip_crc_off
 
 __all__ = [
     "HostStager",
@@ -101,7 +102,7 @@ def write_shard(path: Path, state: Mapping[str, Any]) -> WrittenShard:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as raw:
+        with zip_crc_off(), os.fdopen(fd, "wb") as raw:
             sink = _HashingWriter(raw)
             # torch.save only calls write() and flush() on a file-like object.
             torch.save(dict(state), cast(IO[bytes], sink))
