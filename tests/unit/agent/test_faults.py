@@ -139,6 +139,19 @@ def test_a_spike_scales_the_loss_on_every_rank_for_its_steps(tmp_path: Path):
     assert lasting.loss(51, 1.0) == 1.0
 
 
+def test_only_a_loss_fault_of_the_rank_makes_it_perturb_losses(tmp_path: Path):
+    # A loop may skip perturb_loss where this is False (the Lightning callback does).
+    assert _injector("nan@step=2,rank=1", tmp_path / "a", rank=1).perturbs_loss
+    assert not _injector("nan@step=2,rank=1", tmp_path / "b", rank=0).perturbs_loss
+    assert _injector(
+        "kill@step=3,rank=1; spike@step=5,factor=4", tmp_path / "c", rank=0
+    ).perturbs_loss
+    assert not _injector(
+        "kill@step=3,rank=1; hang@step=4,rank=1,seconds=1", tmp_path / "d"
+    ).perturbs_loss
+    assert not _injector("", tmp_path / "e").perturbs_loss
+
+
 def test_a_loss_fault_the_loop_never_passes_through_is_reported(tmp_path: Path):
     injector = _injector("nan@step=2,rank=1", tmp_path)
     with capture_logs() as logs:

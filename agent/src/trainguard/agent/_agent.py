@@ -780,6 +780,13 @@ class Agent:
                     "an uninterrupted one (docs/bitwise.md)",
                 )
 
+    @property
+    def perturbs_loss(self) -> bool:
+        """Whether ``TRAINGUARD_FAULTS`` plans a ``nan`` or ``spike`` fault for this rank.
+        Without one, :meth:`perturb_loss` returns every loss untouched, and a loop whose step
+        costs microseconds may skip calling it (the Lightning callback does)."""
+        return self._faults.perturbs_loss
+
     def perturb_loss(self, step: int, loss: _L) -> _L:
         """``loss`` of training step ``step`` as the ``nan`` and ``spike`` faults of
         ``TRAINGUARD_FAULTS`` make it: multiplied by NaN or by the spike's factor, or

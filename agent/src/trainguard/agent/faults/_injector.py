@@ -65,6 +65,9 @@ class FaultInjector:
 
     def __init__(self, faults: tuple[Fault, ...], rank: int, marker_dir: Path) -> None:
         self._by_step = {f.step: f for f in faults if f.rank in (None, rank)}
+        self.perturbs_loss = any(f.kind in _LOSS_KINDS for f in self._by_step.values())
+        """Whether a ``nan`` or ``spike`` fault is planned for this rank: without one,
+        :meth:`loss` returns every loss untouched."""
         self._rank = rank
         self._marker_dir = marker_dir
         self._log = structlog.get_logger("trainguard.agent").bind(rank=rank)

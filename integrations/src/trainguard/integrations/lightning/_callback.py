@@ -61,8 +61,9 @@ class TrainguardCallback(Callback):
       daemon's resume (:meth:`Agent.ready <trainguard.agent.Agent.ready>`); registers the
       module for parameter checksums (:meth:`Agent.watch <trainguard.agent.Agent.watch>`);
     * ``on_before_backward``: the ``nan`` and ``spike`` faults of ``TRAINGUARD_FAULTS`` scale
-      the loss in place, so that the gradients and parameters diverge for real (a dictionary
-      lookup without faults);
+      the loss in place, so that the gradients and parameters diverge for real (nothing is
+      looked up when no such fault is planned for the rank, :attr:`Agent.perturbs_loss
+      <trainguard.agent.Agent.perturbs_loss>`);
     * ``on_train_batch_end``: reports the step (``trainer.global_step``), its loss and samples
       (:meth:`Agent.step <trainguard.agent.Agent.step>`), and every ``checkpoint_every`` steps
       and at ``max_steps`` saves: ``trainer.save_checkpoint`` builds Lightning's checkpoint
@@ -115,6 +116,11 @@ class TrainguardCallback(Callback):
         elif skip is not None:
             batches.sampler.skip(skip, restored_step=0)
         self._trained = 0  # batches trained since the data origin (start or target)
+        # Fixed for the fit, read once rather than at every step: each of Lightning's property
+        # chains and the batches' property costs a microsecond or more in a step's cold caches.
+        self._samples = batches.batch_size
+        self._max_steps = -1  # trainer.max_steps, from on_train_start (every fit's own)
+        self._perturbs = agent.perturbs_loss
         self._ready = False
         self._saving = False
         self._saved: dict[str, Any] | None = None
@@ -194,6 +200,7 @@ class TrainguardCallback(Callback):
             )
         self.agent.ready(step, cursor=self.batches.cursor_after(self._trained))
         self._ready = True
+        self._max_steps = trainer.max_steps
         self.agent.watch(pl_module)
 
     # -- steps --------------------------------------------------------------------------------
@@ -202,6 +209,8 @@ class TrainguardCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, loss: Tensor
     ) -> None:
         """Let the ``nan`` and ``spike`` faults scale the loss about to be differentiated."""
+        if not self._perturbs:
+            return  # no such fault for this rank: no step to read, nothing to look up
         perturbed = self.agent.perturb_loss(trainer.global_step + 1, loss)
         if perturbed is not loss:
             loss.copy_(perturbed)  # in place: Lightning differentiates this very tensor
@@ -218,14 +227,15 @@ class TrainguardCallback(Callback):
         """Report the step; checkpoint it when it is due."""
         step = trainer.global_step
         self._trained += 1
-        loss = self._loss if self._loss is not None else _loss_of(outputs)
-        self._loss = None
-        self.agent.step(
-            step,
-            loss=None if loss is None else float(loss),
-            samples=self.batches.batch_size,
-        )
-        if step % self.checkpoint_every == 0 or step == trainer.max_steps:
+        loss = self._loss
+        if loss is None:
+            loss = _loss_of(outputs)
+        else:
+            self._loss = None
+        # .item(), not float(): the same number and the same wait for the device (none on the
+        # CPU), but float() goes through Python's __float__ slot, about a microsecond more.
+        self.agent.step(step, loss=None if loss is None else loss.item(), samples=self._samples)
+        if step % self.checkpoint_every == 0 or step == self._max_steps:
             self._checkpoint(trainer, step)
 
     def _checkpoint(self, trainer: Trainer, step: int) -> None:
@@ -295,9 +305,9 @@ class TrainguardCallback(Callback):
 def _loss_of(outputs: Any) -> Tensor | None:
     """The loss in ``training_step``'s output (a tensor, or a dict's ``"loss"``), or ``None``
     (manual optimization may return nothing)."""
-    if isinstance(outputs, Tensor):
-        return outputs
-    if isinstance(outputs, dict):
+    if isinstance(outputs, dict):  # what Lightning's loops hand the hook: first
         loss = outputs.get("loss")
         return loss if isinstance(loss, Tensor) else None
+    if isinstance(outputs, Tensor):
+        return outputs
     return None
