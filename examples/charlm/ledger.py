@@ -1,6 +1,7 @@
 """The sample ledger: which sample ids each rank consumed at each step, in which generation.
 
-Every rank appends one JSON line per completed step to its own file::
+Every rank appends one JSON line per batch it trains to its own file: one per step, or one
+per accumulated batch of the step under gradient accumulation::
 
     {"generation": 0, "step": 12, "rank": 1, "samples": [417, 9, 2203]}
 
@@ -25,7 +26,7 @@ from types import TracebackType
 
 
 class LedgerError(ValueError):
-    """A ledger is corrupt beyond a torn last line or contradicts itself."""
+    """A ledger line is not a record (a torn last line aside)."""
 
 
 @dataclass(frozen=True)
@@ -135,19 +136,15 @@ def effective_samples(
     """Return ``{step: {rank: samples}}`` from the latest generation that completed each step.
 
     A generation completed a step if it holds a record of that step for every rank
-    ``0 .. world_size - 1``. Steps no generation completed are absent.
-
-    Raises:
-        LedgerError: if one generation recorded different samples for the same step and rank.
+    ``0 .. world_size - 1``. Steps no generation completed are absent. A rank's samples of a
+    step are those of all its records of the step in that generation, in order: the batches
+    the step accumulated (gradient accumulation); a record written twice counts twice, so
+    that :func:`compare_ledgers` sees its samples repeated.
     """
     by_generation: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
     for record in records:
         ranks = by_generation.setdefault((record.step, record.generation), {})
-        if ranks.setdefault(record.rank, record.samples) != record.samples:
-            raise LedgerError(
-                f"generation {record.generation} recorded two sample lists for step "
-                f"{record.step} on rank {record.rank}"
-            )
+        ranks[record.rank] = ranks.get(record.rank, ()) + record.samples
     effective: dict[int, dict[int, tuple[int, ...]]] = {}
     for (step, _generation), ranks in sorted(by_generation.items()):
         if set(ranks) == set(range(world_size)):
@@ -180,9 +177,6 @@ def compare_ledgers(
 
     Both sides go through :func:`effective_samples`, then are compared as multisets of
     ``(step, rank, sample id)`` so a sample repeated within a step also counts.
-
-    Raises:
-        LedgerError: as :func:`effective_samples`.
     """
     sides = [
         Counter(

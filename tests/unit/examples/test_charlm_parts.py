@@ -106,9 +106,17 @@ def test_compare_ledgers_finds_skipped_and_repeated_samples():
     assert dict(compare_ledgers(repeated, reference, world_size=2).extra) == {(3, 0, 300): 1}
 
 
-def test_one_generation_cannot_record_a_step_twice_differently():
-    with pytest.raises(LedgerError, match="two sample lists"):
-        effective_samples([LedgerRecord(0, 1, 0, (1,)), LedgerRecord(0, 1, 0, (2,))], world_size=1)
+def test_a_step_of_accumulated_batches_is_all_its_records_and_a_repeated_record_counts():
+    # Gradient accumulation: one record per batch of the step (the HF Trainer's example).
+    accumulated = [LedgerRecord(0, 1, 0, (1, 2)), LedgerRecord(0, 1, 0, (3, 4))]
+    assert effective_samples(accumulated, world_size=1) == {1: {0: (1, 2, 3, 4)}}
+    reference = [LedgerRecord(0, 1, 0, (1, 2, 3, 4))]
+    assert compare_ledgers(accumulated, reference, world_size=1).exact
+    repeated = [*accumulated, LedgerRecord(0, 1, 0, (3, 4))]
+    assert dict(compare_ledgers(repeated, reference, world_size=1).extra) == {
+        (1, 0, 3): 1,
+        (1, 0, 4): 1,
+    }
 
 
 # --- pacing ----------------------------------------------------------------------------------
