@@ -53,14 +53,25 @@ def agent_config(out: Path, env: Mapping[str, str], job: str) -> AgentConfig:
     return AgentConfig.resolve(env={**defaults, **env})
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (``sys.argv[1:]`` if ``None``)."""
+def parse_args(
+    argv: Sequence[str] | None = None, *, accumulation: bool = False
+) -> argparse.Namespace:
+    """The command line (``sys.argv[1:]`` if ``None``); ``accumulation`` adds
+    ``--grad-accum`` (the ``Trainer``'s ``gradient_accumulation_steps``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps to reach")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between saves")
-    parser.add_argument("--per-rank-batch", type=int, default=4, help="samples per rank per step")
+    parser.add_argument("--per-rank-batch", type=int, default=4, help="samples per rank per batch")
+    if accumulation:
+        parser.add_argument(
+            "--grad-accum",
+            type=int,
+            default=1,
+            metavar="N",
+            help="batches per rank per optimizer step (gradient accumulation)",
+        )
     parser.add_argument("--samples", type=int, default=200, help="dataset size (windows)")
     parser.add_argument("--context", type=int, default=32, help="tokens (bytes) per sample")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
@@ -74,13 +85,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.checkpoint_every < 1 or args.samples < 1:
         parser.error("--steps, --checkpoint-every and --samples must be >= 1")
+    if accumulation and args.grad_accum < 1:
+        parser.error("--grad-accum must be >= 1")
     return args
 
 
-def main(train: Callable[[argparse.Namespace], None], argv: Sequence[str] | None = None) -> None:
-    """Entry point of both examples: parse ``argv``, make torch deterministic on one thread,
-    then ``train(args)``."""
-    args = parse_args(argv)
+def main(
+    train: Callable[[argparse.Namespace], None],
+    argv: Sequence[str] | None = None,
+    *,
+    accumulation: bool = False,
+) -> None:
+    """Entry point of both examples: parse ``argv`` (``accumulation``: as
+    :func:`parse_args`), make torch deterministic on one thread, then ``train(args)``."""
+    args = parse_args(argv, accumulation=accumulation)
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),

@@ -116,6 +116,7 @@ def train(args: argparse.Namespace) -> None:
             output_dir=guard.output_dir,
             max_steps=args.steps,
             per_device_train_batch_size=args.per_rank_batch,
+            gradient_accumulation_steps=args.grad_accum,
             learning_rate=args.lr,
             lr_scheduler_type="constant",
             save_strategy="steps",
@@ -152,4 +153,4 @@ def train(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     # A bad setting exits 78, which trainguard run and the daemon do not restart.
     with exit_on_config_error():
-        main(train)
+        main(train, accumulation=True)

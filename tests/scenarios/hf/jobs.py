@@ -29,9 +29,11 @@ def command(example: str, out: Path, *, steps: int, extra: Sequence[str] = ()) -
     ]
 
 
-def reference(example: str, out: Path, *, steps: int, timeout_s: float = 300) -> Path:
-    """Run ``example`` for ``steps`` steps on 2 ranks without faults nor daemon into ``out``;
-    return ``out`` (``final.sha256``, ``ledger-rank-*.jsonl``).
+def reference(
+    example: str, out: Path, *, steps: int, extra: Sequence[str] = (), timeout_s: float = 300
+) -> Path:
+    """Run ``example`` for ``steps`` steps on 2 ranks without faults nor daemon into ``out``,
+    with the options ``extra``; return ``out`` (``final.sha256``, ``ledger-rank-*.jsonl``).
 
     Raises:
         AssertionError: the run failed or took longer than ``timeout_s`` seconds.
@@ -39,7 +41,7 @@ def reference(example: str, out: Path, *, steps: int, timeout_s: float = 300) ->
     out.mkdir(parents=True)
     sup = supervise(
         "reference",
-        command(example, out, steps=steps),
+        command(example, out, steps=steps, extra=extra),
         bus_url=sqlite_url(out / "bus.db"),
         prefix="ref.",
         nproc_per_node=WORLD_SIZE,

@@ -18,19 +18,30 @@ as possible:
 4. a SIGKILL of a random rank at a random step in 41-49: restored.
 
 The job then finishes, bitwise equal to an uninterrupted run, every sample trained exactly
-once per step (the ledgers).
+once per step (the ledgers), and every committed snapshot's data cursor where the data stood
+at its step. The ``Trainer`` accumulates 2 batches per optimizer step
+(``gradient_accumulation_steps``), over an epoch whose batches are not a multiple of 2.
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.scenarios.harness import JobRun, Shape, assert_exact, assert_targets_newest_good
+from examples.charlm.ledger import ledger_path, read_ledger
+from tests.scenarios.harness import (
+    WORLD_SIZE,
+    JobRun,
+    Shape,
+    assert_exact,
+    assert_targets_newest_good,
+)
 from tests.scenarios.hf import jobs
 from tests.support.buses import BusFactory
+from trainguard.daemon.demo._harness import JobRecord
 from trainguard.schemas import Lifecycle, Manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -53,11 +64,19 @@ reads the NaN (on the next heartbeat) and restores before step 41: at full speed
 reached the kill's step first, and the kill was overtaken by the NaN's restore (one restore,
 not two)."""
 
+SAMPLES = 200
+"""The examples' dataset (``--samples``): 25 batches of 4 samples per rank on 2 ranks, so that
+an epoch trains every sample once and the data stands at epoch ``n // SAMPLES``, offset ``n %
+SAMPLES`` after ``n`` samples. With 2 accumulated batches a ``Trainer`` epoch is 12 optimizer
+steps of 2 batches and a 13th of the one left, and the restores resume in the middle of
+epochs 1, 2 and 3."""
+
 FRAMEWORKS = {
-    "hf_trainer": "hf/g000000/checkpoint-20/optimizer.pt",
-    "accelerate_loop": "accelerate/g000000/step-20/optimizer.bin",
+    "hf_trainer": ("hf/g000000/checkpoint-20/optimizer.pt", ("--grad-accum", "2")),
+    "accelerate_loop": ("accelerate/g000000/step-20/optimizer.bin", ()),
 }
-"""Example -> the file of step 20's snapshot the test corrupts, under ``checkpoints/<job>/``."""
+"""Example -> the file of step 20's snapshot the test corrupts (under ``checkpoints/<job>/``),
+and the example's own options."""
 
 
 @pytest.mark.parametrize("example", list(FRAMEWORKS))
@@ -70,7 +89,9 @@ def test_hang_corrupt_file_nan_and_kill_are_each_restored_exactly(
     faults = (
         f"hang@step=27,rank=1;nan@step=33,rank=0;{NAN_PACE};kill@step={kill_step},rank={kill_rank}"
     )
-    reference = jobs.reference(example, tmp_path / "reference", steps=STEPS)
+    corrupted, options = FRAMEWORKS[example]
+    options = (*options, "--samples", str(SAMPLES))
+    reference = jobs.reference(example, tmp_path / "reference", steps=STEPS, extra=options)
     workdir = tmp_path / "job"
     workdir.mkdir()
     bus = BusFactory("sqlite", f"sqlite://{workdir / 'bus.db'}", "t.")
@@ -79,9 +100,9 @@ def test_hang_corrupt_file_nan_and_kill_are_each_restored_exactly(
     run = JobRun(bus, workdir, shape, reference, context=context, job=JOB)
     try:
         run.start_daemon()
-        jobs.start(run, example, faults, extra=("--step-period", str(STEP_PERIOD_S)))
+        jobs.start(run, example, faults, extra=(*options, "--step-period", str(STEP_PERIOD_S)))
         run.wait_for("step 20's commit", lambda m: isinstance(m, Manifest) and m.step == 20)
-        jobs.corrupt(run.out / "checkpoints" / JOB / FRAMEWORKS[example])
+        jobs.corrupt(run.out / "checkpoints" / JOB / corrupted)
         code = run.finish(timeout_s=300)
         record = run.record()
     finally:
@@ -103,3 +124,22 @@ def test_hang_corrupt_file_nan_and_kill_are_each_restored_exactly(
     assert "nan_loss" in causes, f"{causes} {run.describe()}"
     assert_targets_newest_good(run, record)
     assert_exact(run, code, record)
+    assert_cursors_where_the_data_stood(run, record)
+
+
+def assert_cursors_where_the_data_stood(run: JobRun, record: JobRecord) -> None:
+    """Every committed snapshot's data cursor stands after the samples the uninterrupted run
+    trained up to the snapshot's step (its ledger): the position a restore starts from, which
+    the daemon only checks the ranks agree on."""
+    trained = Counter[int]()
+    for line in read_ledger(ledger_path(run.reference, r) for r in range(WORLD_SIZE)):
+        trained[line.step] += len(line.samples)
+    manifests = [m.message for m in record.manifests if isinstance(m.message, Manifest)]
+    assert manifests, run.describe()
+    for manifest in manifests:
+        done = sum(n for step, n in trained.items() if step <= manifest.step)
+        cursor = manifest.cursor
+        assert (cursor.epoch, cursor.offset) == divmod(done, SAMPLES), (
+            f"step {manifest.step}'s cursor (epoch {cursor.epoch}, offset {cursor.offset}) is "
+            f"not after the {done} samples trained by then {run.describe()}"
+        )

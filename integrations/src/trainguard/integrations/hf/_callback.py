@@ -92,7 +92,10 @@ class TrainguardCallback(TrainerCallback):
         self._target: Snapshot | None = None
         self._position: StepPosition | None = None
         self._pending: int | None = None  # a step whose loss the Trainer is about to log
-        self._samples = 0  # samples this rank trains per optimizer step
+        self._batch = 0  # samples per batch (per_device_train_batch_size)
+        self._accumulation = 1  # batches per optimizer step (gradient_accumulation_steps)
+        self._steps_per_epoch = 1  # optimizer steps per epoch
+        self._last_batches = 1  # batches of an epoch's last optimizer step
 
     @property
     def output_dir(self) -> str:
@@ -174,14 +177,20 @@ class TrainguardCallback(TrainerCallback):
                 rank=c.rank,
             )
         accumulation = args.gradient_accumulation_steps
-        per_step = args.per_device_train_batch_size * accumulation
-        self._samples = per_step
+        batches = len(train_dataloader)  # this rank's, of the prepared (sharded) loader
+        # As the Trainer counts them (transformers 4.52 on): an epoch whose batches are not a
+        # multiple of the accumulation ends with a shorter optimizer step that takes the rest.
+        steps_per_epoch = max(-(-batches // accumulation), 1)
+        self._batch = args.per_device_train_batch_size
+        self._accumulation = accumulation
+        self._steps_per_epoch = steps_per_epoch
+        self._last_batches = max(batches - (steps_per_epoch - 1) * accumulation, 1)
         seed = args.data_seed if args.data_seed is not None else args.seed
         self._position = StepPosition(
             data_version=self.data_version,
             seed=seed,
-            steps_per_epoch=max(len(train_dataloader) // accumulation, 1),
-            global_batch=per_step * c.world_size,
+            steps_per_epoch=steps_per_epoch,
+            global_batch=self._batch * accumulation * c.world_size,
             world_size=c.world_size,
         )
         if self.watch and model is not None:
@@ -240,6 +249,13 @@ class TrainguardCallback(TrainerCallback):
 
     # -- reporting -----------------------------------------------------------------------------
 
+    def _samples_of(self, step: int) -> int:
+        """Samples this rank trains in optimizer step ``step`` (>= 1): its accumulated
+        batches, fewer in an epoch's last step when the epoch's batches are not a multiple of
+        the accumulation."""
+        last = step % self._steps_per_epoch == 0
+        return self._batch * (self._last_batches if last else self._accumulation)
+
     def _flush(self, control: TrainerControl) -> None:
         """Report a pending step whose log never came (without its loss)."""
         if self._pending is not None:
@@ -248,7 +264,7 @@ class TrainguardCallback(TrainerCallback):
 
     def _report(self, step: int, loss: float | None, control: TrainerControl) -> None:
         """``agent.step`` (faults fire here), then declare what the Trainer does next."""
-        self.agent.step(step, loss=loss, samples=self._samples)
+        self.agent.step(step, loss=loss, samples=self._samples_of(step))
         if control.should_evaluate:
             self.agent.phase("eval")
         elif control.should_save:
