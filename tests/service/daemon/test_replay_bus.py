@@ -155,6 +155,7 @@ def test_a_tampered_trail_fails_with_the_first_difference(bus_copy: BusFactory) 
     assert done.returncode == 1, done.stdout + done.stderr
     assert "✗ the replay differs from the audit trail at offset" in done.stdout
     assert '-    "reason": "forged"' in done.stdout
+    assert "rules version" not in done.stdout  # recorded under this build's rules
 
 
 def test_an_unknown_job_or_a_bad_window_is_a_usage_error(recorded_bus: BusFactory) -> None:

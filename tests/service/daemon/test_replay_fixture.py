@@ -10,6 +10,8 @@ moved rule, a changed threshold, a reordered fold) fails its verification.
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import subprocess
 import sys
@@ -22,15 +24,20 @@ RECORD = Path(__file__).parent / "data" / "charlm-demo-5296f9b.tgjsonl.gz"
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_a_job_recorded_before_the_move_replays_and_verifies() -> None:
-    command = ["replay", "charlm-demo", "--file", str(RECORD), "--format", "jsonl"]
-    done = subprocess.run(
+def replayed(record: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``trainguard replay charlm-demo --file record *args`` in a process of its own."""
+    command = ["replay", "charlm-demo", "--file", str(record), *args]
+    return subprocess.run(
         [sys.executable, "-m", "trainguard.daemon.cli", *command],
         capture_output=True,
         text=True,
         timeout=90,
         check=False,
     )
+
+
+def test_a_job_recorded_before_the_move_replays_and_verifies() -> None:
+    done = replayed(RECORD, "--format", "jsonl")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     verdict = lines[-1]
@@ -42,3 +49,29 @@ def test_a_job_recorded_before_the_move_replays_and_verifies() -> None:
     assert kinds.count("committed") == 4
     assert "incident_opened" in kinds
     assert decided[-1] == decided[-1] | {"decision": "transition", "new": "finished"}
+
+
+def test_a_difference_in_a_trail_of_a_build_before_rules_versions_says_so(tmp_path: Path) -> None:
+    """A decision recorded otherwise than this build decides (here: edited, as a rule that
+    changed since would show) in a trail that records no rules version: the difference is
+    printed with the reason it may be the rules', and the exit status stays 1."""
+    with gzip.open(RECORD, "rt") as recorded:
+        lines = recorded.read().splitlines()
+    for n, line in enumerate(lines):
+        record = json.loads(line)
+        if record.get("topic") == "audit":
+            entry = json.loads(base64.b64decode(record["value_b64"]))
+            if entry["entry"] == "decisions":
+                entry["decisions"][0]["reason"] = "decided under older rules"
+                record["value_b64"] = base64.b64encode(json.dumps(entry).encode()).decode()
+                lines[n] = json.dumps(record)
+                break
+    edited = tmp_path / "edited.tgjsonl.gz"
+    with gzip.open(edited, "wt") as out:
+        out.write("\n".join(lines) + "\n")
+    done = replayed(edited)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "✗ the replay differs from the audit trail" in done.stdout
+    assert "by a build that recorded no rules version" in " ".join(done.stdout.split())
+    verdict = json.loads(replayed(edited, "--format", "jsonl").stdout.splitlines()[-1])
+    assert (verdict["ok"], verdict["recorded_rules"], verdict["rules"]) == (False, None, 1)

@@ -191,7 +191,7 @@ def replay(
         except MalformedAudit as exc:
             _fail(str(exc))
     if verify:
-        _verdict(console, result, jsonl=jsonl)
+        _verdict(console, result, trail, jsonl=jsonl)
 
 
 def _replayed(log: JobLog, trail: AuditTrail, *, timeline: bool) -> Replay:
@@ -374,10 +374,14 @@ def _what_if(console: Console, log: JobLog, trail: AuditTrail, path: Path, *, js
     print_what_if(console, result, origin_ns=log.events[0].timestamp_ms * 1_000_000)
 
 
-def _verdict(console: Console, result: Replay, *, jsonl: bool) -> None:
+def _verdict(console: Console, result: Replay, trail: AuditTrail, *, jsonl: bool) -> None:
+    from trainguard.daemon.core import RULES_VERSION
     from trainguard.daemon.forensics import difference_json, print_difference, verify
 
     difference = verify(result.replayed, result.recorded)
+    # The rules the differing decisions were recorded under, when they are not this build's.
+    recorded = None if difference is None else difference.expected_config
+    other_rules = recorded is not None and trail.rules.get(recorded) != RULES_VERSION
     if jsonl:
         _emit(
             {
@@ -387,6 +391,8 @@ def _verdict(console: Console, result: Replay, *, jsonl: bool) -> None:
                 "recorded": len(result.recorded),
                 "runs": [config_id for config_id, _ in result.runs],
                 "difference": None if difference is None else difference_json(difference),
+                "rules": RULES_VERSION,
+                "recorded_rules": None if recorded is None else trail.rules.get(recorded),
             }
         )
     elif difference is None:
@@ -398,6 +404,21 @@ def _verdict(console: Console, result: Replay, *, jsonl: bool) -> None:
         )
     else:
         print_difference(console, difference)
+        if other_rules:
+            assert recorded is not None
+            rules = trail.rules.get(recorded)
+            console.print(
+                "  These decisions were recorded "
+                + (
+                    "by a build that recorded no rules version (before 2026-12-05)"
+                    if rules is None
+                    else f"under rules version {rules}"
+                )
+                + f"; this build decides under rules version {RULES_VERSION}. Where the rules "
+                "changed in between, the replay decides differently: replay the trail with the "
+                "build that recorded it to check the daemon (docs/forensics.md).",
+                style="yellow",
+            )
     if difference is not None:
         raise typer.Exit(1)
 

@@ -71,6 +71,7 @@ from trainguard.daemon.core._machine import (
     unacted_command,
 )
 from trainguard.daemon.core._machine_config import (
+    RULES_VERSION,
     MachineConfig,
 )
 from trainguard.daemon.core._state import (
@@ -94,6 +95,7 @@ from trainguard.daemon.core._state_codec import (
 __all__ = [
     "LAYOUT",
     "READABLE_LAYOUTS",
+    "RULES_VERSION",
     "TERMINAL_PHASES",
     "Anomaly",
     "AnomalyKind",

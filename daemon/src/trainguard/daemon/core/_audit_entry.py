@@ -9,7 +9,12 @@ every entry's list:
   configuration its decisions are made under, and its id::
 
       {"entry": "config", "job_id": "j1", "config_id": "3f0c9e1a52b7d4e8",
-       "config": {"daemon_id": "host-4242", "heartbeat_timeout_s": 10.0, ...}, "decisions": []}
+       "config": {"daemon_id": "host-4242", "heartbeat_timeout_s": 10.0, ...}, "rules": 1,
+       "decisions": []}
+
+  ``rules`` is the version of the machine's rules that decided
+  (:data:`~trainguard.daemon.core._machine_config.RULES_VERSION`); entries written before it
+  was recorded have none.
 
 * **decision entry**, one per input that produced decisions: where the input sat on the bus,
   what it was independently of offsets (so a log imported elsewhere, with other offsets, still
@@ -48,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 import orjson
 
 from trainguard.daemon.core._decisions import Decision
-from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._machine_config import RULES_VERSION, MachineConfig
 from trainguard.schemas import ClockTick, Event, HeartbeatBatch, JobRequest, JSONValue
 
 if TYPE_CHECKING:  # _intake imports this module
@@ -160,6 +165,7 @@ def config_entry(job_id: str, config: MachineConfig) -> dict[str, JSONValue]:
         "job_id": job_id,
         "config_id": config_id(config),
         "config": config_fields(config),
+        "rules": RULES_VERSION,
         "decisions": [],
     }
 
@@ -258,11 +264,14 @@ class AuditTrail:
         configs: config id -> the recorded configuration's fields, in order of first record.
         groups: the decision entries in audit order (re-derived duplicates included).
         refused: ``(value SHA-256 hex, at_ms)`` -> ``(code, reason)`` of every refused entry.
+        rules: config id -> the rules version its first config entry recorded (``None``: it
+            recorded none, a trail of a build before rules versions).
     """
 
     configs: Mapping[str, Mapping[str, JSONValue]]
     groups: tuple[Group, ...]
     refused: Mapping[tuple[str, int], tuple[AuthRefusal, str]] = field(default_factory=dict)
+    rules: Mapping[str, int | None] = field(default_factory=dict)
 
     def refuse(self, record: RawRecord, message: object) -> tuple[AuthRefusal, str] | None:
         """The daemon's recorded verdict on ``record``: ``(code, reason)`` if it refused it
@@ -298,6 +307,7 @@ def read_trail(entries: Iterable[Mapping[str, Any]]) -> AuditTrail:
     configs: dict[str, Mapping[str, JSONValue]] = {}
     groups: list[Group] = []
     refused: dict[tuple[str, int], tuple[AuthRefusal, str]] = {}
+    rules: dict[str, int | None] = {}
     for n, entry in enumerate(entries):
         try:
             kind = entry["entry"]
@@ -305,7 +315,11 @@ def read_trail(entries: Iterable[Mapping[str, Any]]) -> AuditTrail:
                 config = entry["config"]
                 if not isinstance(config, Mapping):
                     raise TypeError("config is not an object")
-                configs.setdefault(_text(entry["config_id"]), config)
+                recorded_id = _text(entry["config_id"])
+                configs.setdefault(recorded_id, config)
+                rules.setdefault(
+                    recorded_id, None if entry.get("rules") is None else _integer(entry["rules"])
+                )
             elif kind == "decisions":
                 decisions = entry["decisions"]
                 identity = entry["input"]
@@ -329,7 +343,7 @@ def read_trail(entries: Iterable[Mapping[str, Any]]) -> AuditTrail:
         except (KeyError, TypeError, ValueError) as exc:
             what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise MalformedAudit(f"audit entry {n}: {what}") from exc
-    return AuditTrail(configs=configs, groups=tuple(groups), refused=refused)
+    return AuditTrail(configs=configs, groups=tuple(groups), refused=refused, rules=rules)
 
 
 class AuditRecord(Protocol):

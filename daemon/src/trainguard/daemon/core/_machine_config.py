@@ -15,6 +15,15 @@ from typing import get_args
 from trainguard.daemon.core._window import CHUNK
 from trainguard.schemas import Phase, RestoreMode
 
+RULES_VERSION = 1
+"""The version of the state machine's rules, recorded with each configuration in the audit
+trail (``rules`` of a config entry). Bump it with every change that makes
+:func:`~trainguard.daemon.core._machine.decide` decide differently on some sequence of inputs
+(a new rule, a changed threshold's meaning, a decision that moved), so that a replay of a trail
+recorded under other rules says why it may differ (``docs/forensics.md``, "Replaying a trail of
+another build"). Trails recorded before rules versions were recorded (before 2026-12-05) carry
+none."""
+
 _NS_PER_S = 1_000_000_000
 _MAX_S = 1e9
 """Longest duration, seconds (about 31 years): a deadline (a time since the epoch in
