@@ -15,8 +15,9 @@ two sides it compares, round by round, swapping which goes first every other rou
 
 1. **Stall**: ``agent.checkpoint(step, state, cursor=..., blocking=False)`` of an
    :class:`~trainguard.agent.Agent` with ``checkpoint_format="dcp"`` on an embedded (SQLite)
-   bus, from the call to its return (DCP's ``async_save`` with the agent's kept
-   ``DefaultStager``: the caller pays planning and the staging copy), against a synchronous
+   bus, from the call to its return (DCP's ``async_save`` with the agent's own ``HostStager``,
+   whose host buffers are kept across checkpoints: the caller pays planning and the staging
+   copy), against a synchronous
    ``dcp.save`` of the same state with DCP's own ``FileSystemWriter``. The first checkpoint
    (the stager allocates its buffers) is reported apart from the steady state (2nd and later:
    the stager copies into the buffers it kept). Each async save is awaited

@@ -133,3 +133,32 @@ def test_on_object_storage_a_step_folder_is_a_prefix(s3_bucket: str) -> None:
     assert [f.step for f in step_folders(base)] == [20]
     assert fs.cat_file(f"{base}/notes.txt") == b"keep"
     assert step_folders(f"s3://{s3_bucket}/nothing-here") == []
+
+
+@pytest.mark.s3
+def test_storage_without_credentials_fails_as_an_oserror(
+    s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """botocore's own errors (here ``NoCredentialsError``, not an ``OSError``) reach retention
+    and restores as the ``OSError`` these functions promise, naming the error: a prune then
+    skips the job and says why instead of ending in a traceback."""
+    import s3fs
+
+    from trainguard.agent.checkpoint._snapshot import _read
+
+    base = f"s3://{s3_bucket}/ckpt/job"
+    folder = f"{base}/g000001/s0000000010"
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup
+    s3fs.S3FileSystem.clear_instance_cache()
+    files = (StoredFile(name=".metadata", size_bytes=7, digest=ZERO),)
+    shard = Shard(rank=0, uri=folder, size_bytes=7, digest=ZERO, files=files)
+    for attempt in (
+        lambda: step_folders(base),
+        lambda: files_present([shard]),
+        lambda: remove_step_folder(folder),
+        lambda: _read(f"{folder}/.metadata", 100),
+    ):
+        with pytest.raises(OSError, match="NoCredentialsError"):
+            attempt()

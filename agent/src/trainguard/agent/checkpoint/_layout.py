@@ -18,7 +18,7 @@ import contextlib
 import posixpath
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,24 @@ def fs_of(uri: str) -> tuple[Any, str]:
     except (ImportError, ValueError) as exc:
         raise OSError(f"{uri}: {exc}") from exc
     return fs, str(path)
+
+
+@contextlib.contextmanager
+def storage_errors(uri: str) -> Iterator[None]:
+    """Within the block, what an fsspec back-end raises reaches the caller as an
+    :class:`OSError` naming ``uri`` and the back-end's error type.
+
+    Back-ends raise what they like: s3fs turns most S3 answers into ``OSError`` subclasses,
+    but botocore's own (``NoCredentialsError``, a bad endpoint's ``EndpointConnectionError``)
+    come through as they are. Every caller of this module promises ``OSError`` for storage
+    that fails, and handles it (retention skips the job and says why); anything else would
+    end a prune in a traceback, or the daemon's retention run for every job."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:
+        raise OSError(f"{uri}: {type(exc).__name__}: {exc}") from exc
 
 
 def job_folder(shard: Shard, job_id: str) -> str | None:
@@ -182,7 +200,8 @@ def _subfolders(uri: str) -> list[tuple[str, str]]:
         return [(p.name, p.as_uri()) for p in path.iterdir() if p.is_dir() and not p.is_symlink()]
     fs, root = fs_of(uri)
     try:
-        entries = fs.ls(root, detail=True)
+        with storage_errors(uri):
+            entries = fs.ls(root, detail=True)
     except FileNotFoundError:
         return []
     base = uri.rstrip("/")
@@ -237,7 +256,9 @@ def files_present(shards: Iterable[Shard]) -> bool:
                 return False
             continue
         fs, path = fs_of(uri)
-        if not fs.exists(path):
+        with storage_errors(uri):
+            there = fs.exists(path)
+        if not there:
             return False
     return True
 
@@ -257,12 +278,13 @@ def remove_step_folder(folder: str) -> int:
         raise ValueError(f"{folder} is not a step folder (g<generation>/s<step>)")
     if not _local(folder):
         fs, root = fs_of(folder)
-        objects = fs.find(root, detail=True)
-        # The objects themselves, not the prefix: stores that model folders may retry a
-        # "folder" delete at length (S3Proxy's filesystem backend: 10 s).
-        files = [name for name, entry in objects.items() if entry.get("type") == "file"]
-        if files:
-            fs.rm(files)
+        with storage_errors(folder):
+            objects = fs.find(root, detail=True)
+            # The objects themselves, not the prefix: stores that model folders may retry a
+            # "folder" delete at length (S3Proxy's filesystem backend: 10 s).
+            files = [name for name, entry in objects.items() if entry.get("type") == "file"]
+            if files:
+                fs.rm(files)
         return sum(int(objects[name].get("size") or 0) for name in files)
     path = uri_to_path(folder)
     if path.is_symlink() or path.parent.is_symlink():

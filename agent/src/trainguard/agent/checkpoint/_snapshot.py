@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
 from trainguard.agent.checkpoint._durable import write_durably
-from trainguard.agent.checkpoint._layout import fs_of, job_step_folder
+from trainguard.agent.checkpoint._layout import fs_of, job_step_folder, storage_errors
 from trainguard.schemas import (
     CheckpointMeta,
     DataCursor,
@@ -74,7 +74,7 @@ def _read(uri: str, limit: int) -> bytes:
         with path.open("rb") as f:
             return f.read(limit + 1)
     fs, where = fs_of(uri)
-    with fs.open(where, "rb") as f:
+    with storage_errors(uri), fs.open(where, "rb") as f:
         return bytes(f.read(limit + 1))
 
 
@@ -90,7 +90,8 @@ def _write(uri: str, data: bytes) -> None:
     path = _local_path(uri)
     if path is None:
         fs, where = fs_of(uri)
-        fs.pipe_file(where, data)
+        with storage_errors(uri):
+            fs.pipe_file(where, data)
         return
     path.parent.mkdir(exist_ok=True)
     write_durably(path, data)

@@ -10,10 +10,10 @@ it is about a quarter of a plain ``dcp.save`` to a local disk (0.06 s of zlib-sp
 (``torch.serialization.set_crc32_options``); the files stay readable by ``torch.load`` and
 every DCP reader, and only a zip tool (``unzip -t``) would call their CRCs wrong.
 
-The switch is torch's config, whose user settings are thread-local: :func:`zip_crc_off`
-turns it off for the thread that writes (where DCP's writer, or the agent's, calls
-``torch.save``) and gives back the value it found; ``torch.save`` on any other thread, the
-training loop's own files included, is untouched.
+The switch is torch's config, whose user settings live in a context variable (each thread has
+its own): :func:`zip_crc_off` turns it off where the write runs (DCP's writer, or the agent's,
+calls ``torch.save`` synchronously on its thread) and gives back the value it found;
+``torch.save`` on any other thread, the training loop's own files included, is untouched.
 """
 
 from __future__ import annotations

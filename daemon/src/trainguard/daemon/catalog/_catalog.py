@@ -384,7 +384,8 @@ def compat(
                 f"world size {new_size} != {size}: this DCP snapshot is resharded onto "
                 f"{_span('rank', 0, new_size - 1)} as it loads; the data cursor is world-size "
                 "independent, so no sample is skipped or repeated, but with the same per-rank "
-                f"batch a step trains {new_size} ranks' samples where it trained {size} (a data "
+                f"batch a step trains the samples of {_span('rank', 0, new_size - 1)} where it "
+                f"trained those of {_span('rank', 0, size - 1)} (a data "
                 "loader state that only its own rank can resume, such as a StatefulDataLoader "
                 "without trainguard's sampler, is refused on restore)"
             )
