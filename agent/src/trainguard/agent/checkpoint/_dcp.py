@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote, urlsplit
 
 from trainguard.agent._errors import ShardCorrupt, ShardError, ShardMissing
+from trainguard.agent.checkpoint._layout import storage_errors
 from trainguard.agent.checkpoint._shards import load_verified_dict
 from trainguard.agent.checkpoint._snapshot import Snapshot
 from trainguard.agent.checkpoint._zip_crc import zip_crc_off
@@ -320,7 +321,7 @@ class DigestingFileSystem:
         if expected is None:
             raise ShardCorrupt(f"{path} is not among the files of the snapshot's manifest")
         try:
-            with self._inner.create_stream(path, "rb") as raw:
+            with storage_errors(os.fspath(path)), self._inner.create_stream(path, "rb") as raw:
                 data = cast(bytes, raw.read())
         except FileNotFoundError as exc:
             raise ShardMissing(f"{path} does not exist") from exc
