@@ -379,9 +379,10 @@ def _verdict(console: Console, result: Replay, trail: AuditTrail, *, jsonl: bool
     from trainguard.daemon.forensics import difference_json, print_difference, verify
 
     difference = verify(result.replayed, result.recorded)
-    # The rules the differing decisions were recorded under, when they are not this build's.
-    recorded = None if difference is None else difference.expected_config
-    other_rules = recorded is not None and trail.rules.get(recorded) != RULES_VERSION
+    # The rules of the run the difference is in (the configuration the trail recorded for it,
+    # which the replay folds under too), when they are not this build's.
+    recorded = None if difference is None else difference.expected_config or difference.got_config
+    other_rules = recorded is not None and trail.rules.get(recorded, RULES_VERSION) != RULES_VERSION
     if jsonl:
         _emit(
             {
@@ -392,7 +393,7 @@ def _verdict(console: Console, result: Replay, trail: AuditTrail, *, jsonl: bool
                 "runs": [config_id for config_id, _ in result.runs],
                 "difference": None if difference is None else difference_json(difference),
                 "rules": RULES_VERSION,
-                "recorded_rules": None if recorded is None else trail.rules.get(recorded),
+                "recorded_rules": trail.rules.get(recorded) if recorded is not None else None,
             }
         )
     elif difference is None:
