@@ -72,6 +72,8 @@ def test_a_difference_in_a_trail_of_a_build_before_rules_versions_says_so(tmp_pa
     done = replayed(edited)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "✗ the replay differs from the audit trail" in done.stdout
-    assert "by a build that recorded no rules version" in " ".join(done.stdout.split())
+    said = " ".join(done.stdout.split())
+    assert "by a build that recorded no rules version" in said
+    assert "no rules version recorded; this build's: 1" in said  # the header's run line
     verdict = json.loads(replayed(edited, "--format", "jsonl").stdout.splitlines()[-1])
     assert (verdict["ok"], verdict["recorded_rules"], verdict["rules"]) == (False, None, 1)

@@ -142,6 +142,14 @@ async def test_unreadable_storage_and_an_unreadable_catalog_are_logged_counted_a
                 await eventually(storage_failed, timeout_s=60)
                 assert sample(service, "trainguard_retention_deleted_folders_total",
                               kind="snapshot") == 2  # fmt: skip
+                # The command does the same: the unreadable job named and left, the other
+                # pruned (here planned), exit status 1.
+                dry = _cli(factory.url, factory.prefix, "prune", "--keep-last", "1",
+                           "--dry-run", status=1)  # fmt: skip
+                assert {v["job_id"] for v in dry["verdicts"]} == {JOB}
+                assert (
+                    "cannot list the checkpoints of job 'far-job'" in dry["unreadable"]["far-job"]
+                )
                 await bus.publish("audit", JOB, b"[]")
 
                 async def run_failed() -> bool:
@@ -231,8 +239,9 @@ def _jobs_on_two_partitions(count: int) -> tuple[str, str]:
     return first, other
 
 
-def _cli(url: str, prefix: str, *args: str) -> dict[str, Any]:
-    """``trainguard checkpoints ARGS --format json`` on the bus, as JSON (exit 0 expected)."""
+def _cli(url: str, prefix: str, *args: str, status: int = 0) -> dict[str, Any]:
+    """``trainguard checkpoints ARGS --format json`` on the bus, as JSON (exit ``status``
+    expected)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     done = subprocess.run(
         [*CLI, "checkpoints", *args, "--bus", url, "--topic-prefix", prefix, "--format", "json"],
@@ -241,6 +250,6 @@ def _cli(url: str, prefix: str, *args: str) -> dict[str, Any]:
         timeout=120,
         env={**env, "HOME": str(Path(url.removeprefix("sqlite://")).parent / "home")},
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == status, done.stderr
     result: dict[str, Any] = json.loads(done.stdout)
     return result

@@ -24,6 +24,7 @@ from trainguard.agent.bus import Record
 from trainguard.daemon.core._audit_entry import (
     AuditTrail,
     Group,
+    MalformedAudit,
     config_entry,
     decision_entry,
     read_trail,
@@ -32,7 +33,7 @@ from trainguard.daemon.core._decisions import IncidentOpened, Issue
 from trainguard.daemon.core._inputs import Input, Observed, Tick
 from trainguard.daemon.core._intake import Taken, take
 from trainguard.daemon.core._machine import decide
-from trainguard.daemon.core._machine_config import MachineConfig
+from trainguard.daemon.core._machine_config import RULES_VERSION, MachineConfig
 from trainguard.daemon.core._state import new_job
 from trainguard.daemon.forensics._replay import Replay, _replay_runs, replay, verify, what_if
 from trainguard.schemas import ClockTick, Restore, encode
@@ -424,3 +425,18 @@ def test_a_what_if_models_no_tick_inside_an_outage_of_the_log() -> None:
     assert restore.target is not None
     assert restore.target.step == 70
     assert result.changes == ()
+
+
+@pytest.mark.parametrize("rules", ["1", 0, -3, 1.5, True])
+def test_a_rules_version_that_is_no_positive_integer_is_a_malformed_trail(rules: Any) -> None:
+    entry = config_entry(JOB, config()) | {"rules": rules}
+    with pytest.raises(MalformedAudit, match=r"audit entry 0: rules must be a positive integer"):
+        read_trail([entry])
+
+
+def test_the_rules_version_of_each_configuration_is_read() -> None:
+    ours = config_entry(JOB, config())
+    older = config_entry(JOB, config(heartbeat_timeout_s=30.0))
+    del older["rules"]
+    trail = read_trail([ours, older])
+    assert trail.rules == {ours["config_id"]: RULES_VERSION, older["config_id"]: None}

@@ -9,7 +9,8 @@ refuses it) and named on stderr; without keys, the output says the signatures we
 checked.
 
 Exit status: 0 done (``compat``: the snapshot can seed the job), 1 ``compat`` refuses or
-``prune`` could not delete everything it meant to, 2 a usage error, an unknown snapshot, unreadable keys, a malformed audit trail or an unreachable
+``prune`` could not delete everything it meant to or left a job whose storage it could not
+read, 2 a usage error, an unknown snapshot, unreadable keys, a malformed audit trail or an unreachable
 bus.
 """
 
@@ -475,12 +476,18 @@ def prune(
     if job is not None and not read.catalog.select(job=job):
         _fail(f"no committed snapshot of job {job!r} on {read.where}")
     try:
+        # Every job: one whose storage cannot be read is left out and named, the others are
+        # pruned (as the daemon's retention does). One job asked for: its storage must answer.
         pruned = prune_catalog(
-            read.found, policy, jobs=None if job is None else {job}, dry_run=dry_run
+            read.found,
+            policy,
+            jobs=None if job is None else {job},
+            dry_run=dry_run,
+            skip_unreadable=job is None,
         )
     except StorageUnreadable as exc:
         _fail(str(exc))
-    plan, failures = pruned.plan, pruned.failures
+    plan, failures, unreadable = pruned.plan, pruned.failures, pruned.unreadable
     if output is OutputFormat.json:
         _echo_json(
             {
@@ -497,11 +504,18 @@ def prune(
                     for v in plan.verdicts
                 ],
                 "failures": [f"{name}: {why}" for name, why in failures.items()],
+                "unreadable": dict(unreadable),
             }
         )
     else:
         _print_plan(plan, dry_run, failures)
-    if failures:
+    for unread, why in unreadable.items():
+        typer.secho(
+            f"error: checkpoints of job {unread!r} not pruned: storage unreadable: {why}",
+            fg=typer.colors.RED,
+            err=True,
+        )
+    if failures or unreadable:
         raise typer.Exit(1)
 
 

@@ -251,7 +251,7 @@ def _print_header(
         config_id = runs[0][0]
         console.print(
             f"recorded configuration {config_id} "
-            f"(daemon_id {trail.configs[config_id].get('daemon_id')})"
+            f"(daemon_id {trail.configs[config_id].get('daemon_id')}){_rules_text(trail, config_id)}"
         )
         return
     console.print(
@@ -263,9 +263,22 @@ def _print_header(
         config = trail.configs[config_id]
         handover = "" if previous is None else f": {handover_text(previous, config)}"
         console.print(
-            f"  {config_id} (daemon_id {config.get('daemon_id')}) from offset {offset}{handover}"
+            f"  {config_id} (daemon_id {config.get('daemon_id')}){_rules_text(trail, config_id)} "
+            f"from offset {offset}{handover}"
         )
         previous = config
+
+
+def _rules_text(trail: AuditTrail, config_id: str) -> str:
+    """``""`` when run ``config_id`` was decided under this build's rules, else what the trail
+    says of its rules (docs/forensics.md, "Replaying a trail of another build")."""
+    from trainguard.daemon.core import RULES_VERSION
+
+    rules = trail.rules.get(config_id, RULES_VERSION)
+    if rules == RULES_VERSION:
+        return ""
+    recorded = "no rules version recorded" if rules is None else f"rules version {rules}"
+    return f", {recorded}; this build's: {RULES_VERSION}"
 
 
 def handover_text(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:

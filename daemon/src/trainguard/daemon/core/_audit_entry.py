@@ -316,10 +316,11 @@ def read_trail(entries: Iterable[Mapping[str, Any]]) -> AuditTrail:
                 if not isinstance(config, Mapping):
                     raise TypeError("config is not an object")
                 recorded_id = _text(entry["config_id"])
+                version = entry.get("rules")
+                if version is not None and (type(version) is not int or version < 1):
+                    raise ValueError(f"rules must be a positive integer, not {version!r}")
                 configs.setdefault(recorded_id, config)
-                rules.setdefault(
-                    recorded_id, None if entry.get("rules") is None else _integer(entry["rules"])
-                )
+                rules.setdefault(recorded_id, version)
             elif kind == "decisions":
                 decisions = entry["decisions"]
                 identity = entry["input"]
