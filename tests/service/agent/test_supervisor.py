@@ -30,7 +30,7 @@ from trainguard.agent.supervisor._supervisor import (
     SupervisorConfig,
 )
 from trainguard.daemon.core._audit_entry import decision_entry
-from trainguard.daemon.core._decisions import Anomaly
+from trainguard.daemon.core._decisions import Anomaly, Transition
 from trainguard.schemas import (
     EXIT_CONFIG,
     Abort,
@@ -723,6 +723,22 @@ async def read_as_daemon(bus: Bus) -> None:
     await commit_as_daemon(bus, (await bus.end_offsets("events"))[tp])
 
 
+async def finish_as_daemon(bus: Bus, generation: int) -> None:
+    """Act as a daemon that read everything and found the whole job finished."""
+    done = Transition(old="running", new="finished", generation=generation, reason="all done")
+    entry = decision_entry(
+        JOB,
+        partition=partition_for(JOB, await bus.partitions("events")),
+        offset=0,
+        at_ms=0,
+        identity={"type": "lifecycle"},
+        config="c",
+        decisions=[done],
+    )
+    await bus.publish("audit", JOB, orjson.dumps(entry))
+    await read_as_daemon(bus)
+
+
 async def until_judging(bus: Bus, logs: list[Any], generations: list[int]) -> None:
     """Until the supervisor reported its worker's exit in each of ``generations`` and waits
     for the daemon to judge the last one's finish."""
@@ -765,9 +781,32 @@ async def test_finished_workers_wait_for_the_daemons_verdict_and_obey_its_restor
             await until_judging(bus, logs, [0, 1])
             assert [e.generation for e in await lifecycles(bus) if e.kind == "started"] == [0, 1]
             assert not task.done()
-            await read_as_daemon(bus)
+            await finish_as_daemon(bus, 1)
             assert await asyncio.wait_for(task, 30) == 0
     assert any(e["event"] == "the daemon judged the finish" for e in logs)
+
+
+async def test_a_node_that_finished_waits_until_the_whole_job_is_found_finished(
+    tmp_path: Path,
+) -> None:
+    """Several nodes: the daemon read this node's finish, but another node's last reports
+    (read later) may show a divergence whose restore needs this node's ranks too. So the
+    node waits, without a command, until the daemon finds the whole job finished; a restore
+    ordered meanwhile restarts its workers."""
+    cfg = config(tmp_path, "exit", nproc_per_node=1, daemon_timeout_s=60.0)
+    with structlog.testing.capture_logs() as logs:
+        async with open_bus(bus_config(tmp_path)) as bus:
+            task = asyncio.ensure_future(Supervisor(cfg).run())
+            await until_judging(bus, logs, [0])
+            await read_as_daemon(bus)  # this node's reports read; the job not finished
+            await until(lambda: any("whole job finished" in e["event"] for e in logs))
+            await asyncio.sleep(0.5)
+            assert not task.done()
+            await bus.publish("commands", JOB, restore(1))  # another node's divergence
+            await until_judging(bus, logs, [0, 1])
+            await finish_as_daemon(bus, 1)
+            assert await asyncio.wait_for(task, 30) == 0
+    assert [e["generation"] for e in logs if e["event"] == "the daemon judged the finish"] == [1]
 
 
 async def test_a_restore_the_daemon_holds_after_the_finish_is_waited_for(tmp_path: Path) -> None:
@@ -786,7 +825,7 @@ async def test_a_restore_the_daemon_holds_after_the_finish_is_waited_for(tmp_pat
             assert not task.done()
             await bus.publish("commands", JOB, restore(1))
             await until_judging(bus, logs, [0, 1])
-            await read_as_daemon(bus)
+            await finish_as_daemon(bus, 1)
             assert await asyncio.wait_for(task, 30) == 0
     assert not any(e["event"] == "the daemon judged the finish" and e["generation"] == 0
                    for e in logs)  # fmt: skip

@@ -70,8 +70,9 @@ logged every ``warn_every_s`` (:mod:`._daemon_watch`).
 
 **Finishing** (``docs/recovery.md``, "A finish the daemon has not judged"): once every worker
 exited with status 0, the supervisor waits, at most ``daemon_timeout_s``, until the daemon has
-read this node's reports, and obeys the restore it may then order (a divergence in the ranks'
-last heartbeats) before it exits 0.
+read this node's reports and found the whole job finished (every node's ranks), and obeys the
+restore it may order meanwhile (a divergence in the ranks' last heartbeats, of any node)
+before it exits 0.
 
 **Outages** (``docs/operations.md``, "Agents and supervisors during a bus outage"): the
 supervisor's lifecycle reports leave through its outbox (:mod:`._courier`), which delivers them
@@ -113,7 +114,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, NamedTuple, TypeVar
 
 import orjson
 import structlog
@@ -981,8 +982,12 @@ class Supervisor:
         latest command then is its answer: a restore or an abort is queued for the caller,
         which takes it (``_orders``) instead of ending. Unless it holds its restore (after a
         bus gap, or for a checkpoint in flight: a ``restore_held`` in the job's audit since
-        this generation's workers started, :func:`_holds_restore`): then the wait goes on,
-        with a new ``daemon_timeout_s``, until it issues the restore."""
+        this generation's workers started, :func:`_judged`): then the wait goes on, with a
+        new ``daemon_timeout_s``, until it issues the restore. Without a command, the wait
+        ends when the job's audit shows it finished: in a job of several nodes the other
+        nodes' last reports, read later, may show a divergence (a replica's checksum) whose
+        restore needs this node's ranks too; a node whose ranks finished before the others
+        waits for them, within ``daemon_timeout_s``."""
         await self._all_exited.wait()
         c = self._c
         self._restore_held_seen = False
@@ -1009,18 +1014,19 @@ class Supervisor:
                 log.warning("cannot read the end of the job's events", error=str(exc))
             return None if round_ != self._finish_round else self._unjudged()
         audit, scanned = self._audit_from or (None, 0)  # None: from the audit's start
-        held = False
+        judged = _Judged(held=False, finished=False, end=scanned)
+        others_said = False
         while round_ == self._finish_round:
             try:
                 if (await bus.group_positions(c.group, "events")).get(events, -1) >= end:
                     if audit is None:
                         audit, _ = await _job_end(bus, "audit", c.job_id)
-                    was_held = held
-                    held, scanned = await _holds_restore(bus, c.job_id, audit, scanned, held)
+                    was_held = judged.held
+                    judged = await _judged(bus, c.job_id, audit, judged)
                     if round_ != self._finish_round:
                         return  # the loop moved on meanwhile
-                    self._restore_held_seen = held
-                    if held:
+                    self._restore_held_seen = judged.held
+                    if judged.held:
                         # The daemon is there and decided: its restore comes once the bus
                         # settled or the cut it waits for is in.
                         deadline = time.monotonic() + c.daemon_timeout_s
@@ -1041,16 +1047,29 @@ class Supervisor:
                         )
                         if isinstance(verdict, Restore | Abort):
                             await self._orders.put(verdict)  # the loop acts on it
-                        elif not (
+                            return
+                        if (
                             isinstance(verdict, Ignored)
                             and (verdict.generation or 0) > self._generation
-                        ):  # else the listener took it first: the loop acts on that
+                        ):
+                            return  # the listener took it first: the loop acts on that
+                        if judged.finished:
                             log.info("the daemon judged the finish", generation=self._generation)
-                        return
+                            return
+                        # This node's reports are read, the job is not finished: ranks of
+                        # other nodes still train, or their last reports are not read yet,
+                        # and may show a divergence whose restore needs this node too.
+                        if not others_said:
+                            others_said = True
+                            log.info(
+                                "this node's finish is read; waiting for the daemon to find "
+                                "the whole job finished (the other nodes' ranks)",
+                                generation=self._generation,
+                            )
             except BusError as exc:
                 log.debug("cannot read the daemon's verdict: retrying", error=str(exc))
             if time.monotonic() > deadline and round_ == self._finish_round:
-                return self._unjudged()
+                return self._unjudged(whole_job=others_said)
             if await self._pause(_VERDICT_POLL_S):
                 return
 
@@ -1063,10 +1082,16 @@ class Supervisor:
         except BusError as exc:
             log.debug("cannot read the end of the job's audit", error=str(exc))
 
-    def _unjudged(self) -> None:
-        """Say that no daemon judged this node's finish within ``daemon_timeout_s``."""
+    def _unjudged(self, *, whole_job: bool = False) -> None:
+        """Say that no daemon judged this node's finish (``whole_job``: the whole job's, this
+        node's being read) within ``daemon_timeout_s``."""
+        what = (
+            "found the whole job finished (other nodes' ranks still train, or it lags)"
+            if whole_job
+            else "judged this node's finish"
+        )
         log.warning(
-            f"no daemon has judged this node's finish within {self._c.daemon_timeout_s:g} s: "
+            f"no daemon has {what} within {self._c.daemon_timeout_s:g} s: "
             "exiting; a restore it orders later finds no supervisor here",
             job_id=self._c.job_id,
             group=self._c.group,
@@ -1621,19 +1646,33 @@ def _audit_entry(value: bytes) -> dict[str, Any] | None:
     return entry if isinstance(entry, dict) else None
 
 
-async def _holds_restore(
-    bus: Bus, job_id: str, tp: TopicPartition, start: int, held: bool
-) -> tuple[bool, int]:
-    """Whether the daemon holds a restore of the job after its audit entries on ``tp`` from
-    offset ``start`` to the end (``held``: whether it did before ``start``), and that end:
-    an entry with a ``restore_held`` anomaly holds one, a later one that issued a command,
-    closed an incident or failed the job ends the hold (as :func:`_restore_held` judges).
+class _Judged(NamedTuple):
+    """What the job's audit entries say of its finish, up to ``end`` (:func:`_judged`).
+
+    Attributes:
+        held: the daemon holds a restore.
+        finished: the daemon found the whole job finished (every rank, of every node).
+        end: the audit offset read up to.
+    """
+
+    held: bool
+    finished: bool
+    end: int
+
+
+async def _judged(bus: Bus, job_id: str, tp: TopicPartition, since: _Judged) -> _Judged:
+    """What the daemon decided of the job by its audit entries on ``tp`` from ``since.end``
+    to the end, after ``since`` (what the entries before said): an entry with a
+    ``restore_held`` anomaly holds a restore, a later one that issued a command, closed an
+    incident or failed the job ends the hold (as :func:`_restore_held` judges); a transition
+    to ``finished`` finishes the job.
 
     Raises:
         BusError: the bus cannot be read.
     """
+    held, finished = since.held, since.finished
     end = (await bus.end_offsets("audit"))[tp]
-    async for value in _job_records(bus, job_id, tp, start, end):
+    async for value in _job_records(bus, job_id, tp, since.end, end):
         entry = _audit_entry(value)
         if entry is None:
             continue
@@ -1642,7 +1681,8 @@ async def _holds_restore(
             held = True
         elif kinds & {"issue", "incident_closed", "job_failed"}:
             held = False
-    return held, max(start, end)
+        finished = finished or "finished" in kinds
+    return _Judged(held, finished, max(since.end, end))
 
 
 async def _diverged(bus: Bus, job_id: str, incident_id: str) -> bool:
@@ -1670,7 +1710,8 @@ async def _diverged(bus: Bus, job_id: str, incident_id: str) -> bool:
 
 def _decision_kinds(entry: dict[str, Any]) -> set[str]:
     """The decisions of an audit entry by name (``issue``, ``incident_closed``, ...), with
-    each anomaly's kind (``restore_held``, ...)."""
+    each anomaly's kind (``restore_held``, ...) and ``finished`` for a transition to that
+    phase."""
     kinds: set[str] = set()
     decisions = entry.get("decisions")
     for decision in decisions if isinstance(decisions, list) else ():
@@ -1678,6 +1719,8 @@ def _decision_kinds(entry: dict[str, Any]) -> set[str]:
             kinds.add(str(decision.get("decision")))
             if decision.get("decision") == "anomaly":
                 kinds.add(str(decision.get("kind")))
+            elif decision.get("decision") == "transition" and decision.get("new") == "finished":
+                kinds.add("finished")
     return kinds
 
 

@@ -421,8 +421,8 @@ def run(
         float,
         typer.Option(
             help="Warn when no daemon has read the job's events for this many seconds; also the "
-            "longest wait, once the workers finished, for the daemon to judge the finish (0: "
-            "no daemon expected: never warn, exit at once)."
+            "longest wait, once the workers finished, for the daemon to find the whole job "
+            "finished, every node's ranks (0: no daemon expected: never warn, exit at once)."
         ),
     ] = 30.0,
     warn_every: Annotated[
