@@ -30,7 +30,7 @@ from trainguard.agent.supervisor._supervisor import (
     SupervisorConfig,
 )
 from trainguard.daemon.core._audit_entry import decision_entry
-from trainguard.daemon.core._decisions import Anomaly, Transition
+from trainguard.daemon.core._decisions import Anomaly, Decision, Transition
 from trainguard.schemas import (
     EXIT_CONFIG,
     Abort,
@@ -723,9 +723,8 @@ async def read_as_daemon(bus: Bus) -> None:
     await commit_as_daemon(bus, (await bus.end_offsets("events"))[tp])
 
 
-async def finish_as_daemon(bus: Bus, generation: int) -> None:
-    """Act as a daemon that read everything and found the whole job finished."""
-    done = Transition(old="running", new="finished", generation=generation, reason="all done")
+async def decided_as_daemon(bus: Bus, decision: Decision) -> None:
+    """Act as a daemon that read everything and recorded ``decision`` in the job's audit."""
     entry = decision_entry(
         JOB,
         partition=partition_for(JOB, await bus.partitions("events")),
@@ -733,10 +732,16 @@ async def finish_as_daemon(bus: Bus, generation: int) -> None:
         at_ms=0,
         identity={"type": "lifecycle"},
         config="c",
-        decisions=[done],
+        decisions=[decision],
     )
     await bus.publish("audit", JOB, orjson.dumps(entry))
     await read_as_daemon(bus)
+
+
+async def finish_as_daemon(bus: Bus, generation: int) -> None:
+    """Act as a daemon that read everything and found the whole job finished."""
+    done = Transition(old="running", new="finished", generation=generation, reason="all done")
+    await decided_as_daemon(bus, done)
 
 
 async def until_judging(bus: Bus, logs: list[Any], generations: list[int]) -> None:
@@ -748,17 +753,7 @@ async def until_judging(bus: Bus, logs: list[Any], generations: list[int]) -> No
 
 async def hold_a_restore(bus: Bus) -> None:
     """Act as a daemon that read everything and holds its restore (after a bus gap)."""
-    entry = decision_entry(
-        JOB,
-        partition=partition_for(JOB, await bus.partitions("events")),
-        offset=0,
-        at_ms=0,
-        identity={"type": "heartbeat"},
-        config="c",
-        decisions=[Anomaly(kind="restore_held", reason="until the bus has settled")],
-    )
-    await bus.publish("audit", JOB, orjson.dumps(entry))
-    await read_as_daemon(bus)
+    await decided_as_daemon(bus, Anomaly(kind="restore_held", reason="until the bus has settled"))
 
 
 async def test_finished_workers_wait_for_the_daemons_verdict_and_obey_its_restore(
