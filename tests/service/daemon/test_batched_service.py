@@ -6,6 +6,7 @@ replay from the bus reproduces every decision."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -85,24 +86,48 @@ async def test_a_rank_missing_from_its_nodes_batches_is_restored_and_replayed_ex
             assert restore.generation == 1
             assert "no event from rank 1 on host h0" in restore.reason
             await publish(bus, *acknowledgements(restore))
-            new = [dataclasses.replace(beat(r, 2, 10), generation=1, pid=200 + r) for r in (0, 1)]
-            await bus.publish("events", JOB, batch(new, next(batch_seq)))
-            [resume] = await eventually(lambda: of_type(bus, Resume))
-            assert resume.generation == 1
-            await bus.publish("events", JOB, first)  # the bus delivers it again
 
-            async def parked_again() -> list[dict[str, Any]]:
-                # (Batches of rank 0 alone sent after the restore was issued are parked too,
-                # their heartbeats of a stale generation.)
-                parked = [orjson.loads(v) for v in await read_all(bus, "dead-letter")]
-                return [p for p in parked if p["reason"].startswith("duplicate: ")]
+            async def both_beating() -> None:
+                """The restored ranks beat on until the daemon stopped: a silence of theirs
+                (the test's waits under load) would open another incident, decided at a tick
+                the stopping daemon may write and never fold (a pending difference)."""
+                for seq in itertools.count(2):
+                    new = [
+                        dataclasses.replace(beat(r, seq, 10), generation=1, pid=200 + r)
+                        for r in (0, 1)
+                    ]
+                    await bus.publish("events", JOB, batch(new, next(batch_seq)))
+                    await asyncio.sleep(0.2)
 
-            [again] = await eventually(parked_again)
-            assert again["reason"].startswith(
-                "duplicate: HeartbeatBatch from supervisor on host h0 (pid 900) has seq 1, "
-                "already accepted up to seq "
-            )
+            beating = asyncio.ensure_future(both_beating())
+            try:
+                [resume] = await eventually(lambda: of_type(bus, Resume))
+                assert resume.generation == 1
+                await bus.publish("events", JOB, first)  # the bus delivers it again
+
+                async def parked_again() -> list[dict[str, Any]]:
+                    # (Batches of rank 0 alone sent after the restore was issued are parked
+                    # too, their heartbeats of a stale generation.)
+                    parked = [orjson.loads(v) for v in await read_all(bus, "dead-letter")]
+                    return [p for p in parked if p["reason"].startswith("duplicate: ")]
+
+                [again] = await eventually(parked_again)
+                assert again["reason"].startswith(
+                    "duplicate: HeartbeatBatch from supervisor on host h0 (pid 900) has seq 1, "
+                    "already accepted up to seq "
+                )
+            except BaseException:
+                await _cancelled(beating)
+                raise
+        await _cancelled(beating)  # after the daemon stopped
     log = await read_bus(bus_factory.url, bus_factory.prefix, JOB)
     result = replay(JOB, log.events, log.trail(), MachineConfig(daemon_id="unused"))
     assert verify(result.replayed, result.recorded) is None
     assert any(row.kind == "heartbeat-batch" and row.decisions for row in result.rows)
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait until it ended."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
