@@ -182,6 +182,25 @@ def test_the_watched_model_is_checksummed_in_heartbeats_of_exactly_its_steps(mak
     assert len(set(expected.values())) == 3
 
 
+def test_a_checksum_heartbeat_leaves_with_the_next_beat_not_at_once(make_agent, bus_url):
+    """Waking the link's thread for it would take the GIL from training (about 0.5 ms a
+    checksum); it waits for the next periodic heartbeat instead, ahead of it in ``seq``."""
+    model = torch.nn.Linear(4, 3)
+    with make_agent(checksum_every=5, heartbeat_interval_s=3600) as agent:
+        agent.ready(0)
+        agent.watch(model)
+        deadline = time.monotonic() + 10
+        while not of_type(read_events(bus_url, JOB), Heartbeat):  # the first beat is out
+            assert time.monotonic() < deadline, "no first heartbeat"
+            time.sleep(0.02)
+        for step in range(1, 6):
+            agent.step(step)
+        time.sleep(0.5)  # a woken thread sends in milliseconds
+        assert all(b.param_checksum is None for b in of_type(read_events(bus_url, JOB), Heartbeat))
+    beats = of_type(read_events(bus_url, JOB), Heartbeat)
+    assert [b.step for b in beats if b.param_checksum is not None] == [5, 5]  # and the last
+
+
 def test_checksums_are_off_with_checksum_every_zero_or_no_model(make_agent, bus_url):
     with make_agent(checksum_every=0) as agent:
         agent.ready(0)

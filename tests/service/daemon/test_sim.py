@@ -139,7 +139,7 @@ def test_kafka_in_real_time_with_sending_behind_the_clock(
         (["--checkpoint-cost", "-1", "--failures", "1"], "--checkpoint-cost must be"),
         (["--step-time", "0", "--failures", "1"], "--step-time must be"),
         (["--duration", "0"], "--duration must be"),
-        (["--window", "0", "--failures", "1"], "--window must be"),
+        (["--window", "-1", "--failures", "1"], "--window must be"),
         (["--kill-daemon-at", "-5", "--failures", "1"], "--kill-daemon-at must be"),
         (["--ranks-per-host", "9", "--failures", "1"], "--ranks-per-host (9) must not exceed"),
         (["--kinds", "", "--failures", "1"], "--kinds: no kind given"),
@@ -179,6 +179,19 @@ def test_a_node_fault_on_a_job_of_one_node_is_restored(tmp_path: Path) -> None:
         timeout_s=300,
     )  # fmt: skip
     _check_recovery(data, 1)
+
+
+def test_window_zero_makes_every_instant_a_round_of_its_own(tmp_path: Path) -> None:
+    """``--window 0``: the lag of each instant's records, as at real-time pacing (a 1-s window
+    merged a heartbeat instant with a checkpoint's shards half a second later into one
+    burst); the default window merges an undisturbed stretch's instants."""
+    options = ("--ranks", "8", "--mtbf", "100000", "--checkpoint-interval", "8", "--duration", "20")
+    merged = _sim(tmp_path / "merged", *options, timeout_s=300)
+    apart = _sim(tmp_path / "apart", *options, "--window", "0", timeout_s=300)
+    # Heartbeats every second, so at least one instant each simulated second.
+    assert apart["rounds"] >= apart["simulated_s"] >= 20, apart
+    assert 2 * merged["rounds"] < apart["rounds"], (merged["rounds"], apart["rounds"])
+    assert apart["checkpoint_lag_s"]["p50"] is not None, apart
 
 
 def test_sigterm_ends_the_run_and_its_daemon_process(tmp_path: Path) -> None:

@@ -692,9 +692,9 @@ class Agent:
 
         Also, in this order: a fault of ``TRAINGUARD_FAULTS`` scheduled for this step fires
         (see :mod:`._faults`); every ``checksum_every`` steps the watched model's parameter
-        checksum is sent at once, in a heartbeat of exactly this step (:meth:`watch`); and at
-        the ``at_step`` of an in-process restore the daemon ordered, :class:`RestoreRequested`
-        is raised.
+        checksum is queued in a heartbeat of exactly this step, which leaves with the next
+        periodic one (:meth:`watch`); and at the ``at_step`` of an in-process restore the
+        daemon ordered, :class:`RestoreRequested` is raised.
 
         Args:
             step: the step just completed (``start + 1``, ``start + 2``, ...).
@@ -750,7 +750,8 @@ class Agent:
     def watch(self, model: nn.Module) -> None:
         """Register ``model`` (a ``torch.nn.Module``; the module itself, not a DDP wrapper, is
         fine: their parameters are the same tensors): every ``checksum_every`` steps
-        :meth:`step` sends a checksum of its parameters, so that the daemon can compare the
+        :meth:`step` queues a heartbeat with a checksum of its parameters (sent with the next
+        periodic heartbeat, within ``heartbeat_interval_s``), so that the daemon can compare the
         data-parallel replicas (``parameter_checksum`` in :mod:`._checksum`: an exact integer
         sum of the parameters' bits on their device, hashed; any single flipped bit changes
         it), and the ``bitflip`` fault corrupts it. Call it again after replacing the model.
@@ -819,7 +820,9 @@ class Agent:
             return self._heartbeat
 
     def _send_checksum(self, model: nn.Module) -> None:
-        self._link.submit(self._checksummed(model))
+        # No wake-up of the link's thread: it would take the GIL from training for about
+        # 0.5 ms a checksum; the periodic heartbeat takes this one along within a beat.
+        self._link.submit(self._checksummed(model), wake=False)
 
     def _checksummed(self, model: nn.Module) -> Callable[[int], Heartbeat]:
         """The builder of a heartbeat carrying ``model``'s parameter checksum now."""

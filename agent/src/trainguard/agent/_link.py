@@ -293,12 +293,20 @@ class Link:
         """This process's spool file, or ``None`` without a spool."""
         return None if self._spool is None else self._spool.path
 
-    def submit(self, build: Callable[[int], _E], *, reliable: bool = False) -> _E:
+    def submit(
+        self, build: Callable[[int], _E], *, reliable: bool = False, wake: bool = True
+    ) -> _E:
         """Queue the event ``build(seq)`` and return it; safe from any thread.
 
         With ``reliable`` a heartbeat is queued as any other event (spooled, sent on the bus
         in ``seq`` order, never evicted nor relayed): the rank's last progress before its
         ``finished``, which the daemon must fold before the finish.
+
+        Without ``wake`` the loop thread is not woken: the event leaves with the next one that
+        wakes it (the next heartbeat at the latest, within ``interval_s``). Waking it costs
+        the calling thread the time the loop thread then holds the GIL (about 0.5 ms measured,
+        ``bench/RESULTS.md``, "Lightning callback overhead"), which a heartbeat that may wait
+        a beat need not pay.
 
         ``seq`` is assigned, the event built (and MACed, with an event key), encoded and
         spooled under the outbox's lock, so queue order and ``seq`` order agree. A heartbeat
@@ -350,7 +358,8 @@ class Link:
             if kind != "heartbeat":
                 self._spool_add(item)
             self._last_seq = seq
-        self._call(self._wake.set)
+        if wake:
+            self._call(self._wake.set)
         return event
 
     def _spool_add(self, item: Queued) -> None:

@@ -112,7 +112,10 @@ def sim(
     ] = None,
     window: Annotated[
         float,
-        typer.Option(help="Embedded bus: simulated seconds one round may cover undisturbed."),
+        typer.Option(
+            help="Embedded bus: simulated seconds one round may cover undisturbed (0: one "
+            "instant a round, so that the lag is each instant's, as at real-time pacing)."
+        ),
     ] = 10.0,
     output: Annotated[
         OutputFormat, typer.Option("--format", help="text (rich tables) or json (for tools).")
@@ -160,7 +163,7 @@ def sim(
         ("--step-time", step_time, False),
         ("--checkpoint-interval", checkpoint_interval, False),
         ("--duration", duration, False),
-        ("--window", window, False),
+        ("--window", window, True),
         ("--checkpoint-cost", checkpoint_cost, True),
         ("--kill-daemon-at", kill_daemon_at, True),
     ):

@@ -60,10 +60,11 @@ manifest is signed, every tick MACed with its job's event key, and intake refuse
 MAC is missing or wrong (dead-lettered, counted, and recorded on ``audit`` so that a replay
 refuses them too); the key directory is reloaded every ``key_reload_s``.
 
-Snapshots (with keys, :mod:`trainguard.daemon.service._snapshot_store`): every ``snapshot_interval_s`` and
-on a clean shutdown the jobs of each partition are written, signed and encrypted, at the
-partition's committed position; on assignment the loop starts from them when they are all
-valid and complete, reading from the oldest position they cover and skipping each job's records
+Snapshots (with keys, :mod:`trainguard.daemon.service._snapshot_store`): every
+``snapshot_interval_s`` (once a poll finds no record waiting) and on a clean shutdown the jobs
+of each partition are written, signed and encrypted, at the partition's committed position; on
+assignment the loop starts from them when they are all valid and complete, reading from the
+oldest position they cover and skipping each job's records
 below its own snapshot's, which gives the states (and decisions) of a fold from offset 0.
 """
 
@@ -215,6 +216,20 @@ class _Dropped(Exception):
     """The partition being written for was just rolled back or lost: stop working on it."""
 
 
+def snapshot_round_starts(
+    elapsed_s: float, folded: int, *, interval_s: float, interval_records: int, idle: bool
+) -> bool:
+    """Whether a round of state snapshots starts now, ``elapsed_s`` seconds and ``folded``
+    records after the last one: when one is due (``interval_s`` elapsed, or
+    ``interval_records`` folded; 0: by time only) and the loop is ``idle`` (its last poll found
+    no record), or a whole interval of either kind late whatever the load
+    (:meth:`DaemonService._write_snapshots` says why it waits for a pause)."""
+    by_records = interval_records > 0
+    due = elapsed_s >= interval_s or (by_records and folded >= interval_records)
+    late = elapsed_s >= 2 * interval_s or (by_records and folded >= 2 * interval_records)
+    return due and (idle or late)
+
+
 class DaemonService:
     """Runs the state machine for every job on the bus partitions this instance owns.
 
@@ -288,7 +303,7 @@ class DaemonService:
             if config.snapshot_interval_s > 0
             else None
         )
-        self._snapshot_due = time.monotonic() + config.snapshot_interval_s
+        self._snapshot_at = time.monotonic()  # the last round's start (none yet: the start)
         self._snapshot_folded = 0  # counters["folded"] at the last round
         # partition -> the round being sealed for it (in a worker thread), the partition as
         # owned when sealing began and its rollback count then
@@ -493,7 +508,7 @@ class DaemonService:
                         synced = None
                     await self._write_due_ticks(bus)
                     await self._commit()
-                    await self._write_snapshots()
+                    await self._write_snapshots(idle=not records)
                     self._update_gauges()
                     self._reload_keys()
             except BusError as exc:
@@ -1108,31 +1123,38 @@ class DaemonService:
 
     # -- snapshots ---------------------------------------------------------------------------
 
-    async def _write_snapshots(self, *, force: bool = False) -> None:
+    async def _write_snapshots(self, *, force: bool = False, idle: bool = True) -> None:
         """Every ``snapshot_interval_s`` or ``snapshot_interval_records`` folded records,
-        whichever comes first (or now, with ``force``): for each partition caught up with its
-        committed position, seal a round of snapshots of its jobs at its position ``P`` in a
-        worker thread while the loop folds on (at 16,384 ranks a round is about a second of
-        CPU, which would otherwise hold back every record behind it). A sealed round is sent
-        in the partition's open transaction, which is then committed: its position is ``P``
-        or later, so a round is visible only once everything below ``P`` has been acted on
-        (``_snapshot_store``, "Writing"). A round whose partition was lost, taken on again or
-        rolled back meanwhile is dropped; a partition whose commit fails waits for
-        the next round. With ``force`` (a clean stop) the rounds are sealed, sent and
-        committed before this returns."""
+        whichever comes first, once the loop is ``idle`` (its last poll found no record) or a
+        whole interval (of either kind) late (or now, with ``force``): for each partition
+        caught up with its committed position, seal a round of snapshots of its jobs at its
+        position ``P`` in a worker thread while the loop folds on (at 16,384 ranks a round is
+        about 0.3 s of CPU, which would otherwise hold back every record behind it). The
+        thread still takes the interpreter's lock from the fold, and each of the loop's awaits
+        then waits out a switch interval to get it back: a seal begun inside a burst of
+        records made the burst last up to twice as long (``bench/RESULTS.md``), so a due
+        round waits for a pause. A sealed round is sent in the partition's open transaction,
+        which is then committed: its position is ``P`` or later, so a round is visible only
+        once everything below ``P`` has been acted on (``_snapshot_store``, "Writing"). A
+        round whose partition was lost, taken on again or rolled back meanwhile is dropped; a
+        partition whose commit fails waits for the next round. With ``force`` (a clean stop)
+        the rounds are sealed, sent and committed before this returns."""
         keys = self._keys
         if self._snapshots is None or keys is None:
             return
         await self._send_sealed(wait=force)
         every = self._c.snapshot_interval_records
         folded = self.counters["folded"]
-        if not (
-            force
-            or time.monotonic() >= self._snapshot_due
-            or (every and folded - self._snapshot_folded >= every)
+        now = time.monotonic()
+        if not force and not snapshot_round_starts(
+            now - self._snapshot_at,
+            folded - self._snapshot_folded,
+            interval_s=self._c.snapshot_interval_s,
+            interval_records=every,
+            idle=idle,
         ):
             return
-        self._snapshot_due = time.monotonic() + self._c.snapshot_interval_s
+        self._snapshot_at = now
         self._snapshot_folded = folded
         for part in self._partitions.values():
             p = part.partition

@@ -160,13 +160,14 @@ class DaemonConfig:
         snapshot_interval_s: seconds between two rounds of job-state snapshots (signed and
             encrypted, on ``snapshots``; also written on a clean stop), from which a restarted
             daemon rebuilds instead of folding the whole log; 0 turns snapshots off. They are
-            off without keys anyway.
+            off without keys anyway. A due round starts when the daemon's poll finds no
+            record waiting, or one interval (of either kind) late at the latest.
         snapshot_interval_records: a round is also due once this many records were folded
             since the last one (0: by time only). It bounds the log a restarted daemon folds
             after its snapshots, whatever the jobs' record rate: a 16,384-rank job sends about
             21,000 records a second, 1.3 million in a 60-s interval, which a restart would
             refold at 11,000-20,000 a second (``bench/RESULTS.md``); 250,000 takes 12-23 s
-            on one core, and a round of that job's snapshot costs about a second of CPU,
+            on one core, and a round of that job's snapshot costs about 0.3 s of CPU,
             a few per cent of the fold's.
         security: keys and authentication (:class:`SecurityConfig`).
         retention: the daemon's own pruning of checkpoints (:class:`RetentionConfig`).

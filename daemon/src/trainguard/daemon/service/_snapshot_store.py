@@ -410,7 +410,7 @@ class Snapshots:
         """Seal one round of ``partition``: the snapshots of ``states`` (every job held in
         ``partition``, each folded up to ``position``), with ``keys``' current signing and
         data keys, in a worker thread (encoding, compressing, encrypting, signing, hashing
-        chunks: about a second of CPU for a 16,384-rank job). A job whose state and key ids
+        chunks: about 0.3 s of CPU for a 16,384-rank job). A job whose state and key ids
         are those of its last snapshot written in a committed round is left out. Nothing is
         sent: :meth:`send` the result in a transaction that commits ``position`` or a later
         position of ``partition`` (the states are immutable values, so the caller may fold on

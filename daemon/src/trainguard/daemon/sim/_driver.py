@@ -29,7 +29,9 @@ accordingly (seconds, not hours).
 
 **Measurements**: goodput against the Young-Daly model (:mod:`._results`), the daemon's lag
 (wall seconds from a round's records being appended to the daemon's committed position passing
-them), its CPU seconds per record folded and its peak memory (from the process itself), and
+them: a round of several instants counts them as arriving at once, which real time would
+spread out; with ``window_s`` 0 each instant is a round and its lag is what a daemon keeping
+real-time pace would show for that instant's records), its CPU seconds per record folded and its peak memory (from the process itself), and
 per fault the time to its restore command and to the resume, and the number of restores.
 Optionally the daemon is SIGKILLed in the middle (``kill_daemon_at_s``) and a new one started:
 the time until it is ready again is measured, and every command is counted, so that a decision
@@ -92,7 +94,8 @@ class SimConfig:
         job_id: the simulated job's id.
         prefix: topic prefix (and so consumer group) on the bus.
         window_s: embedded bus: longest simulated time one round covers while the job runs
-            undisturbed, seconds.
+            undisturbed, seconds; 0: one instant a round (a round's lag counts its instants as
+            appended at once, module docstring).
         kill_daemon_at_s: SIGKILL the daemon once the simulation reaches this time (simulated
             seconds since the start) and start a new one; ``None``: never.
         pulse_s: the daemon's ``pulse_s`` (``[service]``), seconds.
