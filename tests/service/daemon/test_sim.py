@@ -84,6 +84,8 @@ def test_embedded_bus_256_ranks_every_kind_and_a_daemon_sigkill(tmp_path: Path) 
     lag, checkpoint_lag = data["lag_s"], data["checkpoint_lag_s"]
     assert checkpoint_lag["p50"] is not None, data
     assert checkpoint_lag["max"] <= lag["max"], data
+    # The round the new daemon took on after the SIGKILL measures the restart: kept apart.
+    assert data["restart_lag_s"]["max"] is not None, data
     # The daemon was killed once and was ready again, and wrote snapshots.
     runs = data["daemon_runs"]
     assert len(runs) == 2

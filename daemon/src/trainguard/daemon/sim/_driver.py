@@ -31,11 +31,13 @@ accordingly (seconds, not hours).
 (wall seconds from a round's records being appended to the daemon's committed position passing
 them: a round of several instants counts them as arriving at once, which real time would
 spread out; with ``window_s`` 0 each instant is a round and its lag is what a daemon keeping
-real-time pace would show for that instant's records), its CPU seconds per record folded and its peak memory (from the process itself), and
-per fault the time to its restore command and to the resume, and the number of restores.
-Optionally the daemon is SIGKILLed in the middle (``kill_daemon_at_s``) and a new one started:
-the time until it is ready again is measured, and every command is counted, so that a decision
-made twice would show (as a duplicate command, or a second restore for one fault).
+real-time pace would show for that instant's records), its CPU seconds per record folded and
+its peak memory (from the process itself), and per fault the time to its restore command and to
+the resume, and the number of restores. Optionally the daemon is SIGKILLed in the middle
+(``kill_daemon_at_s``) and a new one started: the time until it is ready again is measured (the
+lag of what was appended meanwhile is kept apart: it measures the restart), and every command
+is counted, so that a decision made twice would show (as a duplicate command, or a second
+restore for one fault).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ from trainguard.schemas import Abort, Restore, Resume
 __all__ = ["DaemonRun", "Measured", "SimConfig", "SimFailed", "run_simulation"]
 
 _MS = 1000
+_SESSION_TIMEOUT_S = 6.0
+"""The daemon's group session (``[bus] session_timeout_s``): a SIGKILLed daemon's partitions
+move to its successor this long after the kill."""
 
 
 class SimFailed(RuntimeError):
@@ -148,6 +153,10 @@ class Measured:
             appended to the daemon's committed position passing them.
         checkpoint_lag_s: embedded bus: the lags of ``lag_s`` whose round carried the shard
             records of a checkpoint (one per rank, in one instant: the bursts of the fold).
+        restart_lag_s: the lags of the rounds (batches) appended from a daemon's SIGKILL until
+            its successor caught up after the dead one's partitions moved to it
+            (``_Runner._kill_daemon``): they measure the restart, whose readiness ``daemons``
+            gives, and are not in ``lag_s``.
         daemons: every daemon process of the run, in order.
         ignored: commands the ranks' gate did not act on, by reason (``duplicate``:
             re-sent or re-read with the same content).
@@ -163,6 +172,7 @@ class Measured:
     rounds: int = 0
     lag_s: list[float] = field(default_factory=list)
     checkpoint_lag_s: list[float] = field(default_factory=list)
+    restart_lag_s: list[float] = field(default_factory=list)
     daemons: list[DaemonRun] = field(default_factory=list)
     ignored: dict[str, int] = field(default_factory=dict)
     commands: dict[str, int] = field(default_factory=dict)
@@ -192,7 +202,7 @@ def _daemon_settings(config: SimConfig, keys_dir: Path) -> str:
     bus: dict[str, object] = {
         "url": config.bus_url,
         "prefix": config.prefix,
-        "session_timeout_s": 6.0,
+        "session_timeout_s": _SESSION_TIMEOUT_S,
         **({"idle_poll_s": 0.002} if kind == "sqlite" else {}),
     }
     lines = []
@@ -382,6 +392,9 @@ class _Runner:
         self.kill_at_ms = (
             None if config.kill_daemon_at_s is None else round(config.kill_daemon_at_s * _MS)
         )
+        # After a SIGKILL: when the dead daemon's group session expires (monotonic seconds);
+        # what is appended until the daemon caught up after that measures the restart.
+        self.restart_until: float | None = None
 
     async def run(self) -> None:
         partitions = await self.bus.partitions("events")
@@ -468,9 +481,14 @@ class _Runner:
         await self._caught_up(before + len(records), expect_tick)
         if records:
             lag = time.monotonic() - appended
-            self.m.lag_s.append(lag)
-            if checkpoint:
-                self.m.checkpoint_lag_s.append(lag)
+            if self.restart_until is not None:
+                if appended > self.restart_until:
+                    self.restart_until = None  # caught up after the rebalance
+                self.m.restart_lag_s.append(lag)
+            else:
+                self.m.lag_s.append(lag)
+                if checkpoint:
+                    self.m.checkpoint_lag_s.append(lag)
         released = await self._take_commands()
         assert not released, "a round runs the model to its end before its commands"
 
@@ -529,8 +547,15 @@ class _Runner:
         return released
 
     async def _kill_daemon(self) -> None:
-        """SIGKILL the daemon and start a new one; wait until it is ready."""
+        """SIGKILL the daemon and start a new one; wait until it is ready.
+
+        The new daemon's group holds the dead one's partitions until its session expires
+        (``_SESSION_TIMEOUT_S``); the rebalance then hands them over and it rebuilds their
+        jobs. What is appended until it caught up after that measures the restart
+        (``Measured.restart_lag_s``): the rounds appended before the expiry and the first one
+        after it (embedded bus), the batches committed until it caught up after it (Kafka)."""
         self.kill_at_ms = None
+        self.restart_until = time.monotonic() + _SESSION_TIMEOUT_S
         self.daemon.kill()
         self.daemon.start()
         await self.daemon.wait_ready(self.c.stall_timeout_s)
@@ -585,5 +610,10 @@ class _Runner:
         return positions.get(TopicPartition("events", self.partition), 0)
 
     def _measure_lag(self, pending: list[tuple[int, float]], committed: int) -> None:
+        """Note the lags of the batches ``committed`` passed: the restart's while one is on
+        (those sent before the SIGKILL that the dead daemon never committed among them)."""
+        lags = self.m.lag_s if self.restart_until is None else self.m.restart_lag_s
         while pending and pending[0][0] <= committed:
-            self.m.lag_s.append(time.monotonic() - pending.pop(0)[1])
+            lags.append(time.monotonic() - pending.pop(0)[1])
+        if not pending and self.restart_until is not None and time.monotonic() > self.restart_until:
+            self.restart_until = None  # caught up after the rebalance

@@ -111,6 +111,7 @@ def summarize(measured: Measured, params: SimParams, mtbf_s: float, bus: str) ->
         "rounds": measured.rounds,
         "lag_s": _quantiles(measured.lag_s),
         "checkpoint_lag_s": _quantiles(measured.checkpoint_lag_s),
+        "restart_lag_s": _quantiles(measured.restart_lag_s),
         "daemon_cpu_s": cpu if stats else None,
         "daemon_folded": folded if stats else None,
         "daemon_cpu_us_per_record": 1e6 * cpu / folded if stats and folded else None,
@@ -215,6 +216,10 @@ def print_summary(summary: SimSummary, console: Console) -> None:
         (
             "  of rounds with a checkpoint",
             " / ".join(_num(d["checkpoint_lag_s"][k], ".3f", " s") for k in ("p50", "p99", "max")),
+        ),
+        (
+            "  across a daemon SIGKILL (not above)",
+            " / ".join(_num(d["restart_lag_s"][k], ".3f", " s") for k in ("p50", "p99", "max")),
         ),
         ("CPU per record folded", _num(d["daemon_cpu_us_per_record"], ".1f", " us")),
         (
