@@ -254,3 +254,20 @@ def test_waiting_for_a_slow_background_write_is_declared_a_checkpoint_phase(make
     phases = [(b.step, b.phase) for b in of_type(read_events(bus_url, JOB), Heartbeat)]
     assert (2, "checkpoint") in phases
     assert phases[-1] == (3, "train")
+
+
+def test_the_end_of_the_loop_waits_for_a_slow_last_write_in_a_checkpoint_phase(make_agent, bus_url):
+    """Found by a tester: a slow write of the last checkpoint, waited for at the end of the
+    ``with`` block in the phase ``train``, was judged a hang (progress timeout) and restored,
+    and on storage that is always that slow the crash-loop guard failed the job."""
+    with make_agent(
+        faults="stall-checkpoint@step=3,seconds=0.5", heartbeat_interval_s=3600
+    ) as agent:
+        agent.ready(0)
+        for step in range(1, 4):
+            agent.step(step)
+        agent.checkpoint(3, {"w": torch.zeros(2)}, cursor=CURSOR, blocking=False)
+    events = read_events(bus_url, JOB)
+    beats = [(e.step, e.phase) for e in events if isinstance(e, Heartbeat)]
+    assert (3, "checkpoint") in beats  # declared while the write ran (no periodic beat then)
+    assert beats[-1] == (3, "train")  # the last progress, before the finish

@@ -4,6 +4,7 @@ seq order, and a training thread that never waits for a slow, locked or missing 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import socket
@@ -267,6 +268,36 @@ def test_the_last_heartbeat_precedes_the_finish_on_the_bus_even_with_a_relay(
     assert isinstance(finished, Lifecycle)
     assert finished.kind == "finished"
     assert [e for e in events if isinstance(e, Heartbeat)] == [last_beat]
+    assert seqs_rise(events)
+
+
+def test_checksum_heartbeats_go_on_the_bus_in_order_not_through_the_relay(
+    make_agent, bus_url, tmp_path: Path
+):
+    """Found by a tester: with ``--batch-heartbeats`` silent corruption was caught only at the
+    job's end, with every snapshot suspect. The relay's batch of the checksum heartbeat came
+    after the rank's next checkpoint or cursor event, sent directly with a higher ``seq``, and
+    the daemon skipped it as stale. A checksum heartbeat now goes as reliably as those."""
+    path = tmp_path / "relay.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as relay:
+        relay.bind(str(path))
+        relay.setblocking(False)
+        with make_agent(heartbeat_interval_s=0.02, heartbeat_relay=path, checksum_every=2) as agent:
+            agent.watch(torch.nn.Linear(2, 2))
+            agent.ready(0)
+            for step in range(1, 6):
+                agent.step(step, loss=1.0)
+                time.sleep(0.05)
+        relayed = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                relayed.append(decode(relay.recv(65536), expect=Heartbeat))
+    assert relayed  # the periodic heartbeats went to the relay
+    assert all(b.param_checksum is None for b in relayed)
+    events = read_events(bus_url, JOB)
+    # (A periodic heartbeat the relay's full socket refused goes on the bus too.)
+    checksums = [e.step for e in events if isinstance(e, Heartbeat) and e.param_checksum]
+    assert checksums == [2, 4, 5]  # 5: the last progress, before the finish
     assert seqs_rise(events)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 import pytest
+from structlog.testing import capture_logs
 
 from tests.support.buses import BusFactory
 from tests.support.service_support import JobEvents, eventually, read_all, running
@@ -166,6 +167,26 @@ async def test_require_auth_refuses_jobs_without_a_key_and_needs_keys(setup: Set
             assert "open-job" not in service.jobs
             assert rejected(service, "unknown_job") == 1
     assert "has no event key (authentication required)" in orjson.loads(entries[0])["reason"]
+
+
+async def test_a_job_whose_events_are_refused_as_not_authentic_is_warned_of_once(
+    setup: Setup,
+) -> None:
+    """Found by a tester: a job started without its event key trained 400 steps unwatched,
+    its 231 refusals logged at info level among the rest."""
+    async with setup.bus.open(topics=DEFAULT_TOPICS) as bus:
+        await send(bus, None, started(0), started(1), started(0, "other-job"))
+        service = DaemonService(config(setup, require_auth=True), keys=setup.keys)
+        with capture_logs() as logs:
+            async with running(service):
+
+                async def all_parked() -> bool:
+                    return len(await read_all(bus, "dead-letter")) == 3
+
+                await eventually(all_parked)
+    warned = [e for e in logs if e["log_level"] == "warning" and "not authentic" in e["event"]]
+    assert sorted(e["key"] for e in warned) == [JOB, "other-job"]
+    assert all("no auth" in e["reason"] or "MAC" in e["reason"] for e in warned), warned
 
 
 async def test_commands_manifests_and_ticks_carry_the_daemons_authentication(

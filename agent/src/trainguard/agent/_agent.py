@@ -693,7 +693,7 @@ class Agent:
         Also, in this order: a fault of ``TRAINGUARD_FAULTS`` scheduled for this step fires
         (see :mod:`._faults`); every ``checksum_every`` steps the watched model's parameter
         checksum is queued in a heartbeat of exactly this step, which leaves with the next
-        periodic one (:meth:`watch`); and at the ``at_step`` of an in-process restore the
+        periodic one, as reliably as a checkpoint event (:meth:`watch`); and at the ``at_step`` of an in-process restore the
         daemon ordered, :class:`RestoreRequested` is raised.
 
         Args:
@@ -820,9 +820,12 @@ class Agent:
             return self._heartbeat
 
     def _send_checksum(self, model: nn.Module) -> None:
-        # No wake-up of the link's thread: it would take the GIL from training for about
-        # 0.5 ms a checksum; the periodic heartbeat takes this one along within a beat.
-        self._link.submit(self._checksummed(model), wake=False)
+        # Reliable: on the bus in seq order with the rank's other events, never evicted nor
+        # through the node's heartbeat relay, whose batches a checkpoint or cursor event sent
+        # meanwhile overtakes (the daemon then skips the batched heartbeat as stale: the
+        # checksum was lost). No wake-up of the link's thread: it would take the GIL from
+        # training for about 0.5 ms; the next periodic heartbeat takes this one along.
+        self._link.submit(self._checksummed(model), reliable=True, wake=False)
 
     def _checksummed(self, model: nn.Module) -> Callable[[int], Heartbeat]:
         """The builder of a heartbeat carrying ``model``'s parameter checksum now."""
@@ -989,12 +992,7 @@ class Agent:
         template = self.config.checkpoint_template(step=step, cursor=cursor, pid=self._pid)
         encode(template)  # a bad step or cursor fails here, not in the background
         previous = self._phase
-        pending = self._pending
-        if pending is not None and not pending.done():
-            # A slow background write stalls training here: declare it, it is no hang.
-            self.phase("checkpoint")
-            wait([pending])
-            self._phase = previous
+        self.wait_checkpoints()
         # Freshly made objects: only the caller's state needs a copy for a background write.
         own = {"rng": capture_rng(), "cursor": dataclasses.asdict(cursor), "step": step}
         if self.config.checkpoint_format == "dcp" and not plain:
@@ -1077,11 +1075,17 @@ class Agent:
         return folder
 
     def wait_checkpoints(self) -> None:
-        """Block until the background checkpoint write (if any) has finished; never raises
-        (its outcome is in the future :meth:`checkpoint` returned)."""
+        """Block until the background checkpoint write (if any) has finished, in the declared
+        phase ``checkpoint`` while it runs (a slow write stalls the caller: no hang; the phase
+        before is kept for the next heartbeat); never raises (its outcome is in the future
+        :meth:`checkpoint` returned). The next checkpoint, the end of the ``with`` block and
+        an in-process restore wait so too."""
         pending = self._pending
-        if pending is not None:
+        if pending is not None and not pending.done():
+            previous = self._phase
+            self.phase("checkpoint")
             wait([pending])
+            self._phase = previous
 
     def _write_and_announce(self, template: Checkpoint, state: Mapping[str, Any]) -> Checkpoint:
         c = self.config

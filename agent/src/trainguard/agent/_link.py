@@ -300,7 +300,9 @@ class Link:
 
         With ``reliable`` a heartbeat is queued as any other event (spooled, sent on the bus
         in ``seq`` order, never evicted nor relayed): the rank's last progress before its
-        ``finished``, which the daemon must fold before the finish.
+        ``finished``, which the daemon must fold before the finish, and the heartbeats that
+        carry a parameter checksum, which a relayed batch overtaken by a later event of the
+        rank would lose (the daemon skips a batched heartbeat older than what it accepted).
 
         Without ``wake`` the loop thread is not woken: the event leaves with the next one that
         wakes it (the next heartbeat at the latest, within ``interval_s``). Waking it costs

@@ -1063,7 +1063,9 @@ class Supervisor:
                             others_said = True
                             log.info(
                                 "this node's finish is read; waiting for the daemon to find "
-                                "the whole job finished (the other nodes' ranks)",
+                                "the whole job finished (other nodes' ranks may still train; "
+                                "a daemon that refuses the job's events never does: its log "
+                                "says so)",
                                 generation=self._generation,
                             )
             except BusError as exc:
@@ -1086,7 +1088,8 @@ class Supervisor:
         """Say that no daemon judged this node's finish (``whole_job``: the whole job's, this
         node's being read) within ``daemon_timeout_s``."""
         what = (
-            "found the whole job finished (other nodes' ranks still train, or it lags)"
+            "found the whole job finished (other nodes' ranks still train, it lags, or it "
+            "refuses the job's events: see its log)"
             if whole_job
             else "judged this node's finish"
         )

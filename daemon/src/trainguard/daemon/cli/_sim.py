@@ -155,6 +155,9 @@ def sim(
         _fail("give --trace FILE or --failures N, not both (the trace names the faults)")
     if (failures is None) == (duration is None) and trace is None:
         _fail("give either --failures N or --duration SECONDS (or --trace FILE)")
+    if ranks < 1 or ranks_per_host < 1:
+        flag, value = ("--ranks", ranks) if ranks < 1 else ("--ranks-per-host", ranks_per_host)
+        _fail(f"{flag} must be at least 1, not {value}")
     if ranks_per_host > ranks:
         _fail(f"--ranks-per-host ({ranks_per_host}) must not exceed --ranks ({ranks})")
     # Formulas divide by these or take their roots: refuse what would break them.
@@ -172,6 +175,8 @@ def sim(
         ):
             bound = ">= 0" if zero_ok else "> 0"
             _fail(f"{flag} must be a finite number of seconds {bound}, not {seconds:g}")
+    if kill_daemon_at is not None and duration is not None and kill_daemon_at >= duration:
+        _fail(f"--kill-daemon-at ({kill_daemon_at:g}) must come before --duration ({duration:g})")
     interval = checkpoint_interval or young_interval_s(checkpoint_cost, mtbf)
     try:
         params = SimParams(

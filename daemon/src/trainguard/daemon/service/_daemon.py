@@ -186,6 +186,10 @@ _ECHO_REASON_CHARS = 2048
 """Most characters of a rejection's reason written to ``dead-letter`` and the log: reasons
 may quote what the sender wrote (a record key, say), which nothing else bounds."""
 
+_WARNED_JOBS = 1000
+"""Most record keys whose unauthentic events this process warns of (once each): the keys are
+the senders', and nothing else bounds how many there are."""
+
 _METRICS_INTERVAL_S = 2.0
 """Seconds between two updates of the gauges of jobs and partitions (a pass over every job)."""
 
@@ -278,6 +282,7 @@ class DaemonService:
         self._job_partition: dict[str, int] = self._books.job_partition
         self._sent_commands: dict[str, Command] = self._books.sent_commands
         self._last_tick_ns: dict[str, int] = {}
+        self._warned_unauthentic: set[str] = set()  # record keys (_warn_unauthentic)
         # job -> command seq its last tick named
         self._acted_ticks: dict[str, int] = self._books.acted_ticks
         self._tick_seq = itertools.count(1)
@@ -880,6 +885,7 @@ class DaemonService:
             if not silent:
                 self.metrics.refused(taken)
                 if taken.auth is not None:
+                    self._warn_unauthentic(record, taken)
                     await self._audit_refusal(record, taken)
                 await self._dead_letter(record, taken.reason)
             return
@@ -1082,6 +1088,22 @@ class DaemonService:
             reason=refused.reason,
         )
         await self._out(record.partition, "audit", record.key or "", orjson.dumps(entry))
+
+    def _warn_unauthentic(self, record: Record, refused: Refused) -> None:
+        """Warn once per record key (at most :data:`_WARNED_JOBS` of them) that its events
+        are refused as not authentic: a job whose every event is refused trains unwatched, and
+        each refusal alone is only an ``input rejected`` line of many."""
+        key = (record.key or "")[:_ECHO_KEY_CHARS]
+        if key in self._warned_unauthentic or len(self._warned_unauthentic) >= _WARNED_JOBS:
+            return
+        self._warned_unauthentic.add(key)
+        log.warning(
+            "events of a job refused as not authentic: the job is not watched until its "
+            "agents send them with its event key (TRAINGUARD_EVENT_KEY; docs/security.md); "
+            "said once per job, each refusal is dead-lettered",
+            key=key,
+            reason=_cut(refused.reason, _ECHO_REASON_CHARS),
+        )
 
     async def _dead_letter(self, record: Record, reason: str) -> None:
         """Park ``record`` on ``dead-letter`` with ``reason``.
