@@ -77,18 +77,25 @@ def test_a_paused_worker_on_a_batched_node_is_found_silent_and_restored(job_run:
     )
     restore = only(record.restores(), "restore", job_run)
     assert (restore.generation, restore.attempt) == (1, 1), job_run.describe()
-    # Only each rank's last progress goes unbatched: right before its finished, as reliably
-    # (docs/recovery.md, "A finish the daemon has not judged").
+    # Unbatched go only the heartbeats the daemon must not miss, as reliably as a checkpoint
+    # event: each rank's last progress right before its finished (docs/recovery.md, "A
+    # finish the daemon has not judged") and those with a parameter checksum
+    # (docs/operations.md, "Heartbeat batching").
     direct = [e.message for e in record.events if isinstance(e.message, Heartbeat)]
     finishes = {
         (m.rank, m.pid): m
         for e in record.events
         if isinstance(m := e.message, Lifecycle) and m.kind == "finished"
     }
-    assert sorted((b.generation, b.rank) for b in direct) == [(1, 0), (1, 1)], (
-        f"a heartbeat went to the bus unbatched {job_run.describe()}"
+    last = {(b.rank, b.pid): b for b in direct if (b.rank, b.pid) in finishes}
+    assert sorted((b.generation, b.rank) for b in last.values()) == [(1, 0), (1, 1)], (
+        job_run.describe()
     )
-    for beat in direct:
+    others = [b for b in direct if last.get((b.rank, b.pid)) is not b]
+    assert all(b.param_checksum is not None for b in others), (
+        f"a heartbeat without a checksum went to the bus unbatched {job_run.describe()}"
+    )
+    for beat in last.values():
         finished = finishes[(beat.rank, beat.pid)]
         assert (finished.step, finished.seq > beat.seq) == (beat.step, True), job_run.describe()
     batches = [e.message for e in record.events if isinstance(e.message, HeartbeatBatch)]
