@@ -693,8 +693,9 @@ class Agent:
         Also, in this order: a fault of ``TRAINGUARD_FAULTS`` scheduled for this step fires
         (see :mod:`._faults`); every ``checksum_every`` steps the watched model's parameter
         checksum is queued in a heartbeat of exactly this step, which leaves with the next
-        periodic one, as reliably as a checkpoint event (:meth:`watch`); and at the ``at_step`` of an in-process restore the
-        daemon ordered, :class:`RestoreRequested` is raised.
+        periodic one, as reliably as a checkpoint event (:meth:`watch`); and at the
+        ``at_step`` of an in-process restore the daemon ordered, :class:`RestoreRequested` is
+        raised.
 
         Args:
             step: the step just completed (``start + 1``, ``start + 2``, ...).
@@ -751,7 +752,8 @@ class Agent:
         """Register ``model`` (a ``torch.nn.Module``; the module itself, not a DDP wrapper, is
         fine: their parameters are the same tensors): every ``checksum_every`` steps
         :meth:`step` queues a heartbeat with a checksum of its parameters (sent with the next
-        periodic heartbeat, within ``heartbeat_interval_s``), so that the daemon can compare the
+        periodic heartbeat, within ``heartbeat_interval_s``, as reliably as a checkpoint
+        event), so that the daemon can compare the
         data-parallel replicas (``parameter_checksum`` in :mod:`._checksum`: an exact integer
         sum of the parameters' bits on their device, hashed; any single flipped bit changes
         it), and the ``bitflip`` fault corrupts it. Call it again after replacing the model.

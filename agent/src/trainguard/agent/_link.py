@@ -307,8 +307,8 @@ class Link:
         Without ``wake`` the loop thread is not woken: the event leaves with the next one that
         wakes it (the next heartbeat at the latest, within ``interval_s``). Waking it costs
         the calling thread the time the loop thread then holds the GIL (about 0.5 ms measured,
-        ``bench/RESULTS.md``, "Lightning callback overhead"), which a heartbeat that may wait
-        a beat need not pay.
+        ``bench/RESULTS.md``, "Lightning callback overhead"), which an event that may wait a
+        beat (a checksum heartbeat) need not pay.
 
         ``seq`` is assigned, the event built (and MACed, with an event key), encoded and
         spooled under the outbox's lock, so queue order and ``seq`` order agree. A heartbeat

@@ -64,8 +64,8 @@ Snapshots (with keys, :mod:`trainguard.daemon.service._snapshot_store`): every
 ``snapshot_interval_s`` (once a poll finds no record waiting) and on a clean shutdown the jobs
 of each partition are written, signed and encrypted, at the partition's committed position; on
 assignment the loop starts from them when they are all valid and complete, reading from the
-oldest position they cover and skipping each job's records
-below its own snapshot's, which gives the states (and decisions) of a fold from offset 0.
+oldest position they cover and skipping each job's records below its own snapshot's, which
+gives the states (and decisions) of a fold from offset 0.
 """
 
 from __future__ import annotations
